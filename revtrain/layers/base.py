@@ -1,0 +1,475 @@
+"""Core vocabulary of revtrain layers: `Layer`, `LayerError`, shape signatures, the stack.
+
+A layer is an object that holds weights and state but computes through one pure function,
+``pure_fn(x, weights, state, rng) -> (y, new_state)``, which is jit-able and never reads
+mutable attributes of the layer. Layers pass data on a *stack*, as in Trax: a layer with
+``n_in`` inputs takes the top ``n_in`` items of the stack and puts its ``n_out`` outputs in
+their place (see `inputs_from_stack` / `outputs_onto_stack`).
+
+Vocabulary:
+
+* ``Weights`` -- a pytree of arrays. A layer without weights has ``()``. A layer with
+  sublayers (a combinator) has exactly ``tuple(s.weights for s in sublayers)``.
+* ``State`` -- a pytree of arrays that changes in the forward pass (e.g. BatchNorm moving
+  averages); same conventions as weights.
+* ``Stack`` -- one array (a stack of one item) or a tuple of arrays, top of stack first.
+* ``ShapeDtype`` -- an abstract array (``jax.ShapeDtypeStruct``); an *input signature* is one
+  ``ShapeDtype`` for ``n_in == 1`` or a tuple of them.
+
+Subclasses implement two hooks:
+
+* ``forward_with_state(x, weights, state, rng) -> (y, new_state)`` -- the computation.
+* ``init_weights_and_state(input_signature, rng) -> (weights, state)`` -- returns new weights
+  and state from the input signature alone (no real batch). The default gives ``((), ())``.
+
+References: Trax's ``trax.layers.base`` (the stack idiom and ``LayerError``), whose API
+names revtrain keeps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Weights = Any
+State = Any
+Stack = Any
+ShapeDtype = jax.ShapeDtypeStruct
+
+EMPTY = ()
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class LayerError(Exception):
+    """An exception raised inside a layer, re-raised with where and how it was called.
+
+    The message names the layer, the file:line where the layer object was created (the
+    first frame outside revtrain), the method that failed, the input shapes/dtypes, and the
+    original exception. As Trax's ``LayerError``; the original exception is chained as
+    ``__cause__`` and kept in ``original``.
+    """
+
+    def __init__(self, layer_name: str, method: str, caller: str, input_signature: Any,
+                 original: BaseException):
+        self.layer_name = layer_name
+        self.method = method
+        self.caller = caller
+        self.input_signature = input_signature
+        self.original = original
+        message = (f"Exception in {layer_name}.{method} (layer created at {caller}); "
+                   f"inputs: {format_signature(input_signature)}; "
+                   f"{type(original).__name__}: {original}")
+        super().__init__(message)
+
+
+def format_signature(signature: Any) -> str:
+    """Returns ``'float32[2,3], int32[2]'``-style text for arrays or signatures."""
+    leaves = jax.tree_util.tree_leaves(signature)
+    parts = []
+    for leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            shape = ",".join(str(d) for d in leaf.shape)
+            parts.append(f"{np.dtype(leaf.dtype).name}[{shape}]")
+        else:
+            parts.append(type(leaf).__name__)
+    return "(" + ", ".join(parts) + ")"
+
+
+def signature_of(x: Any) -> Any:
+    """Returns the `ShapeDtype` signature (pytree of ``jax.ShapeDtypeStruct``) of ``x``."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype_of(a)), x)
+
+
+def _dtype_of(a: Any) -> Any:
+    if hasattr(a, "dtype"):
+        return a.dtype
+    return jnp.asarray(a).dtype
+
+
+def _creation_site() -> str:
+    """Returns ``file:line`` of the first stack frame outside the revtrain package."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_PACKAGE_DIR + os.sep):
+            return f"{frame.filename}:{frame.lineno}"
+    frame = traceback.extract_stack()[0]
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def _freeze(value: Any) -> Any:
+    """Turns constructor arguments into a hashable key (layers by their own key)."""
+    if isinstance(value, Layer):
+        return value.structure_key
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_freeze(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _freeze(v)) for k, v in value.items())))
+    if isinstance(value, (np.ndarray, jax.Array)):
+        arr = np.asarray(value)
+        return ("array", arr.shape, arr.dtype.str, arr.tobytes())
+    if isinstance(value, (np.dtype, type)):
+        return ("type", str(value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+class _Deferred:
+    """A value to be fetched on first read (e.g. weights a trainer holds on a device)."""
+
+    def __init__(self, fetch: Callable[[], Any]):
+        self.fetch = fetch
+
+
+class Layer:
+    """Base class of all layers: an ``n_in -> n_out`` function on the stack with weights.
+
+    Attributes:
+      n_in: number of stack items the layer takes.
+      n_out: number of stack items the layer puts back.
+      name: the layer's name (class name unless given).
+      sublayers: tuple of child layers (empty for a leaf layer).
+      weights: pytree of arrays; ``()`` for a layer without weights. For a layer with
+        sublayers, the tuple of the sublayers' weights; assigning it assigns theirs.
+      state: as ``weights``, for values updated by the forward pass.
+      rng: the PRNG key used by ``init`` and ``forward`` when none is given.
+
+    Every layer records the arguments it was constructed with; `structure_key` is a hashable
+    summary of them, so two layers built with equal arguments are known to compute the same
+    function (trainers use this to compile one function for many identical layers).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        obj = super().__new__(cls)
+        obj._constructor_args = (args, kwargs)
+        return obj
+
+    def __init__(self, n_in: int = 1, n_out: int = 1, name: str | None = None,
+                 sublayers: Sequence[Layer] = ()):
+        if n_in < 0 or n_out < 0:
+            raise ValueError(f"n_in={n_in} and n_out={n_out} must be >= 0")
+        self._n_in = n_in
+        self._n_out = n_out
+        self._name = name or type(self).__name__
+        self._sublayers = tuple(sublayers)
+        self._caller = _creation_site()
+        self._weights: Any = EMPTY
+        self._state: Any = EMPTY
+        self._initialized = False
+        self._rng = None
+
+    # ----------------------------------------------------------------------------------
+    # Properties.
+
+    @property
+    def n_in(self) -> int:
+        return self._n_in
+
+    @property
+    def n_out(self) -> int:
+        return self._n_out
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def sublayers(self) -> tuple[Layer, ...]:
+        return self._sublayers
+
+    @property
+    def caller(self) -> str:
+        """``file:line`` where this layer object was created."""
+        return self._caller
+
+    @property
+    def structure_key(self) -> Any:
+        """Hashable key equal for layers built by the same class with equal arguments."""
+        args, kwargs = self._constructor_args
+        return (type(self).__module__, type(self).__qualname__, _freeze(args),
+                _freeze(kwargs))
+
+    @property
+    def weights(self) -> Weights:
+        if self._sublayers:
+            return tuple(s.weights for s in self._sublayers)
+        if isinstance(self._weights, _Deferred):
+            self._weights = self._weights.fetch()
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights: Weights) -> None:
+        self._set_tree("weights", weights)
+
+    @property
+    def state(self) -> State:
+        if self._sublayers:
+            return tuple(s.state for s in self._sublayers)
+        if isinstance(self._state, _Deferred):
+            self._state = self._state.fetch()
+        return self._state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        self._set_tree("state", state)
+
+    def _set_tree(self, kind: str, value: Any) -> None:
+        if self._sublayers and not isinstance(value, _Deferred):
+            if not isinstance(value, (tuple, list)) or len(value) != len(self._sublayers):
+                got = len(value) if isinstance(value, (tuple, list)) else type(value).__name__
+                raise ValueError(
+                    f"{self.name}.{kind} must be a tuple of {len(self._sublayers)} items (one "
+                    f"per sublayer); got {got}")
+            for sub, sub_value in zip(self._sublayers, value):
+                sub._set_tree(kind, sub_value)
+        elif self._sublayers:
+            fetch = value.fetch
+            for i, sub in enumerate(self._sublayers):
+                sub._set_tree(kind, _Deferred(lambda i=i: fetch()[i]))
+        else:
+            setattr(self, "_" + kind, value)
+        self._initialized = True
+
+    @property
+    def initialized(self) -> bool:
+        """True once `init` ran or weights were assigned (for combinators: all sublayers)."""
+        if self._sublayers:
+            return all(s.initialized for s in self._sublayers)
+        has_no_weights = type(self).init_weights_and_state is Layer.init_weights_and_state
+        return self._initialized or has_no_weights
+
+    @property
+    def rng(self) -> jax.Array:
+        if self._rng is None:
+            self._rng = jax.random.key(0)
+        return self._rng
+
+    @rng.setter
+    def rng(self, rng: jax.Array) -> None:
+        self._rng = rng
+
+    # ----------------------------------------------------------------------------------
+    # Hooks for subclasses.
+
+    def forward_with_state(self, x: Any, weights: Weights, state: State,
+                           rng: jax.Array) -> tuple[Any, State]:
+        """Computes the layer; subclasses override. Must be pure (see `pure_fn`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define forward_with_state")
+
+    def init_weights_and_state(self, input_signature: Any,
+                               rng: jax.Array) -> tuple[Weights, State]:
+        """Returns new ``(weights, state)`` for inputs of ``input_signature``."""
+        del input_signature, rng
+        return EMPTY, EMPTY
+
+    # ----------------------------------------------------------------------------------
+    # Public API.
+
+    def pure_fn(self, x: Any, weights: Weights, state: State,
+                rng: jax.Array | None) -> tuple[Any, State]:
+        """Runs the layer as a pure function: ``(x, weights, state, rng) -> (y, new_state)``.
+
+        Args:
+          x: one array when ``n_in == 1``, else a tuple of ``n_in`` arrays.
+          weights: the layer's weights pytree.
+          state: the layer's state pytree.
+          rng: a PRNG key (``jax.random.key``); may be None for deterministic layers.
+
+        Returns:
+          ``(y, new_state)``; ``y`` is one array when ``n_out == 1`` else a tuple.
+
+        Raises:
+          LayerError: wrapping any exception raised by the computation, naming this layer,
+            where it was created and the input shapes.
+        """
+        try:
+            return self.forward_with_state(x, weights, state, rng)
+        except LayerError:
+            raise
+        except Exception as e:
+            raise LayerError(self.name, "pure_fn", self._caller, signature_of(x), e) from e
+
+    def forward(self, x: Any) -> Any:
+        """Runs the layer on ``x`` with its own weights, state and rng; returns ``y``.
+
+        The new state is stored in the layer (as Trax's ``__call__`` does).
+        """
+        self._check_initialized()
+        y, new_state = self.pure_fn(x, self.weights, self.state, self.rng)
+        self.state = new_state
+        return y
+
+    def __call__(self, x: Any, weights: Weights | None = None, state: State | None = None,
+                 rng: jax.Array | None = None) -> Any:
+        """Convenience: ``layer(x)`` runs `forward`; with weights given, `pure_fn` (y only)."""
+        if weights is None and state is None and rng is None:
+            return self.forward(x)
+        self._check_initialized()
+        weights = self.weights if weights is None else weights
+        state = self.state if state is None else state
+        rng = self.rng if rng is None else rng
+        y, _ = self.pure_fn(x, weights, state, rng)
+        return y
+
+    def init(self, input_signature: Any, rng: jax.Array | None = None) -> tuple[Weights, State]:
+        """Creates, stores and returns ``(weights, state)`` from an input signature.
+
+        Args:
+          input_signature: a `ShapeDtype` (or array) for ``n_in == 1``, else a tuple of
+            ``n_in`` of them. No real batch is needed.
+          rng: PRNG key; defaults to the layer's ``rng``. The layer keeps it as its ``rng``.
+
+        Raises:
+          LayerError: wrapping any exception raised while initialising.
+        """
+        if rng is not None:
+            self.rng = rng
+        signature = signature_of(input_signature)
+        try:
+            weights, state = self.init_weights_and_state(signature, self.rng)
+        except LayerError:
+            raise
+        except Exception as e:
+            raise LayerError(self.name, "init", self._caller, signature, e) from e
+        self.weights = weights
+        self.state = state
+        self._initialized = True
+        return weights, state
+
+    def output_signature(self, input_signature: Any) -> Any:
+        """Returns the output `ShapeDtype` signature by abstract evaluation (no FLOPs)."""
+        self._check_initialized()
+        signature = signature_of(input_signature)
+        weights = signature_of(self.weights)
+        state = signature_of(self.state)
+        y, _ = jax.eval_shape(lambda x, w, s: self.pure_fn(x, w, s, jax.random.key(0)),
+                              signature, weights, state)
+        return y
+
+    def _check_initialized(self) -> None:
+        if not self.initialized:
+            raise ValueError(
+                f"layer {self.name} (created at {self._caller}) is not initialised; call "
+                f"{self.name}.init(input_signature) first")
+
+    def __repr__(self) -> str:
+        return self._repr(indent=0)
+
+    def _repr(self, indent: int) -> str:
+        head = f"{self.name}_in{self.n_in}_out{self.n_out}"
+        if not self._sublayers:
+            return head
+        inner = "\n".join("  " * (indent + 1) + s._repr(indent + 1) for s in self._sublayers)
+        return f"{head}[\n{inner}\n{'  ' * indent}]"
+
+
+def inputs_from_stack(stack: Stack, n: int) -> Any:
+    """Returns the top ``n`` items of ``stack``: bare when ``n == 1``, else a tuple.
+
+    Args:
+      stack: one array (a stack of one) or a tuple/list of items, top first.
+      n: how many items to take.
+
+    Raises:
+      ValueError: when the stack holds fewer than ``n`` items (Trax silently returns fewer).
+    """
+    items = _as_tuple(stack)
+    if len(items) < n:
+        raise ValueError(f"stack has {len(items)} items but {n} are needed; feed the layer "
+                         f"{n} inputs")
+    return items[0] if n == 1 else tuple(items[:n])
+
+
+def outputs_onto_stack(outputs: Any, stack: Stack, n: int) -> Stack:
+    """Removes the top ``n`` items of ``stack`` and puts ``outputs`` on top.
+
+    Args:
+      outputs: one array (one output) or a tuple of outputs.
+      stack: the stack before the layer ran (top first).
+      n: how many items the layer consumed.
+
+    Returns:
+      The new stack; a stack of one item is returned bare.
+
+    Raises:
+      ValueError: when the stack holds fewer than ``n`` items.
+    """
+    items = _as_tuple(stack)
+    if len(items) < n:
+        raise ValueError(f"stack has {len(items)} items but {n} are needed; feed the layer "
+                         f"{n} inputs")
+    new = _as_tuple(outputs) + tuple(items[n:])
+    return new[0] if len(new) == 1 else new
+
+
+def _as_tuple(stack: Stack) -> tuple:
+    if isinstance(stack, (tuple, list)):
+        return tuple(stack)
+    return (stack,)
+
+
+def check_n_items(layer: Layer, x: Any, n: int | None = None) -> None:
+    """Raises ValueError unless ``x`` holds ``n`` (default ``layer.n_in``) stack items."""
+    n = layer.n_in if n is None else n
+    got = len(x) if isinstance(x, (tuple, list)) else 1
+    if n != got:
+        raise ValueError(f"{layer.name} takes {n} inputs but got {got}")
+
+
+class PureLayer(Layer):
+    """A weightless layer from a pure function ``f(x, rng) -> y`` (no state).
+
+    Used by `Fn` and by simple stack layers. ``f`` receives one array when ``n_in == 1``,
+    else a tuple of ``n_in`` arrays.
+    """
+
+    def __init__(self, f: Callable[[Any, jax.Array], Any], n_in: int = 1, n_out: int = 1,
+                 name: str | None = None):
+        super().__init__(n_in=n_in, n_out=n_out, name=name)
+        self._f = f
+
+    def forward_with_state(self, x, weights, state, rng):
+        del weights
+        check_n_items(self, x)
+        y = self._f(x, rng)
+        got = len(y) if isinstance(y, (tuple, list)) else 1
+        if got != self.n_out:
+            raise ValueError(f"{self.name} declared n_out={self.n_out} but returned {got} "
+                             f"outputs")
+        return (tuple(y) if isinstance(y, list) else y), state
+
+
+class Fn(PureLayer):
+    """A weightless layer from a function of its inputs: ``Fn('Add1', lambda x: x + 1)``.
+
+    ``n_in`` is the number of positional arguments of ``f`` (as in Trax's ``Fn``); ``f``
+    returns one array, or a tuple of ``n_out`` arrays.
+
+    Raises:
+      ValueError: if ``f`` takes ``*args``/``**kwargs`` or keyword-only arguments.
+    """
+
+    def __init__(self, name: str, f: Callable[..., Any], n_out: int = 1):
+        parameters = inspect.signature(f).parameters.values()
+        for p in parameters:
+            if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                raise ValueError(f"Fn {name}: argument {p.name!r} of f must be positional; "
+                                 f"use a function with only positional arguments")
+        n_in = len(list(parameters))
+
+        def call(x, rng):
+            del rng
+            return f(*x) if n_in != 1 else f(x)
+
+        super().__init__(call, n_in=n_in, n_out=n_out, name=name)
+        self._f_user = f

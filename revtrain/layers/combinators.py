@@ -1,0 +1,313 @@
+"""Combinators: layers built from sublayers that route data on the stack.
+
+All combinators keep ``weights``/``state`` as the tuple of their sublayers' and split their
+rng into one key per sublayer, in order (``jax.random.split(rng, len(sublayers))``). The
+trainers rely on this for `Serial`: splitting the same rng into per-layer keys outside the
+model reproduces what `Serial` does inside it.
+
+Reference: the Trax combinators (``trax.layers.combinators``), whose names and stack
+semantics these follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from revtrain.layers.base import (
+    Layer,
+    check_n_items,
+    inputs_from_stack,
+    outputs_onto_stack,
+)
+
+
+def _flatten_layers(layers: Sequence[Any]) -> list[Layer]:
+    """Flattens nested lists/tuples of layers and drops None (Trax's convention)."""
+    flat = []
+    for layer in layers:
+        if layer is None:
+            continue
+        if isinstance(layer, (list, tuple)):
+            flat.extend(_flatten_layers(layer))
+        elif isinstance(layer, Layer):
+            flat.append(layer)
+        else:
+            raise TypeError(f"expected a Layer, got {type(layer).__name__}: {layer!r}; wrap "
+                            f"functions with revtrain.layers.Fn")
+    return flat
+
+
+def split_rng(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
+    """Splits ``rng`` into ``n`` keys, as every combinator does; None stays None."""
+    if rng is None or n == 0:
+        return [None] * n
+    return list(jax.random.split(rng, n))
+
+
+def _serial_arity(layers: Sequence[Layer]) -> tuple[int, int]:
+    """Returns ``(n_in, n_out)`` of running ``layers`` one after another on a stack."""
+    needed, have = 0, 0
+    for layer in layers:
+        if layer.n_in > have:
+            needed += layer.n_in - have
+            have = layer.n_in
+        have += layer.n_out - layer.n_in
+    return needed, have
+
+
+class Serial(Layer):
+    """Runs sublayers one after another on the stack: ``Serial(l1, l2, ...)``.
+
+    Nested lists/tuples of layers are flattened and None is skipped (nested `Serial` objects
+    are kept as they are). ``n_in``/``n_out`` follow from the sublayers' arities; stack items
+    below those a sublayer uses pass through. The rng is split into one key per sublayer.
+    """
+
+    def __init__(self, *layers: Any, name: str | None = None):
+        sublayers = _flatten_layers(layers)
+        n_in, n_out = _serial_arity(sublayers)
+        super().__init__(n_in=n_in, n_out=n_out, name=name, sublayers=sublayers)
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        stack = x
+        new_states = []
+        for layer, w, s, r in zip(self.sublayers, weights, state,
+                                  split_rng(rng, len(self.sublayers))):
+            inputs = inputs_from_stack(stack, layer.n_in)
+            outputs, new_s = layer.pure_fn(inputs, w, s, r)
+            stack = outputs_onto_stack(outputs, stack, layer.n_in)
+            new_states.append(new_s)
+        return stack, tuple(new_states)
+
+    def init_weights_and_state(self, input_signature, rng):
+        stack = input_signature
+        weights, states = [], []
+        for layer, r in zip(self.sublayers, split_rng(rng, len(self.sublayers))):
+            inputs = inputs_from_stack(stack, layer.n_in)
+            w, s = layer.init(inputs, rng=r)
+            weights.append(w)
+            states.append(s)
+            stack = outputs_onto_stack(layer.output_signature(inputs), stack, layer.n_in)
+        return tuple(weights), tuple(states)
+
+
+class Parallel(Layer):
+    """Runs sublayers side by side on consecutive stack sections.
+
+    ``Parallel(f, g)`` with ``f: a -> b`` and ``g: c -> d`` maps ``(a..., c...)`` to
+    ``(b..., d...)``; ``n_in``/``n_out`` are the sums of the sublayers'. None is an identity
+    on one item.
+    """
+
+    def __init__(self, *layers: Any, name: str | None = None):
+        sublayers = [Select([0]) if layer is None else layer for layer in layers]
+        sublayers = [Serial(l) if isinstance(l, (list, tuple)) else l for l in sublayers]
+        super().__init__(n_in=sum(l.n_in for l in sublayers),
+                         n_out=sum(l.n_out for l in sublayers), name=name,
+                         sublayers=sublayers)
+
+    def _sections(self, x: Any) -> list[Any]:
+        items = x if isinstance(x, tuple) else (x,)
+        sections, start = [], 0
+        for layer in self.sublayers:
+            section = items[start:start + layer.n_in]
+            sections.append(section[0] if layer.n_in == 1 else tuple(section))
+            start += layer.n_in
+        return sections
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        outputs, new_states = [], []
+        for layer, xs, w, s, r in zip(self.sublayers, self._sections(x), weights, state,
+                                      split_rng(rng, len(self.sublayers))):
+            y, new_s = layer.pure_fn(xs, w, s, r)
+            outputs.extend(y if isinstance(y, tuple) else (y,))
+            new_states.append(new_s)
+        return _bare(outputs), tuple(new_states)
+
+    def init_weights_and_state(self, input_signature, rng):
+        weights, states = [], []
+        for layer, xs, r in zip(self.sublayers, self._sections(input_signature),
+                                split_rng(rng, len(self.sublayers))):
+            w, s = layer.init(xs, rng=r)
+            weights.append(w)
+            states.append(s)
+        return tuple(weights), tuple(states)
+
+
+class Branch(Layer):
+    """Runs each sublayer on (copies of) the top of the stack and stacks all outputs.
+
+    ``Branch(f, g)`` with ``f: a -> b`` and ``g: a -> c`` maps ``a`` to ``(b, c)``. Each
+    sublayer reads the top ``sublayer.n_in`` items; ``n_in`` is the largest of those. None
+    copies the top item.
+    """
+
+    def __init__(self, *layers: Any, name: str | None = None):
+        sublayers = [Select([0]) if layer is None else layer for layer in layers]
+        sublayers = [Serial(l) if isinstance(l, (list, tuple)) else l for l in sublayers]
+        super().__init__(n_in=max((l.n_in for l in sublayers), default=0),
+                         n_out=sum(l.n_out for l in sublayers), name=name,
+                         sublayers=sublayers)
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        outputs, new_states = [], []
+        for layer, w, s, r in zip(self.sublayers, weights, state,
+                                  split_rng(rng, len(self.sublayers))):
+            y, new_s = layer.pure_fn(inputs_from_stack(x, layer.n_in), w, s, r)
+            outputs.extend(y if isinstance(y, tuple) else (y,))
+            new_states.append(new_s)
+        return _bare(outputs), tuple(new_states)
+
+    def init_weights_and_state(self, input_signature, rng):
+        weights, states = [], []
+        for layer, r in zip(self.sublayers, split_rng(rng, len(self.sublayers))):
+            w, s = layer.init(inputs_from_stack(input_signature, layer.n_in), rng=r)
+            weights.append(w)
+            states.append(s)
+        return tuple(weights), tuple(states)
+
+
+class Residual(Serial):
+    """``x -> x + f(x)`` (or ``shortcut(x) + f(x)``), with ``f = Serial(*layers)``.
+
+    Built as ``Serial(Branch(shortcut, Serial(*layers)), Add())``, so its weights are
+    ``((shortcut_weights, f_weights), ())``. ``f`` must map its inputs to one output of the
+    shortcut's shape.
+    """
+
+    def __init__(self, *layers: Any, shortcut: Layer | None = None, name: str | None = None):
+        super().__init__(Branch(shortcut, Serial(*layers)), Add(), name=name or "Residual")
+
+
+class Select(Layer):
+    """Copies/reorders stack items: outputs ``x[i]`` for ``i`` in ``indices``.
+
+    Args:
+      indices: stack positions to output, top first; repeats copy.
+      n_in: how many items to consume; default ``max(indices) + 1``.
+
+    Raises:
+      ValueError: for a negative index, or ``n_in <= max(indices)``.
+    """
+
+    def __init__(self, indices: Sequence[int], n_in: int | None = None):
+        indices = tuple(int(i) for i in indices)
+        if any(i < 0 for i in indices):
+            raise ValueError(f"Select indices must be >= 0; got {list(indices)}")
+        needed = max(indices, default=-1) + 1
+        n_in = needed if n_in is None else n_in
+        if n_in < needed:
+            raise ValueError(f"Select({list(indices)}) needs n_in >= {needed}; got "
+                             f"n_in={n_in}")
+        super().__init__(n_in=n_in, n_out=len(indices), name=f"Select{list(indices)}")
+        self._indices = indices
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        items = x if isinstance(x, tuple) else (x,)
+        return _bare([items[i] for i in self._indices]), state
+
+
+class _StackOp(Layer):
+    """A weightless stack layer defined by ``op(items) -> outputs`` (items is a tuple)."""
+
+    N_IN = 1
+    N_OUT = 1
+
+    def __init__(self):
+        super().__init__(n_in=self.N_IN, n_out=self.N_OUT)
+
+    def op(self, items: tuple) -> Any:
+        raise NotImplementedError
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        return self.op(x if isinstance(x, tuple) else (x,)), state
+
+
+class Dup(_StackOp):
+    """Duplicates the top item: ``x -> (x, x)``."""
+
+    N_IN, N_OUT = 1, 2
+
+    def op(self, items):
+        return items[0], items[0]
+
+
+class Swap(_StackOp):
+    """Swaps the top two items: ``(x, y) -> (y, x)``."""
+
+    N_IN, N_OUT = 2, 2
+
+    def op(self, items):
+        return items[1], items[0]
+
+
+class Drop(_StackOp):
+    """Removes the top item: ``x -> ()``."""
+
+    N_IN, N_OUT = 1, 0
+
+    def op(self, items):
+        return ()
+
+
+class Add(_StackOp):
+    """Adds the top two items element-wise (shapes must broadcast)."""
+
+    N_IN, N_OUT = 2, 1
+
+    def op(self, items):
+        return items[0] + items[1]
+
+
+class Concatenate(Layer):
+    """Concatenates the top ``n_items`` items along ``axis``."""
+
+    def __init__(self, n_items: int = 2, axis: int = -1):
+        if n_items < 1:
+            raise ValueError(f"Concatenate needs n_items >= 1; got {n_items}")
+        super().__init__(n_in=n_items, n_out=1)
+        self._axis = axis
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        return jnp.concatenate(x if isinstance(x, tuple) else (x,), axis=self._axis), state
+
+
+class Split(Layer):
+    """Splits the top item into ``n_items`` equal parts along ``axis``.
+
+    Raises:
+      LayerError: (from ValueError) when the axis size is not divisible by ``n_items``.
+    """
+
+    def __init__(self, n_items: int = 2, axis: int = -1):
+        if n_items < 1:
+            raise ValueError(f"Split needs n_items >= 1; got {n_items}")
+        super().__init__(n_in=1, n_out=n_items)
+        self._n_items, self._axis = n_items, axis
+
+    def forward_with_state(self, x, weights, state, rng):
+        size = x.shape[self._axis]
+        if size % self._n_items:
+            raise ValueError(f"axis {self._axis} of size {size} cannot be split into "
+                             f"{self._n_items} equal parts; use a size divisible by "
+                             f"{self._n_items}")
+        return _bare(jnp.split(x, self._n_items, axis=self._axis)), state
+
+
+def _bare(items: Sequence[Any]) -> Any:
+    items = tuple(items)
+    return items[0] if len(items) == 1 else items
+
+
+__all__ = ["Serial", "Parallel", "Branch", "Residual", "Select", "Dup", "Swap", "Drop", "Add",
+           "Concatenate", "Split", "split_rng"]
