@@ -1,0 +1,372 @@
+"""Core layers: `Dense`, `Embedding`, `Dropout`, activations, positional encoding, reshapes.
+
+Every layer here is a leaf `Layer` with plain constructor arguments. Weights are float32;
+layers compute in the dtype of their input (a bfloat16 activation gives a bfloat16 output),
+except `Embedding`, whose output has the dtype of its table.
+
+Modes follow Trax: ``'train'`` turns dropout on, ``'eval'`` and ``'predict'`` turn it off.
+revtrain has no incremental (one-token-at-a-time) decoding state, so ``'predict'`` behaves
+exactly as ``'eval'`` everywhere in this module.
+
+References: the Trax layers ``trax.layers.core`` and ``trax.layers.attention`` (names,
+arguments and defaults); Vaswani et al., 2017, "Attention Is All You Need" (positional
+encoding); Srivastava et al., 2014 (dropout).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from revtrain.layers.base import Layer
+
+Initializer = jax.nn.initializers.Initializer
+
+MODES = ("train", "eval", "predict")
+
+# Default initialisers (as Trax's): immutable functions, shared safely.
+GLOROT_UNIFORM = jax.nn.initializers.glorot_uniform()
+TINY_NORMAL = jax.nn.initializers.normal(1e-6)
+EMBEDDING_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_out", "uniform", in_axis=-2,
+                                                      out_axis=-1)
+
+
+def check_mode(mode: str, layer_name: str) -> str:
+    """Returns ``mode`` if it is one of `MODES`, else raises a ValueError naming it."""
+    if mode not in MODES:
+        raise ValueError(f"{layer_name} mode={mode!r} is not one of {MODES}; pass mode='train' "
+                         f"or mode='eval'")
+    return mode
+
+
+def check_rate(rate: float, layer_name: str) -> float:
+    """Returns ``rate`` as a float if ``0 <= rate < 1``, else raises a ValueError."""
+    rate = float(rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{layer_name} dropout rate={rate} must be in [0, 1); use e.g. 0.1")
+    return rate
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None,
+            shared_axes: Sequence[int] = ()) -> jax.Array:
+    """Inverted dropout: zeroes entries with probability ``rate``, scales the rest.
+
+    Args:
+      x: array of any shape and float dtype.
+      rate: drop probability in ``[0, 1)``; 0 returns ``x`` unchanged.
+      rng: PRNG key for the mask; the same key gives the same mask.
+      shared_axes: axes along which one mask value is shared (size 1 in the mask).
+
+    Returns:
+      ``x * mask / (1 - rate)`` in ``x.dtype``, with ``mask ~ Bernoulli(1 - rate)``.
+
+    Raises:
+      ValueError: if ``rate > 0`` and ``rng`` is None.
+    """
+    if rate == 0.0:
+        return x
+    if rng is None:
+        raise ValueError(f"dropout with rate={rate} needs an rng; pass a jax.random.key or "
+                         f"use mode='eval'")
+    shared = {a % x.ndim for a in shared_axes}
+    noise_shape = tuple(1 if i in shared else d for i, d in enumerate(x.shape))
+    keep = jax.random.bernoulli(rng, 1.0 - rate, noise_shape)
+    scale = jnp.asarray(1.0 / (1.0 - rate), dtype=x.dtype)
+    return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
+
+
+def _compute_dtype(x: jax.Array, weight: jax.Array) -> jnp.dtype:
+    """The input's dtype if it is a float type, else the weight's (float32)."""
+    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else weight.dtype
+
+
+class Dense(Layer):
+    """A fully-connected layer: ``[..., d_in] -> [..., n_units]``, ``y = x @ w + b``.
+
+    Weights are ``(w, b)`` with ``w: float32[d_in, n_units]`` and ``b: float32[n_units]``;
+    with ``use_bias=False`` they are the 1-tuple ``(w,)``, so ``weights[0]`` is always the
+    kernel. Defaults as Trax's ``Dense``: Glorot-uniform kernel (Glorot & Bengio, 2010),
+    bias from a normal distribution with stddev 1e-6.
+
+    Raises (from ``pure_fn``):
+      LayerError: when the input's last axis differs from the ``d_in`` seen at ``init``.
+    """
+
+    def __init__(self, n_units: int, use_bias: bool = True,
+                 kernel_init: Initializer = GLOROT_UNIFORM,
+                 bias_init: Initializer = TINY_NORMAL):
+        super().__init__(n_in=1, n_out=1)
+        if n_units < 1:
+            raise ValueError(f"Dense n_units={n_units} must be >= 1")
+        self._n_units = n_units
+        self._use_bias = use_bias
+        self._kernel_init = kernel_init
+        self._bias_init = bias_init
+
+    def forward_with_state(self, x, weights, state, rng):
+        w = weights[0]
+        if x.shape[-1:] != w.shape[:1]:
+            raise ValueError(f"Dense expects inputs with last axis d_in={w.shape[0]} (as at "
+                             f"init) but received d_in={x.shape[-1] if x.ndim else None}; "
+                             f"feed [..., {w.shape[0]}] or re-init the layer")
+        dtype = _compute_dtype(x, w)
+        y = jnp.dot(x.astype(dtype), w.astype(dtype))
+        if self._use_bias:
+            y = y + weights[1].astype(dtype)
+        return y, state
+
+    def init_weights_and_state(self, input_signature, rng):
+        d_in = input_signature.shape[-1]
+        rng_w, rng_b = jax.random.split(rng)
+        w = self._kernel_init(rng_w, (d_in, self._n_units), jnp.float32)
+        if not self._use_bias:
+            return (w,), ()
+        return (w, self._bias_init(rng_b, (self._n_units,), jnp.float32)), ()
+
+
+class Embedding(Layer):
+    """Maps integer token ids to vectors: int ``[batch, length] -> [batch, length, d_feature]``.
+
+    Weights are one ``float32[vocab_size, d_feature]`` table, initialised as in Trax (uniform
+    variance scaling with fan-out ``d_feature``, so rows have norm about 1). Ids outside
+    ``[0, vocab_size)`` give NaN rows (``jnp.take`` fill mode). Any leading shape works.
+
+    Raises (from ``pure_fn``):
+      LayerError: when the ids are not of an integer dtype.
+    """
+
+    def __init__(self, vocab_size: int, d_feature: int,
+                 embedding_init: Initializer = EMBEDDING_INIT):
+        super().__init__(n_in=1, n_out=1)
+        if vocab_size < 1 or d_feature < 1:
+            raise ValueError(f"Embedding needs vocab_size >= 1 and d_feature >= 1; got "
+                             f"vocab_size={vocab_size}, d_feature={d_feature}")
+        self._vocab_size = vocab_size
+        self._d_feature = d_feature
+        self._embedding_init = embedding_init
+
+    def forward_with_state(self, x, weights, state, rng):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"Embedding expects token ids of an integer dtype (e.g. int32) "
+                             f"but received {x.dtype}; cast with x.astype(jnp.int32)")
+        return jnp.take(weights, x, axis=0), state
+
+    def init_weights_and_state(self, input_signature, rng):
+        del input_signature
+        return self._embedding_init(rng, (self._vocab_size, self._d_feature), jnp.float32), ()
+
+
+class Dropout(Layer):
+    """Inverted dropout with a mask drawn from the layer's rng (see `dropout`).
+
+    In ``'train'`` mode with ``rate > 0``: ``y = x * mask / (1 - rate)``, ``mask ~
+    Bernoulli(1 - rate)``; the same rng gives the same mask (the reversible trainers rely on
+    this to recompute activations). Otherwise ``y = x``.
+
+    Args:
+      rate: drop probability in ``[0, 1)``.
+      shared_axes: axes along which one mask value is shared (Trax's ``shared_axes``), e.g.
+        ``(1,)`` drops whole feature vectors per position of a ``[batch, length, d]`` input.
+      mode: ``'train'``, ``'eval'`` or ``'predict'``.
+    """
+
+    def __init__(self, rate: float = 0.0, shared_axes: Sequence[int] | None = None,
+                 mode: str = "train"):
+        super().__init__(n_in=1, n_out=1)
+        self._rate = check_rate(rate, "Dropout")
+        self._shared_axes = tuple(shared_axes or ())
+        self._mode = check_mode(mode, "Dropout")
+
+    def forward_with_state(self, x, weights, state, rng):
+        if self._mode != "train":
+            return x, state
+        return dropout(x, self._rate, rng, self._shared_axes), state
+
+
+class _Activation(Layer):
+    """A weightless element-wise (or per-axis) function of one input."""
+
+    def __init__(self):
+        super().__init__(n_in=1, n_out=1)
+
+    def apply(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def forward_with_state(self, x, weights, state, rng):
+        return self.apply(x), state
+
+
+class Relu(_Activation):
+    """``max(x, 0)`` element-wise."""
+
+    def apply(self, x):
+        return jax.nn.relu(x)
+
+
+class Gelu(_Activation):
+    """Gaussian error linear unit (Hendrycks & Gimpel, 2016).
+
+    Args:
+      approximate: use the tanh approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715
+        x^3)))`` as Trax's ``Gelu`` does (default); False gives the exact ``x Phi(x)``.
+    """
+
+    def __init__(self, approximate: bool = True):
+        super().__init__()
+        self._approximate = approximate
+
+    def apply(self, x):
+        return jax.nn.gelu(x, approximate=self._approximate)
+
+
+class Tanh(_Activation):
+    """``tanh(x)`` element-wise."""
+
+    def apply(self, x):
+        return jnp.tanh(x)
+
+
+class Sigmoid(_Activation):
+    """``1 / (1 + exp(-x))`` element-wise."""
+
+    def apply(self, x):
+        return jax.nn.sigmoid(x)
+
+
+class LogSoftmax(_Activation):
+    """``x - logsumexp(x, axis)``: log-probabilities from logits.
+
+    Computed in at least float32 (bfloat16 logits are upcast) and returned in ``x.dtype``.
+    """
+
+    def __init__(self, axis: int = -1):
+        super().__init__()
+        self._axis = axis
+
+    def apply(self, x):
+        return jax.nn.log_softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
+                                  axis=self._axis).astype(x.dtype)
+
+
+class Softmax(_Activation):
+    """``exp(x) / sum(exp(x), axis)``; computed in at least float32, returned in ``x.dtype``."""
+
+    def __init__(self, axis: int = -1):
+        super().__init__()
+        self._axis = axis
+
+    def apply(self, x):
+        return jax.nn.softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
+                              axis=self._axis).astype(x.dtype)
+
+
+def sinusoidal_encoding(length: int, d_feature: int) -> np.ndarray:
+    """Returns the fixed float32 ``[length, d_feature]`` table of Vaswani et al. (2017).
+
+    ``pe[pos, 2i] = sin(pos / 10000^(2i / d))`` and ``pe[pos, 2i + 1] = cos(pos / 10000^(2i /
+    d))``; an odd ``d_feature`` drops the last cosine column.
+    """
+    position = np.arange(length, dtype=np.float64)[:, None]
+    div_term = np.exp(np.arange(0, d_feature, 2, dtype=np.float64)
+                      * -(math.log(10000.0) / d_feature))
+    table = np.zeros((length, d_feature), dtype=np.float64)
+    table[:, 0::2] = np.sin(position * div_term)
+    table[:, 1::2] = np.cos(position * div_term)[:, :d_feature // 2]
+    return table.astype(np.float32)
+
+
+class PositionalEncoding(Layer):
+    """Adds the fixed sinusoidal encoding: ``[batch, length, d_feature]`` -> same shape.
+
+    The table (`sinusoidal_encoding`) is a constant, not a weight, so it is never trained.
+    As in Trax, dropout (``'train'`` mode only) applies to the encoding, not to ``x``, with
+    one ``[length, d_feature]`` mask shared across the batch.
+
+    Args:
+      max_len: longest sequence accepted.
+      dropout: drop rate for the encoding, in ``[0, 1)``.
+      mode: ``'train'``, ``'eval'`` or ``'predict'``.
+
+    Raises (from ``pure_fn``):
+      LayerError: when the input is longer than ``max_len``.
+    """
+
+    def __init__(self, max_len: int = 2048, dropout: float = 0.0, mode: str = "train"):
+        super().__init__(n_in=1, n_out=1)
+        self._max_len = max_len
+        self._dropout = check_rate(dropout, "PositionalEncoding")
+        self._mode = check_mode(mode, "PositionalEncoding")
+
+    def forward_with_state(self, x, weights, state, rng):
+        if x.ndim != 3:
+            raise ValueError(f"PositionalEncoding expects [batch, length, d_feature] inputs; "
+                             f"got rank {x.ndim}")
+        length, d_feature = x.shape[1], x.shape[2]
+        if length > self._max_len:
+            raise ValueError(f"input length {length} exceeds PositionalEncoding "
+                             f"max_len={self._max_len}; build it with max_len >= {length}")
+        pe = jnp.asarray(sinusoidal_encoding(length, d_feature), dtype=x.dtype)
+        if self._mode == "train":
+            pe = dropout(pe, self._dropout, rng)
+        return x + pe[None], state
+
+
+class Flatten(Layer):
+    """Keeps the first ``n_axes_to_keep`` axes and flattens the rest into one.
+
+    ``[batch, h, w, c] -> [batch, h * w * c]`` with the default ``n_axes_to_keep=1``.
+
+    Raises (from ``pure_fn``):
+      LayerError: when the input has no more than ``n_axes_to_keep`` axes.
+    """
+
+    def __init__(self, n_axes_to_keep: int = 1):
+        super().__init__(n_in=1, n_out=1)
+        if n_axes_to_keep < 0:
+            raise ValueError(f"Flatten n_axes_to_keep={n_axes_to_keep} must be >= 0")
+        self._n_axes_to_keep = n_axes_to_keep
+
+    def forward_with_state(self, x, weights, state, rng):
+        n = self._n_axes_to_keep
+        if x.ndim <= n:
+            raise ValueError(f"Flatten(n_axes_to_keep={n}) needs inputs with more than {n} "
+                             f"axes; got shape {x.shape}")
+        return jnp.reshape(x, x.shape[:n] + (-1,)), state
+
+
+class Mean(Layer):
+    """Mean over ``axis`` (an int or a tuple of ints), as ``jnp.mean``."""
+
+    def __init__(self, axis: int | Sequence[int] = -1, keepdims: bool = False):
+        super().__init__(n_in=1, n_out=1)
+        self._axis = axis if isinstance(axis, int) else tuple(axis)
+        self._keepdims = keepdims
+
+    def forward_with_state(self, x, weights, state, rng):
+        return jnp.mean(x, axis=self._axis, keepdims=self._keepdims), state
+
+
+class ShiftRight(Layer):
+    """Shifts ``[batch, length, ...]`` right by ``n_positions`` along axis 1, padding zeros.
+
+    Used to make decoder inputs from targets (``y[:, t] = x[:, t - n]``). As in Trax, the
+    shift is skipped in ``'predict'`` mode.
+    """
+
+    def __init__(self, n_positions: int = 1, mode: str = "train"):
+        super().__init__(n_in=1, n_out=1)
+        if n_positions < 0:
+            raise ValueError(f"ShiftRight n_positions={n_positions} must be >= 0")
+        self._n_positions = n_positions
+        self._mode = check_mode(mode, "ShiftRight")
+
+    def forward_with_state(self, x, weights, state, rng):
+        if self._mode == "predict" or self._n_positions == 0:
+            return x, state
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (self._n_positions, 0)
+        return jnp.pad(x, pad)[:, :x.shape[1]], state

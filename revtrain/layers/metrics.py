@@ -1,0 +1,152 @@
+"""Losses and metrics as layers: ``(outputs, targets, weights) -> scalar``.
+
+Every layer here takes three stack items, ``n_in=3``, and returns one float32 scalar,
+``n_out=1``: a *weighted mean* over all target positions, ``sum(w * value) / sum(w)``
+(see `weighted_mean`). Weights mask padding (weight 0) and must broadcast to the targets'
+shape. When all weights are 0 the result is 0, not NaN, so an all-padding batch does not
+poison a running average.
+
+References: Trax's ``trax.layers.metrics`` (``CrossEntropyLoss``,
+``WeightedCategoryCrossEntropy``, ``Accuracy``, ``L2Loss``), whose names and input order
+these follow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from revtrain.layers.base import Layer, check_n_items
+
+
+def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
+    """Returns ``sum(weights * values) / sum(weights)`` as a float32 scalar; 0 if the sum is 0.
+
+    Positions of weight 0 are skipped, not multiplied, so a NaN or inf there (e.g. the
+    log-probability of a padding token) does not leak into the result.
+
+    Args:
+      values: array of any shape.
+      weights: array broadcastable to ``values.shape`` (e.g. a 0/1 padding mask).
+
+    Raises:
+      ValueError: if ``weights`` does not broadcast to ``values.shape``.
+    """
+    values = values.astype(jnp.float32)
+    try:
+        weights = jnp.broadcast_to(weights, values.shape).astype(jnp.float32)
+    except ValueError as e:
+        raise ValueError(f"weights of shape {jnp.shape(weights)} do not broadcast to shape "
+                         f"{values.shape}; pass weights shaped like the targets") from e
+    total = jnp.sum(weights)
+    safe_total = jnp.where(total == 0, 1.0, total)
+    weighted = jnp.where(weights == 0, 0.0, weights * values)
+    return jnp.where(total == 0, 0.0, jnp.sum(weighted) / safe_total)
+
+
+def _check_targets(predictions: jax.Array, targets: jax.Array, name: str) -> None:
+    """Checks class-index targets: an integer dtype and shape ``predictions.shape[:-1]``."""
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"{name} expects integer class-index targets but received "
+                         f"{targets.dtype}; cast with targets.astype(jnp.int32)")
+    if targets.shape != predictions.shape[:-1]:
+        raise ValueError(f"{name} targets of shape {targets.shape} do not match predictions "
+                         f"of shape {predictions.shape}; targets must have shape "
+                         f"{predictions.shape[:-1]}")
+
+
+def _nll(log_probs: jax.Array, targets: jax.Array) -> jax.Array:
+    """``-log_probs[..., targets]`` in float32, shape ``targets.shape``."""
+    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return -picked.astype(jnp.float32)
+
+
+class _WeightedMetric(Layer):
+    """A weightless ``(predictions, targets, weights) -> float32 scalar`` layer."""
+
+    def __init__(self):
+        super().__init__(n_in=3, n_out=1)
+
+    def per_position(self, predictions: jax.Array, targets: jax.Array) -> jax.Array:
+        """Returns the unweighted value at each target position."""
+        raise NotImplementedError
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        predictions, targets, mask = x
+        return weighted_mean(self.per_position(predictions, targets), mask), state
+
+
+class CrossEntropyLoss(_WeightedMetric):
+    """Weighted mean of ``-log p[target]`` from log-probabilities.
+
+    Inputs: ``log_probs: float[..., vocab]`` (e.g. the output of `LogSoftmax`), ``targets:
+    int[...]`` class indices, ``weights: [...]``. Output: float32 scalar, in nats.
+
+    Raises (from ``pure_fn``):
+      LayerError: for non-integer targets or targets not shaped ``log_probs.shape[:-1]``.
+    """
+
+    def per_position(self, predictions, targets):
+        _check_targets(predictions, targets, "CrossEntropyLoss")
+        return _nll(predictions, targets)
+
+
+class WeightedCategoryCrossEntropy(_WeightedMetric):
+    """Weighted mean cross-entropy from *logits* (applies ``log_softmax`` in float32).
+
+    Inputs: ``logits: float[..., vocab]``, ``targets: int[...]``, ``weights: [...]``.
+    Output: float32 scalar, in nats.
+
+    Args:
+      label_smoothing: if set, the target distribution is ``(1 - s) * one_hot + s / vocab``
+        (Szegedy et al., 2016), as Trax's ``label_smoothing`` argument.
+
+    Raises (from ``pure_fn``):
+      LayerError: for non-integer targets or targets not shaped ``logits.shape[:-1]``.
+    """
+
+    def __init__(self, label_smoothing: float | None = None):
+        super().__init__()
+        if label_smoothing is not None and not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+        self._label_smoothing = label_smoothing
+
+    def per_position(self, predictions, targets):
+        _check_targets(predictions, targets, "WeightedCategoryCrossEntropy")
+        log_probs = jax.nn.log_softmax(predictions.astype(jnp.float32), axis=-1)
+        if not self._label_smoothing:
+            return _nll(log_probs, targets)
+        s, vocab = self._label_smoothing, predictions.shape[-1]
+        soft = jax.nn.one_hot(targets, vocab) * (1.0 - s) + s / vocab
+        return -jnp.sum(soft * log_probs, axis=-1)
+
+
+class Accuracy(_WeightedMetric):
+    """Weighted fraction of positions where ``argmax(predictions, -1) == targets``.
+
+    Inputs: ``predictions: float[..., n_classes]`` (logits or log-probabilities), ``targets:
+    int[...]``, ``weights: [...]``. Output: float32 scalar in ``[0, 1]``.
+    """
+
+    def per_position(self, predictions, targets):
+        _check_targets(predictions, targets, "Accuracy")
+        return (jnp.argmax(predictions, axis=-1) == targets).astype(jnp.float32)
+
+
+class L2Loss(_WeightedMetric):
+    """Weighted mean squared error ``sum(w * (p - t)^2) / sum(w)``.
+
+    Inputs: ``predictions: float[...]``, ``targets: float[...]`` of the same shape,
+    ``weights`` broadcastable to it (weights count per element, as in Trax's ``L2Loss``).
+
+    Raises (from ``pure_fn``):
+      LayerError: when predictions and targets differ in shape.
+    """
+
+    def per_position(self, predictions, targets):
+        if predictions.shape != targets.shape:
+            raise ValueError(f"L2Loss predictions of shape {predictions.shape} and targets of "
+                             f"shape {targets.shape} differ; pass equal shapes")
+        diff = predictions.astype(jnp.float32) - targets.astype(jnp.float32)
+        return diff * diff
