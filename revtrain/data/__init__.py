@@ -1,0 +1,25 @@
+"""Input streams: local text, TensorFlow Datasets and synthetic tasks.
+
+Every stream yields numpy batches `(inputs, targets, weights)` holding this process's rows
+of a global batch; language-model data is already shifted (`inputs = w[:-1]`,
+`targets = w[1:]`). See `revtrain.data.inputs` for the contract.
+"""
+
+from revtrain.data.batching import ProcessSlice, lm_batch
+from revtrain.data.inputs import Batch, Inputs, StreamInputs
+from revtrain.data.synthetic import CopyTask, SyntheticSequences
+from revtrain.data.text import TextFiles, default_corpus
+from revtrain.data.tfds import TFDS
+
+__all__ = [
+    "TFDS",
+    "Batch",
+    "CopyTask",
+    "Inputs",
+    "ProcessSlice",
+    "StreamInputs",
+    "SyntheticSequences",
+    "TextFiles",
+    "default_corpus",
+    "lm_batch",
+]
