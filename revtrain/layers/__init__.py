@@ -1,7 +1,23 @@
 """revtrain.layers: Trax-style layers and combinators that pass data on a stack."""
 
-from revtrain.layers.base import EMPTY, Fn, Layer, LayerError, PureLayer, ShapeDtype
-from revtrain.layers.base import inputs_from_stack, outputs_onto_stack, signature_of
+from revtrain.layers.attention import CausalAttention, dot_product_attention
+from revtrain.layers.base import (
+    EMPTY,
+    Fn,
+    Layer,
+    LayerError,
+    PureLayer,
+    ShapeDtype,
+    inputs_from_stack,
+    outputs_onto_stack,
+    signature_of,
+)
+from revtrain.layers.blocks import (
+    blocks_to_layers,
+    extract_reversible_blocks,
+    init_reversible_blocks,
+    reconstruction_error,
+)
 from revtrain.layers.combinators import (
     Add,
     Branch,
@@ -16,6 +32,7 @@ from revtrain.layers.combinators import (
     Swap,
     split_rng,
 )
+from revtrain.layers.conv import AvgPool, Conv, MaxPool
 from revtrain.layers.core import (
     Dense,
     Dropout,
@@ -38,7 +55,7 @@ from revtrain.layers.metrics import (
     WeightedCategoryCrossEntropy,
     weighted_mean,
 )
-
+from revtrain.layers.normalization import BatchNorm, LayerNorm
 from revtrain.layers.reversible import (
     ReversibleHalfResidual,
     ReversibleLayer,
@@ -46,12 +63,6 @@ from revtrain.layers.reversible import (
     ReversibleSelect,
     ReversibleSerial,
     ReversibleSwap,
-)
-from revtrain.layers.blocks import (
-    blocks_to_layers,
-    extract_reversible_blocks,
-    init_reversible_blocks,
-    reconstruction_error,
 )
 
 __all__ = [
@@ -62,7 +73,9 @@ __all__ = [
     "Dense", "Dropout", "Embedding", "Flatten", "Gelu", "LogSoftmax", "Mean",
     "PositionalEncoding", "Relu", "ShiftRight", "Sigmoid", "Softmax", "Tanh",
     "Accuracy", "CrossEntropyLoss", "L2Loss", "WeightedCategoryCrossEntropy", "weighted_mean",
-"ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
+    "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LayerNorm", "MaxPool",
+    "dot_product_attention",
+    "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
     "ReversibleSerial", "ReversibleSwap", "blocks_to_layers", "extract_reversible_blocks",
     "init_reversible_blocks", "reconstruction_error",
 ]

@@ -1,0 +1,117 @@
+"""Multi-head causal self-attention: `CausalAttention`.
+
+A plain implementation of scaled dot-product attention (Vaswani et al., 2017, section 3.2):
+``softmax(q k^T / sqrt(d_head) + causal_mask) v`` per head, with learned query, key, value
+and output projections. The attention logits and softmax are computed in at least float32
+whatever the input dtype; the output has the input dtype.
+
+References: Vaswani et al., 2017, "Attention Is All You Need"; Trax's
+``trax.layers.attention.CausalAttention`` (arguments, dropout on the attention
+probabilities, ``mode``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from revtrain.layers.base import Layer
+from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, check_mode, check_rate
+from revtrain.layers.core import dropout as apply_dropout
+
+
+def causal_mask(length: int) -> jax.Array:
+    """Returns bool ``[length, length]``, True where query ``i`` may attend to key ``j <= i``."""
+    return jnp.tril(jnp.ones((length, length), dtype=bool))
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                          dropout_rate: float = 0.0,
+                          rng: jax.Array | None = None) -> jax.Array:
+    """Scaled dot-product attention over heads.
+
+    Args:
+      q, k, v: ``[batch, length, n_heads, d_head]`` queries, keys and values.
+      mask: bool array broadcastable to ``[batch, n_heads, length_q, length_k]``; False
+        entries get zero probability. Every query must see at least one key.
+      dropout_rate: drop rate for the attention probabilities (0 disables dropout).
+      rng: PRNG key for the dropout mask; needed when ``dropout_rate > 0``.
+
+    Returns:
+      ``[batch, length, n_heads, d_head]`` in ``v.dtype``. Logits and softmax are computed
+      in at least float32.
+    """
+    compute = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=compute)
+    logits = logits / math.sqrt(q.shape[-1])
+    logits = jnp.where(mask, logits, jnp.finfo(compute).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = apply_dropout(probs, dropout_rate, rng)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+class CausalAttention(Layer):
+    """Multi-head causal self-attention: ``[batch, length, d_feature]`` -> same shape.
+
+    Position ``t`` of the output depends only on input positions ``<= t``. Weights are four
+    ``(w: float32[d_feature, d_feature], b: float32[d_feature])`` pairs, for the query, key,
+    value and output projections in that order; kernels are Glorot-uniform and biases
+    normal with stddev 1e-6, as Trax's ``Dense``.
+
+    Args:
+      d_feature: model width; the last axis of the input.
+      n_heads: number of heads; each has ``d_head = d_feature // n_heads``.
+      dropout: drop rate for the attention probabilities, in ``[0, 1)``, ``'train'`` mode only.
+      mode: ``'train'``, ``'eval'`` or ``'predict'``. There is no incremental decoding cache:
+        ``'predict'`` behaves as ``'eval'`` (decode by re-running the whole prefix).
+
+    Raises:
+      ValueError: if ``d_feature`` is not divisible by ``n_heads``.
+      LayerError: (from ``pure_fn``) for inputs that are not ``[batch, length, d_feature]``.
+    """
+
+    def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
+                 mode: str = "train"):
+        super().__init__(n_in=1, n_out=1)
+        if n_heads < 1 or d_feature % n_heads:
+            raise ValueError(f"d_feature={d_feature} is not divisible by n_heads={n_heads}; "
+                             f"use an n_heads that divides d_feature (or a d_feature that is "
+                             f"a multiple of n_heads)")
+        self._d_feature = d_feature
+        self._n_heads = n_heads
+        self._dropout = check_rate(dropout, "CausalAttention")
+        self._mode = check_mode(mode, "CausalAttention")
+
+    def _check_input(self, shape: tuple[int, ...]) -> None:
+        if len(shape) != 3 or shape[-1] != self._d_feature:
+            raise ValueError(f"CausalAttention(d_feature={self._d_feature}) expects inputs "
+                             f"[batch, length, {self._d_feature}]; got shape {shape}")
+
+    def forward_with_state(self, x, weights, state, rng):
+        self._check_input(x.shape)
+        batch, length, _ = x.shape
+        d_head = self._d_feature // self._n_heads
+
+        def project(pair, inputs):
+            w, b = pair
+            return jnp.dot(inputs, w.astype(x.dtype)) + b.astype(x.dtype)
+
+        def heads(a):
+            return a.reshape(batch, length, self._n_heads, d_head)
+
+        q, k, v = (heads(project(pair, x)) for pair in weights[:3])
+        rate = self._dropout if self._mode == "train" else 0.0
+        attended = dot_product_attention(q, k, v, causal_mask(length), rate, rng)
+        return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
+
+    def init_weights_and_state(self, input_signature, rng):
+        self._check_input(input_signature.shape)
+        d = self._d_feature
+        pairs = []
+        for key in jax.random.split(rng, 4):
+            rng_w, rng_b = jax.random.split(key)
+            pairs.append((GLOROT_UNIFORM(rng_w, (d, d), jnp.float32),
+                          TINY_NORMAL(rng_b, (d,), jnp.float32)))
+        return tuple(pairs), ()

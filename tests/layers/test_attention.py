@@ -1,0 +1,116 @@
+"""Tests for revtrain.layers.attention: CausalAttention vs a numpy reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from revtrain.layers import CausalAttention, LayerError, dot_product_attention
+
+SDS = jax.ShapeDtypeStruct
+B, L, D = 2, 6, 8
+
+
+def _x(shape=(B, L, D), seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def _reference(x, weights, n_heads):
+    """Per-head loop over positions, float64 numpy."""
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = [tuple(np.asarray(a, np.float64) for a in p)
+                                               for p in weights]
+    x = np.asarray(x, np.float64)
+    q, k, v = x @ wq + bq, x @ wk + bk, x @ wv + bv
+    d_head = x.shape[-1] // n_heads
+    out = np.zeros_like(x)
+    for b in range(x.shape[0]):
+        for h in range(n_heads):
+            cols = slice(h * d_head, (h + 1) * d_head)
+            for t in range(x.shape[1]):
+                logits = k[b, :t + 1, cols] @ q[b, t, cols] / np.sqrt(d_head)
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                out[b, t, cols] = p @ v[b, :t + 1, cols]
+    return out @ wo + bo
+
+
+def _layer(n_heads=2, **kwargs):
+    layer = CausalAttention(D, n_heads=n_heads, **kwargs)
+    layer.init(SDS((B, L, D), jnp.float32), rng=jax.random.key(1))
+    return layer
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 4])
+def test_causal_attention_matches_reference(n_heads):
+    layer = _layer(n_heads)
+    assert jax.tree.map(jnp.shape, layer.weights) == (((D, D), (D,)),) * 4
+    x = _x()
+    y = layer(x)
+    assert y.shape == (B, L, D) and y.dtype == jnp.float32
+    np.testing.assert_allclose(y, _reference(x, layer.weights, n_heads), rtol=1e-4, atol=1e-5)
+    assert layer.output_signature(SDS((B, L, D), jnp.float32)).shape == (B, L, D)
+
+
+def test_output_at_t_ignores_inputs_after_t():
+    layer = _layer(2)
+    x = _x()
+    y = np.asarray(layer(x))
+    for t in range(L - 1):
+        x2 = x.copy()
+        x2[:, t + 1:] = _x((B, L - t - 1, D), seed=t + 10)
+        y2 = np.asarray(layer(x2))
+        np.testing.assert_allclose(y2[:, :t + 1], y[:, :t + 1], rtol=1e-5, atol=1e-6)
+        assert not np.allclose(y2[:, t + 1:], y[:, t + 1:])
+
+
+def test_d_feature_not_divisible_by_n_heads_names_both():
+    with pytest.raises(ValueError, match=r"d_feature=10 is not divisible by n_heads=4; use"):
+        CausalAttention(10, n_heads=4)
+
+
+def test_wrong_input_width_raises_layer_error():
+    layer = _layer(2)
+    with pytest.raises(LayerError, match=r"expects inputs \[batch, length, 8\]"):
+        layer(np.ones((B, L, 6), np.float32))
+
+
+def test_attention_dropout_uses_rng_and_mode():
+    x = _x()
+    train = _layer(2, dropout=0.5)
+    w = train.weights
+    y1, _ = train.pure_fn(x, w, (), jax.random.key(0))
+    y2, _ = train.pure_fn(x, w, (), jax.random.key(0))
+    y3, _ = train.pure_fn(x, w, (), jax.random.key(1))
+    np.testing.assert_array_equal(y1, y2)
+    assert not np.allclose(y1, y3)
+    plain = _reference(x, w, 2)
+    assert not np.allclose(y1, plain, atol=1e-3)
+    y_eval, _ = CausalAttention(D, n_heads=2, dropout=0.5, mode="eval").pure_fn(x, w, (), None)
+    np.testing.assert_allclose(y_eval, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_inputs_give_bfloat16_outputs_close_to_float32():
+    layer = _layer(2)
+    x = _x()
+    y16 = layer(jnp.asarray(x, jnp.bfloat16))
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16, np.float32), layer(x), atol=0.1, rtol=0.05)
+
+
+def test_dot_product_attention_respects_mask():
+    q = k = jnp.asarray(_x((1, 3, 1, 2)))
+    v = jnp.asarray(np.arange(3, dtype=np.float32).reshape(1, 3, 1, 1))
+    only_first = jnp.array([[True, False, False]] * 3)
+    out = dot_product_attention(q, k, v, only_first)
+    np.testing.assert_allclose(np.asarray(out).ravel(), [0.0, 0.0, 0.0], atol=1e-7)
+
+
+def test_causal_attention_gradients_match_finite_differences():
+    layer = CausalAttention(4, n_heads=2)
+    layer.init(SDS((1, 3, 4), jnp.float32), rng=jax.random.key(2))
+    x = _x((1, 3, 4))
+    with jax.enable_x64(True):
+        w = jax.tree.map(lambda a: np.asarray(a, np.float64), layer.weights)
+        x64 = np.asarray(x, np.float64)
+        check_grads(lambda w_: layer.pure_fn(x64, w_, (), None)[0], (w,), 1, modes=["rev"])
+        check_grads(lambda x_: layer.pure_fn(x_, w, (), None)[0], (x64,), 1, modes=["rev"])
