@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from revtrain.layers.base import (
     Layer,
+    _as_tuple,
     check_n_items,
     inputs_from_stack,
     outputs_onto_stack,
@@ -48,6 +49,16 @@ def split_rng(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
     return list(jax.random.split(rng, n))
 
 
+def _check_per_sublayer(layer: Layer, weights: Any, state: Any) -> None:
+    """Raises ValueError unless ``weights`` and ``state`` hold one item per sublayer."""
+    n = len(layer.sublayers)
+    for kind, tree in (("weights", weights), ("state", state)):
+        if not isinstance(tree, (tuple, list)) or len(tree) != n:
+            got = len(tree) if isinstance(tree, (tuple, list)) else type(tree).__name__
+            raise ValueError(f"{layer.name} {kind} must be a tuple of {n} items (one per "
+                             f"sublayer); got {got}; pass {layer.name}.{kind}")
+
+
 def _serial_arity(layers: Sequence[Layer]) -> tuple[int, int]:
     """Returns ``(n_in, n_out)`` of running ``layers`` one after another on a stack."""
     needed, have = 0, 0
@@ -71,13 +82,15 @@ class Serial(Layer):
         sublayers = _flatten_layers(layers)
         n_in, n_out = _serial_arity(sublayers)
         super().__init__(n_in=n_in, n_out=n_out, name=name, sublayers=sublayers)
+        self._initialized = not sublayers  # an empty combinator has nothing to initialise
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
+        _check_per_sublayer(self, weights, state)
         stack = x
         new_states = []
         for layer, w, s, r in zip(self.sublayers, weights, state,
-                                  split_rng(rng, len(self.sublayers))):
+                                  split_rng(rng, len(self.sublayers)), strict=True):
             inputs = inputs_from_stack(stack, layer.n_in)
             outputs, new_s = layer.pure_fn(inputs, w, s, r)
             stack = outputs_onto_stack(outputs, stack, layer.n_in)
@@ -85,15 +98,26 @@ class Serial(Layer):
         return stack, tuple(new_states)
 
     def init_weights_and_state(self, input_signature, rng):
-        stack = input_signature
-        weights, states = [], []
-        for layer, r in zip(self.sublayers, split_rng(rng, len(self.sublayers))):
-            inputs = inputs_from_stack(stack, layer.n_in)
-            w, s = layer.init(inputs, rng=r)
-            weights.append(w)
-            states.append(s)
-            stack = outputs_onto_stack(layer.output_signature(inputs), stack, layer.n_in)
-        return tuple(weights), tuple(states)
+        check_n_items(self, input_signature)
+        return init_in_series(self.sublayers, input_signature, rng)
+
+
+def init_in_series(layers: Sequence[Layer], input_signature: Any,
+                   rng: jax.Array | None) -> tuple[tuple, tuple]:
+    """Initialises ``layers`` run one after another on a stack, as `Serial` does.
+
+    Each layer gets key ``i`` of ``split_rng(rng, len(layers))`` and the signature of the
+    stack its predecessors leave. Returns the tuples of their weights and states.
+    """
+    stack = input_signature
+    weights, states = [], []
+    for layer, r in zip(layers, split_rng(rng, len(layers)), strict=True):
+        inputs = inputs_from_stack(stack, layer.n_in)
+        w, s = layer.init(inputs, rng=r)
+        weights.append(w)
+        states.append(s)
+        stack = outputs_onto_stack(layer.output_signature(inputs), stack, layer.n_in)
+    return tuple(weights), tuple(states)
 
 
 class Parallel(Layer):
@@ -106,13 +130,14 @@ class Parallel(Layer):
 
     def __init__(self, *layers: Any, name: str | None = None):
         sublayers = [Select([0]) if layer is None else layer for layer in layers]
-        sublayers = [Serial(l) if isinstance(l, (list, tuple)) else l for l in sublayers]
-        super().__init__(n_in=sum(l.n_in for l in sublayers),
-                         n_out=sum(l.n_out for l in sublayers), name=name,
+        sublayers = [Serial(s) if isinstance(s, (list, tuple)) else s for s in sublayers]
+        super().__init__(n_in=sum(s.n_in for s in sublayers),
+                         n_out=sum(s.n_out for s in sublayers), name=name,
                          sublayers=sublayers)
+        self._initialized = not sublayers  # an empty combinator has nothing to initialise
 
     def _sections(self, x: Any) -> list[Any]:
-        items = x if isinstance(x, tuple) else (x,)
+        items = _as_tuple(x)
         sections, start = [], 0
         for layer in self.sublayers:
             section = items[start:start + layer.n_in]
@@ -122,18 +147,20 @@ class Parallel(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
+        _check_per_sublayer(self, weights, state)
         outputs, new_states = [], []
         for layer, xs, w, s, r in zip(self.sublayers, self._sections(x), weights, state,
-                                      split_rng(rng, len(self.sublayers))):
+                                      split_rng(rng, len(self.sublayers)), strict=True):
             y, new_s = layer.pure_fn(xs, w, s, r)
             outputs.extend(y if isinstance(y, tuple) else (y,))
             new_states.append(new_s)
         return _bare(outputs), tuple(new_states)
 
     def init_weights_and_state(self, input_signature, rng):
+        check_n_items(self, input_signature)
         weights, states = [], []
         for layer, xs, r in zip(self.sublayers, self._sections(input_signature),
-                                split_rng(rng, len(self.sublayers))):
+                                split_rng(rng, len(self.sublayers)), strict=True):
             w, s = layer.init(xs, rng=r)
             weights.append(w)
             states.append(s)
@@ -150,24 +177,27 @@ class Branch(Layer):
 
     def __init__(self, *layers: Any, name: str | None = None):
         sublayers = [Select([0]) if layer is None else layer for layer in layers]
-        sublayers = [Serial(l) if isinstance(l, (list, tuple)) else l for l in sublayers]
-        super().__init__(n_in=max((l.n_in for l in sublayers), default=0),
-                         n_out=sum(l.n_out for l in sublayers), name=name,
+        sublayers = [Serial(s) if isinstance(s, (list, tuple)) else s for s in sublayers]
+        super().__init__(n_in=max((s.n_in for s in sublayers), default=0),
+                         n_out=sum(s.n_out for s in sublayers), name=name,
                          sublayers=sublayers)
+        self._initialized = not sublayers  # an empty combinator has nothing to initialise
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
+        _check_per_sublayer(self, weights, state)
         outputs, new_states = [], []
         for layer, w, s, r in zip(self.sublayers, weights, state,
-                                  split_rng(rng, len(self.sublayers))):
+                                  split_rng(rng, len(self.sublayers)), strict=True):
             y, new_s = layer.pure_fn(inputs_from_stack(x, layer.n_in), w, s, r)
             outputs.extend(y if isinstance(y, tuple) else (y,))
             new_states.append(new_s)
         return _bare(outputs), tuple(new_states)
 
     def init_weights_and_state(self, input_signature, rng):
+        check_n_items(self, input_signature)
         weights, states = [], []
-        for layer, r in zip(self.sublayers, split_rng(rng, len(self.sublayers))):
+        for layer, r in zip(self.sublayers, split_rng(rng, len(self.sublayers)), strict=True):
             w, s = layer.init(inputs_from_stack(input_signature, layer.n_in), rng=r)
             weights.append(w)
             states.append(s)
@@ -211,7 +241,7 @@ class Select(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        items = x if isinstance(x, tuple) else (x,)
+        items = _as_tuple(x)
         return _bare([items[i] for i in self._indices]), state
 
 
@@ -229,7 +259,7 @@ class _StackOp(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        return self.op(x if isinstance(x, tuple) else (x,)), state
+        return self.op(_as_tuple(x)), state
 
 
 class Dup(_StackOp):
@@ -279,7 +309,7 @@ class Concatenate(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        return jnp.concatenate(x if isinstance(x, tuple) else (x,), axis=self._axis), state
+        return jnp.concatenate(_as_tuple(x), axis=self._axis), state
 
 
 class Split(Layer):

@@ -1,0 +1,119 @@
+"""What every trainer shares: optimizer set-up, the learning rate, batches, write-back.
+
+The three trainers differ in where weights live and how gradients are computed; this
+module holds the parts that must not differ between them, so they stay equivalent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from revtrain.layers.base import Layer, _Deferred
+from revtrain.trainers import devices
+from revtrain.trainers.fbo import has_injectable_learning_rate, learning_rate_of
+
+OptimizerFn = Callable[[], optax.GradientTransformation]
+
+
+class TrainerBase:
+    """Shared machinery; subclasses implement `one_step` and the weight/slot storage.
+
+    Attributes:
+      n_devices: number of devices the batch is split over.
+      mesh: the one-axis (``batch``) mesh.
+      learning_rate: the current injectable learning rate (float), or None when the
+        optimizer has none.
+      memory_ledger: optional `revtrain.memory.MemoryLedger`; when set, every dispatch of a
+        compiled function is recorded with it (used by the benchmarks).
+    """
+
+    def __init__(self, layers: Sequence[Layer], optimizer_fn: OptimizerFn,
+                 n_devices: int | None):
+        for layer in layers:
+            if not layer.initialized:
+                raise ValueError(
+                    f"layer {layer.name} (created at {layer.caller}) is not initialised; call "
+                    f"init(input_signature) (or init_reversible_blocks) before building a "
+                    f"trainer")
+        if not callable(optimizer_fn):
+            raise TypeError(f"optimizer_fn must be a function returning an optax "
+                            f"GradientTransformation; got {optimizer_fn!r}")
+        self.n_devices = devices.resolve_n_devices(n_devices)
+        self.mesh = devices.make_mesh(self.n_devices)
+        self._optimizer_fn = optimizer_fn
+        self.memory_ledger = None
+        self._host_cache: dict[Any, Any] = {}
+
+    # ----------------------------------------------------------------------------------
+    # Learning rate.
+
+    def _init_learning_rate(self, slots: Any) -> None:
+        self._injectable = has_injectable_learning_rate(slots)
+        self.learning_rate = learning_rate_of(slots)
+
+    def _learning_rate_arg(self, learning_rate: float | None) -> np.ndarray | None:
+        """Validates a ``learning_rate`` override and returns the value to pass this step."""
+        if learning_rate is None:
+            return None if self.learning_rate is None else np.float32(self.learning_rate)
+        if not self._injectable:
+            raise ValueError(
+                f"learning_rate={learning_rate} was given but the optimizer has no injectable "
+                f"learning rate; build it with optax.inject_hyperparams(optax.adam)"
+                f"(learning_rate=...)")
+        if not np.isfinite(learning_rate):
+            raise ValueError(f"learning_rate={learning_rate} is not finite")
+        return np.float32(learning_rate)
+
+    # ----------------------------------------------------------------------------------
+    # Batches and rngs.
+
+    def _shard_batch(self, batch: Any) -> Any:
+        """``[batch, ...]`` leaves -> per-device ``[n_devices, batch // n, ...]`` arrays."""
+        if not isinstance(batch, (tuple, list)):
+            raise TypeError(f"batch must be a tuple of arrays (inputs, targets, weights); got "
+                            f"{type(batch).__name__}")
+        reshaped = devices.reshape_by_device(tuple(batch), self.n_devices)
+        return devices.shard_per_device(reshaped, self.mesh)
+
+    def _rng_data(self, rng: jax.Array, n_layers: int | None = None) -> np.ndarray:
+        """uint32 key data: ``[n_devices, n_layers, 2]`` (split by device, then by layer),
+        or ``[n_devices, 2]`` device keys when ``n_layers`` is None."""
+        if not (isinstance(rng, jax.Array) and jax.dtypes.issubdtype(rng.dtype,
+                                                                     jax.dtypes.prng_key)):
+            rng = jax.random.wrap_key_data(np.asarray(rng, dtype=np.uint32))
+        if n_layers is None:
+            return devices.per_device_keys(rng, self.n_devices)
+        return devices.per_device_rngs(rng, self.n_devices, n_layers)
+
+    def _record(self, label: str, fn: Callable | None = None, args: tuple = ()) -> None:
+        if self.memory_ledger is not None:
+            self.memory_ledger.record(label, fn, args)
+
+    # ----------------------------------------------------------------------------------
+    # Writing new values back into the layer objects (lazily).
+
+    def _cached_host(self, key: Any, fetch: Callable[[], Any]) -> Any:
+        if key not in self._host_cache:
+            self._host_cache[key] = fetch()
+        return self._host_cache[key]
+
+    def _write_back(self, layer: Layer, key: Any, weights_fetch: Callable[[], Any],
+                    state_fetch: Callable[[], Any]) -> None:
+        """Makes ``layer.weights``/``layer.state`` read this trainer's values on first use."""
+        layer.weights = _Deferred(lambda: self._cached_host(("w", key), weights_fetch))
+        layer.state = _Deferred(lambda: self._cached_host(("s", key), state_fetch))
+
+    def _new_step(self) -> None:
+        self._host_cache = {}
+
+
+def stats_with_learning_rate(stats: dict[str, Any], learning_rate: Any) -> dict[str, Any]:
+    """Adds ``learning_rate`` to ``stats`` when the optimizer has one."""
+    if learning_rate is not None:
+        stats["learning_rate"] = learning_rate
+    return stats

@@ -1,0 +1,186 @@
+"""Device helpers shared by every trainer: meshes, device reshape, per-device rngs, moves.
+
+All trainers run data-parallel over a one-axis mesh whose axis is named ``batch``
+(`BATCH_AXIS`). A per-device value has a leading axis of size ``n_devices`` sharded over
+that axis (the layout ``jax.pmap`` used, which keeps Trax's per-device rng semantics);
+weights and optimizer slots are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+BATCH_AXIS = "batch"
+
+
+def resolve_n_devices(n_devices: int | None) -> int:
+    """Returns ``n_devices`` or, when None, the number of local devices.
+
+    Raises:
+      ValueError: when ``n_devices`` is < 1 or more than the local devices.
+    """
+    available = jax.local_device_count()
+    if n_devices is None:
+        return available
+    if not 1 <= n_devices <= available:
+        raise ValueError(f"n_devices={n_devices} but this process has {available} devices; "
+                         f"use 1 <= n_devices <= {available}")
+    return int(n_devices)
+
+
+def make_mesh(n_devices: int) -> Mesh:
+    """A one-axis mesh named ``batch`` over the first ``n_devices`` local devices."""
+    devices = jax.local_devices()[:resolve_n_devices(n_devices)]
+    return Mesh(np.array(devices), (BATCH_AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of a value held whole on every device of ``mesh``."""
+    return NamedSharding(mesh, P())
+
+
+def per_device(mesh: Mesh) -> NamedSharding:
+    """The sharding of a value whose leading axis is the device axis."""
+    return NamedSharding(mesh, P(BATCH_AXIS))
+
+
+def reshape_by_device(x: Any, n_devices: int) -> Any:
+    """Reshapes each leaf ``[batch, ...]`` to ``[n_devices, batch // n_devices, ...]``.
+
+    Args:
+      x: a pytree of arrays (numpy or jax) with a leading batch axis.
+      n_devices: number of devices.
+
+    Raises:
+      ValueError: when a leaf's batch is not divisible by ``n_devices`` (names both).
+    """
+    def reshape(a):
+        a = a if hasattr(a, "reshape") else np.asarray(a)
+        batch = a.shape[0] if a.ndim else None
+        if batch is None or batch % n_devices:
+            raise ValueError(f"batch size {batch} is not divisible by n_devices={n_devices}; "
+                             f"use a global batch that is a multiple of {n_devices}")
+        return a.reshape((n_devices, batch // n_devices) + tuple(a.shape[1:]))
+    return jax.tree.map(reshape, x)
+
+
+def for_n_devices(x: Any, n_devices: int) -> Any:
+    """Broadcasts each leaf to a leading device axis: ``[...] -> [n_devices, ...]``."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n_devices,) + np.shape(a)), x)
+
+
+def _cpu_device() -> jax.Device:
+    return jax.local_devices(backend="cpu")[0]
+
+
+def device_rngs(rng: jax.Array, n_devices: int) -> jax.Array:
+    """Keys ``[n_devices]`` for the devices: ``rng[None]`` for one device, else a split."""
+    return rng[None] if n_devices == 1 else jax.random.split(rng, n_devices)
+
+
+def per_device_rngs(rng: jax.Array, n_devices: int, n_layers: int) -> np.ndarray:
+    """Splits ``rng`` by device first, then by layer; computed on the host CPU.
+
+    For one device the result row equals ``jax.random.split(rng, n_layers)``; for several,
+    row ``d`` is ``split(split(rng, n_devices)[d], n_layers)``. A model run as
+    ``Serial(*layers)`` with the device key therefore gives layer ``i`` key ``[d, i]``.
+    The split runs on the CPU so it does not fragment accelerator memory.
+
+    Returns:
+      uint32 numpy key data ``[n_devices, n_layers, *key_shape]`` (wrap with
+      ``jax.random.wrap_key_data`` on use).
+    """
+    with jax.default_device(_cpu_device()):
+        rng = jax.device_put(rng, _cpu_device())
+        keys = jax.vmap(lambda k: jax.random.split(k, n_layers))(device_rngs(rng, n_devices))
+        return np.asarray(jax.random.key_data(keys))
+
+
+def per_device_keys(rng: jax.Array, n_devices: int) -> np.ndarray:
+    """uint32 key data ``[n_devices, *key_shape]`` of `device_rngs`, computed on the CPU."""
+    with jax.default_device(_cpu_device()):
+        rng = jax.device_put(rng, _cpu_device())
+        return np.asarray(jax.random.key_data(device_rngs(rng, n_devices)))
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Copies ``tree`` onto every device of ``mesh`` (new buffers, never aliases the input).
+
+    Goes through host memory: ``device_put`` of a device array may share the source buffer
+    with one shard, and trainers donate these buffers.
+    """
+    sharding = replicated(mesh)
+    return jax.tree.map(lambda a: jax.device_put(np.asarray(a), sharding), tree)
+
+
+def unreplicate(tree: Any) -> Any:
+    """Host (numpy) copy of a replicated tree."""
+    return jax.device_get(tree)
+
+
+def shard_per_device(tree: Any, mesh: Mesh) -> Any:
+    """Puts ``[n_devices, ...]`` leaves on ``mesh`` with the leading axis over devices."""
+    sharding = per_device(mesh)
+    return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
+
+
+def on_cpu(tree: Any) -> Any:
+    """Host memory (numpy) copies of the leaves of ``tree``."""
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def on_accelerator(tree: Any, device: jax.Device | int | None = None) -> Any:
+    """Puts ``tree`` on one device (an index into ``jax.local_devices()`` or a Device).
+
+    Raises:
+      ValueError: when the index names a device this process does not have.
+    """
+    devices = jax.local_devices()
+    if device is None:
+        device = devices[0]
+    elif isinstance(device, int):
+        if not 0 <= device < len(devices):
+            raise ValueError(f"device index {device} does not exist: this process has "
+                             f"{len(devices)} devices (0..{len(devices) - 1})")
+        device = devices[device]
+    return jax.tree.map(lambda a: jax.device_put(a, device), tree)
+
+
+def first_device_slice(tree: Any) -> Any:
+    """Host copy of device 0's entry of per-device values (Trax's ``unreplicate``)."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data)[0]
+                        if isinstance(a, jax.Array) else np.asarray(a)[0], tree)
+
+
+def check_same_structure(new: Any, old: Any, what: str) -> None:
+    """Raises ValueError naming the first path where ``new`` differs from ``old``.
+
+    Compares tree structure, then each leaf's shape and dtype.
+    """
+    new_leaves = jax.tree_util.tree_flatten_with_path(new)[0]
+    old_leaves = jax.tree_util.tree_flatten_with_path(old)[0]
+    new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
+    old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
+    for i, old_path in enumerate(old_paths):
+        if i >= len(new_paths) or new_paths[i] != old_path:
+            got = new_paths[i] if i < len(new_paths) else "nothing"
+            raise ValueError(f"{what} structure mismatch at {what}{old_path}: expected that "
+                             f"path, got {got}")
+    if len(new_paths) > len(old_paths):
+        raise ValueError(f"{what} structure mismatch at {what}{new_paths[len(old_paths)]}: "
+                         f"unexpected extra leaf")
+    for (path, a), (_, b) in zip(new_leaves, old_leaves, strict=True):
+        if np.shape(a) != np.shape(b) or np.dtype(_dtype(a)) != np.dtype(_dtype(b)):
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} has shape {np.shape(a)} dtype "
+                f"{np.dtype(_dtype(a))}; expected {np.shape(b)} {np.dtype(_dtype(b))}")
+
+
+def _dtype(a: Any) -> Any:
+    return a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype

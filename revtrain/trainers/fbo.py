@@ -1,0 +1,196 @@
+"""Per-layer compiled functions of the block trainers: forward, fbo, reverse-and-fbo, loss.
+
+An *fbo* (forward-backward-optimizer) function runs one layer's vjp, averages the weight
+gradients across devices, applies the layer's optimizer update and returns the new weights,
+new optimizer slots, the input cotangents and stats -- so the gradients of the whole model
+are never held at once (Trax's ``ReversibleSerialTrainer`` idea). Every function here is
+``jax.jit(jax.shard_map(...))`` over the ``batch`` mesh axis: per-device values (activations,
+cotangents, layer state, rngs) have a leading device axis, weights and slots are replicated.
+
+Cotangents of integer stack items (token ids, labels) carry no information; they are passed
+as a float32 placeholder of shape ``[n_devices]`` and replaced by ``float0`` zeros inside.
+
+`FnCache` compiles each kind of function once per *layer structure* (`Layer.structure_key`),
+so identical layers of a deep model share one executable and nothing recompiles after the
+first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from revtrain.layers.base import Layer
+from revtrain.trainers.devices import BATCH_AXIS
+
+DEV = P(BATCH_AXIS)
+REP = P()
+
+
+def has_injectable_learning_rate(slots: Any) -> bool:
+    """True when ``slots`` holds an ``optax.inject_hyperparams`` ``learning_rate``."""
+    try:
+        optax.tree_utils.tree_get(slots, "learning_rate")
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
+def learning_rate_of(slots: Any) -> float | None:
+    """The ``learning_rate`` stored in optimizer slots, or None when there is none."""
+    if not has_injectable_learning_rate(slots):
+        return None
+    return float(np.asarray(optax.tree_utils.tree_get(slots, "learning_rate")))
+
+
+def apply_optimizer(optimizer: optax.GradientTransformation, grads: Any, weights: Any,
+                    slots: Any, learning_rate: jax.Array | None) -> tuple[Any, Any]:
+    """One optimizer update; sets the injectable learning rate first when one is given."""
+    if learning_rate is not None:
+        old = optax.tree_utils.tree_get(slots, "learning_rate")
+        slots = optax.tree_utils.tree_set(slots, learning_rate=jnp.asarray(
+            learning_rate, dtype=jnp.asarray(old).dtype))
+    updates, new_slots = optimizer.update(grads, slots, weights)
+    return optax.apply_updates(weights, updates), new_slots
+
+
+def _squeeze(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _unsqueeze(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating)
+
+
+def _ct_for_outputs(y: Any, ct: Any) -> Any:
+    """Cotangents for vjp: the given ones for float outputs, float0 zeros for the rest."""
+    if isinstance(y, tuple):
+        return tuple(_ct_for_outputs(a, c) for a, c in zip(y, ct, strict=True))
+    if _is_float(y):
+        return ct.astype(y.dtype)
+    return np.zeros(y.shape, dtype=jax.dtypes.float0)
+
+
+def _placeholders(ct: Any) -> Any:
+    """Replaces float0 cotangents by float32 scalars, so they can leave a shard_map."""
+    if isinstance(ct, tuple):
+        return tuple(_placeholders(c) for c in ct)
+    if ct.dtype == jax.dtypes.float0:
+        return jnp.zeros((), jnp.float32)
+    return ct
+
+
+def _wrap_key(key_data: jax.Array) -> jax.Array:
+    return jax.random.wrap_key_data(key_data)
+
+
+def _layer_stats(grads: Any, new_weights: Any) -> dict[str, jax.Array]:
+    return {"gradients_l2": optax.global_norm(grads),
+            "weights_l2": optax.global_norm(new_weights)}
+
+
+def _update(optimizer, ct_w, w, slots, lr) -> tuple[Any, Any, dict[str, jax.Array]]:
+    grads = jax.lax.pmean(ct_w, BATCH_AXIS)
+    new_w, new_slots = apply_optimizer(optimizer, grads, w, slots, lr)
+    return new_w, new_slots, _layer_stats(grads, new_w)
+
+
+def make_forward(layer: Layer, mesh: Mesh) -> Callable:
+    """``(x, w, state, rng) -> (y, new_state)`` for per-device ``x``, ``state``, ``rng``."""
+    def body(x, w, state, rng):
+        y, new_state = layer.pure_fn(_squeeze(x), w, _squeeze(state), _wrap_key(rng[0]))
+        return _unsqueeze(y), _unsqueeze(new_state)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(DEV, REP, DEV, DEV),
+                                 out_specs=(DEV, DEV)))
+
+
+def make_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh) -> Callable:
+    """Standard layer: ``(x, w, state, rng, ct_y, slots, lr) -> (ct_x, new_w, new_slots,
+    stats)``; recomputes the forward pass from the stored input ``x``."""
+    def body(x, w, state, rng, ct_y, slots, lr):
+        x, state, ct_y = _squeeze(x), _squeeze(state), _squeeze(ct_y)
+        fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _wrap_key(rng[0]))
+        y, vjp_fn, _ = jax.vjp(fn, x, w, has_aux=True)
+        ct_x, ct_w = vjp_fn(_ct_for_outputs(y, ct_y))
+        new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
+        return _unsqueeze(_placeholders(ct_x)), new_w, new_slots, stats
+    return jax.jit(jax.shard_map(body, mesh=mesh,
+                                 in_specs=(DEV, REP, DEV, DEV, DEV, REP, REP),
+                                 out_specs=(DEV, REP, REP, REP)),
+                   donate_argnums=(1, 5))
+
+
+def make_reverse_and_fbo(layer: Layer, optimizer: optax.GradientTransformation,
+                         mesh: Mesh) -> Callable:
+    """Reversible layer: ``(y, ct_y, w, state, new_state, rng, slots, lr) -> (x, ct_x,
+    new_w, new_slots, stats)``; reconstructs the input from the output (no stored x)."""
+    def body(y, ct_y, w, state, new_state, rng, slots, lr):
+        y, ct_y = _squeeze(y), _squeeze(ct_y)
+        x, (ct_x, ct_w) = layer.reverse_and_grad(
+            y, _ct_for_outputs(y, ct_y), w, _squeeze(state), _squeeze(new_state),
+            _wrap_key(rng[0]))
+        new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
+        return _unsqueeze(x), _unsqueeze(_placeholders(ct_x)), new_w, new_slots, stats
+    return jax.jit(jax.shard_map(body, mesh=mesh,
+                                 in_specs=(DEV, DEV, REP, DEV, DEV, DEV, REP, REP),
+                                 out_specs=(DEV, DEV, REP, REP, REP)),
+                   donate_argnums=(2, 6))
+
+
+def make_loss_fbo(layer: Layer, optimizer: optax.GradientTransformation,
+                  mesh: Mesh) -> Callable:
+    """Loss layer: ``(x, w, state, rng, slots, lr) -> (loss, ct_x, new_w, new_slots,
+    new_state, stats)``; ``loss`` is averaged across devices (each device's cotangent is 1,
+    and weight gradients are averaged, as in the data-parallel `Trainer`)."""
+    def body(x, w, state, rng, slots, lr):
+        x, state = _squeeze(x), _squeeze(state)
+        fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _wrap_key(rng[0]))
+        loss, vjp_fn, new_state = jax.vjp(fn, x, w, has_aux=True)
+        ct_x, ct_w = vjp_fn(jnp.ones_like(loss))
+        new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
+        loss = jax.lax.pmean(loss, BATCH_AXIS)
+        return (loss, _unsqueeze(_placeholders(ct_x)), new_w, new_slots,
+                _unsqueeze(new_state), stats)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(DEV, REP, DEV, DEV, REP, REP),
+                                 out_specs=(REP, DEV, REP, REP, DEV, REP)),
+                   donate_argnums=(1, 4))
+
+
+class FnCache:
+    """Compiled per-layer functions, one per (kind, layer structure, optimizer).
+
+    Two layers with equal `Layer.structure_key` compute the same function of their
+    arguments, so they share one jitted function (and one executable per input shape).
+    The cache belongs to one trainer (no module-level state).
+    """
+
+    _MAKERS = {"forward": make_forward, "fbo": make_fbo,
+               "reverse_and_fbo": make_reverse_and_fbo, "loss_fbo": make_loss_fbo}
+
+    def __init__(self, mesh: Mesh, optimizer: optax.GradientTransformation):
+        self._mesh = mesh
+        self._optimizer = optimizer
+        self._fns: dict[Any, Callable] = {}
+        self.n_built = 0
+
+    def get(self, kind: str, layer: Layer) -> Callable:
+        """Returns the jitted ``kind`` function for ``layer`` (built on first use)."""
+        key = (kind, layer.structure_key)
+        if key not in self._fns:
+            maker = self._MAKERS[kind]
+            args = (layer, self._mesh) if kind == "forward" else (
+                layer, self._optimizer, self._mesh)
+            self._fns[key] = maker(*args)
+            self.n_built += 1
+        return self._fns[key]

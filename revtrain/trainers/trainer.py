@@ -1,0 +1,149 @@
+"""`Trainer`: the plain data-parallel trainer (whole model and its activations on device)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from revtrain.layers.base import Layer
+from revtrain.trainers import devices
+from revtrain.trainers.base import OptimizerFn, TrainerBase, stats_with_learning_rate
+from revtrain.trainers.devices import BATCH_AXIS
+from revtrain.trainers.fbo import DEV, REP, apply_optimizer
+
+
+class Trainer(TrainerBase):
+    """Data-parallel training of a model that ends in its loss, one jitted update per step.
+
+    The whole model runs under ``jax.grad`` (all activations of a step are stored), inside
+    ``jax.shard_map`` over the ``batch`` mesh axis: each device gets ``batch // n_devices``
+    examples and its own rng (``split(rng, n_devices)[d]``; the rng itself for one device),
+    gradients and the loss are averaged across devices, and one optimizer update is applied
+    to replicated weights. Weight and slot buffers are donated. Layer state (e.g. BatchNorm
+    statistics) is kept per device; `state` and the layer objects show device 0's, as Trax's
+    trainer does. This is the baseline the reversible trainers must agree with.
+
+    Args:
+      model_with_loss: an initialised layer mapping the batch ``(inputs, targets, weights)``
+        to a scalar loss, e.g. ``Serial(model, CrossEntropyLoss())``.
+      optimizer_fn: returns an optax ``GradientTransformation``; wrap it with
+        ``optax.inject_hyperparams`` to set the learning rate per step.
+      n_devices: devices to use (default: all local devices).
+
+    Raises:
+      ValueError: for an uninitialised model or an impossible ``n_devices``.
+    """
+
+    def __init__(self, model_with_loss: Layer, optimizer_fn: OptimizerFn,
+                 n_devices: int | None = None):
+        super().__init__([model_with_loss], optimizer_fn, n_devices)
+        self._model = model_with_loss
+        self._optimizer = optimizer_fn()
+        self._weights = devices.replicate(model_with_loss.weights, self.mesh)
+        self._state = devices.shard_per_device(
+            devices.for_n_devices(model_with_loss.state, self.n_devices), self.mesh)
+        self._slots = devices.replicate(self._optimizer.init(model_with_loss.weights),
+                                        self.mesh)
+        self._init_learning_rate(self._slots)
+        self._update = self._make_update()
+        self.n_traces = 0
+
+    def _make_update(self):
+        model, optimizer = self._model, self._optimizer
+
+        def body(batch, weights, state, rng, slots, lr):
+            self.n_traces += 1
+            batch, state = jax.tree.map(lambda a: a[0], (batch, state))
+            rng = jax.random.wrap_key_data(rng[0])
+
+            def loss_fn(w):
+                return model.pure_fn(batch, w, state, rng)
+
+            (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
+            grads = jax.lax.pmean(grads, BATCH_AXIS)
+            new_weights, new_slots = apply_optimizer(optimizer, grads, weights, slots, lr)
+            stats = {"loss": jax.lax.pmean(loss, BATCH_AXIS),
+                     "gradients_l2": optax.global_norm(grads),
+                     "weights_l2": optax.global_norm(new_weights)}
+            if lr is not None:
+                stats["learning_rate"] = jnp.asarray(lr, jnp.float32)
+            new_state = jax.tree.map(lambda a: a[None], new_state)
+            return new_weights, new_state, new_slots, stats
+
+        mapped = jax.shard_map(body, mesh=self.mesh,
+                               in_specs=(DEV, REP, DEV, DEV, REP, REP),
+                               out_specs=(REP, DEV, REP, REP))
+        return jax.jit(mapped, donate_argnums=(1, 2, 4))
+
+    def one_step(self, batch: Any, rng: jax.Array, step: int = 0,
+                 learning_rate: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Runs one training step and updates the model's weights, state and slots.
+
+        Args:
+          batch: tuple of arrays ``(inputs, targets, weights)``, each ``[batch, ...]`` with
+            ``batch`` divisible by ``n_devices``.
+          rng: a ``jax.random.key``, split by device (then by layer inside `Serial`).
+          step: the global step (informational; schedules live in the training loop).
+          learning_rate: sets the optimizer's learning rate for this and later steps.
+
+        Returns:
+          ``(loss, stats)``: scalar float32 loss averaged over the batch and devices; stats
+          ``loss``, ``gradients_l2``, ``weights_l2`` and ``learning_rate``.
+
+        Raises:
+          ValueError: for a batch not divisible by ``n_devices`` or a learning rate the
+            optimizer cannot take; the trainer's weights are unchanged then.
+        """
+        del step
+        lr = self._learning_rate_arg(learning_rate)
+        sharded = self._shard_batch(batch)
+        rng_data = self._rng_data(rng)
+        args = (sharded, self._weights, self._state, rng_data, self._slots, lr)
+        self._record("train_step", self._update, args)
+        self._weights, self._state, self._slots, stats = self._update(*args)
+        if learning_rate is not None:
+            self.learning_rate = float(learning_rate)
+        self._new_step()
+        self._write_back(self._model, "model", lambda: devices.unreplicate(self._weights),
+                         lambda: devices.first_device_slice(self._state))
+        return stats["loss"], stats_with_learning_rate(dict(stats), stats.get("learning_rate"))
+
+    # ----------------------------------------------------------------------------------
+    # Weights, state and slots as host values (what checkpoints store).
+
+    @property
+    def weights(self) -> Any:
+        """Host copy of all weights (the structure of ``model_with_loss.weights``)."""
+        return devices.unreplicate(self._weights)
+
+    @weights.setter
+    def weights(self, weights: Any) -> None:
+        devices.check_same_structure(weights, self._weights, "weights")
+        self._weights = devices.replicate(weights, self.mesh)
+        self._model.weights = weights
+
+    @property
+    def state(self) -> Any:
+        """Host copy of device 0's layer state (the structure of ``model_with_loss.state``)."""
+        return devices.first_device_slice(self._state)
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        devices.check_same_structure(state, self.state, "state")
+        self._state = devices.shard_per_device(devices.for_n_devices(state, self.n_devices),
+                                               self.mesh)
+        self._model.state = state
+
+    @property
+    def slots(self) -> Any:
+        """Host copy of the optimizer state (one optax state for the whole model)."""
+        return devices.unreplicate(self._slots)
+
+    @slots.setter
+    def slots(self, slots: Any) -> None:
+        devices.check_same_structure(slots, self._slots, "slots")
+        self._slots = devices.replicate(slots, self.mesh)
+        self._init_learning_rate(self._slots)
