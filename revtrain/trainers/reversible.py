@@ -126,8 +126,8 @@ class ReversibleSerialTrainer(TrainerBase):
     def _before_layer(self, position: int) -> None:
         del position
 
-    def _end_forward(self) -> None:
-        pass
+    def _end_forward(self, stack: Any) -> Any:
+        return stack
 
     def _end_step(self) -> None:
         pass
@@ -201,12 +201,12 @@ class ReversibleSerialTrainer(TrainerBase):
                 y, new_state = fn(*args)
                 new_states[i] = self._keep_state(new_state)
                 stack = outputs_onto_stack(y, stack, layer.n_in)
-        self._end_forward()
-        return stack, kept_stacks
+        return self._end_forward(stack), kept_stacks
 
     def _loss(self, stack, rngs, lr, new_states, stats) -> tuple[jax.Array, Any]:
         i = len(self.layers) - 1
         layer = self.layers[i]
+        stack = self._device_stack(stack)
         n_items = len(_as_items(stack))
         if n_items != layer.n_in:
             raise ValueError(f"the loss layer {layer.name} takes {layer.n_in} stack items but "
