@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import os
-import traceback
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +69,10 @@ class LayerError(Exception):
                    f"{type(original).__name__}: {original}")
         super().__init__(message)
 
+    def __reduce__(self):
+        return (type(self), (self.layer_name, self.method, self.caller, self.input_signature,
+                             self.original))
+
 
 def format_signature(signature: Any) -> str:
     """Returns ``'float32[2,3], int32[2]'``-style text for arrays or signatures."""
@@ -77,7 +81,7 @@ def format_signature(signature: Any) -> str:
     for leaf in leaves:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             shape = ",".join(str(d) for d in leaf.shape)
-            parts.append(f"{np.dtype(leaf.dtype).name}[{shape}]")
+            parts.append(f"{getattr(leaf.dtype, 'name', leaf.dtype)}[{shape}]")
         else:
             parts.append(type(leaf).__name__)
     return "(" + ", ".join(parts) + ")"
@@ -94,14 +98,55 @@ def _dtype_of(a: Any) -> Any:
     return jnp.asarray(a).dtype
 
 
-def _creation_site() -> str:
-    """Returns ``file:line`` of the first stack frame outside the revtrain package."""
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(_PACKAGE_DIR + os.sep):
-            return f"{frame.filename}:{frame.lineno}"
-    frame = traceback.extract_stack()[0]
-    return f"{frame.filename}:{frame.lineno}"
+def _error_signature(x: Any) -> Any:
+    """As `signature_of`, but never raises: non-array leaves are kept for their type name."""
+    def leaf(a):
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+        return a
+    try:
+        return jax.tree_util.tree_map(leaf, x)
+    except Exception:  # noqa: BLE001 -- only describes inputs for an error message
+        return type(x).__name__
+
+
+def _creation_site(layer: Layer) -> str:
+    """Returns ``file:line`` of the user code creating ``layer``.
+
+    Skips frames inside the revtrain package, gin's configurable wrappers, and the
+    ``__init__`` methods of ``layer`` itself (a user-defined subclass's ``super().__init__``
+    call), as Trax's ``_find_frame`` does.
+    """
+    frame = sys._getframe(1)
+    outermost = frame
+    while frame is not None:
+        outermost = frame
+        path = os.path.abspath(frame.f_code.co_filename)
+        module = str(frame.f_globals.get("__name__", ""))
+        skip = (path.startswith(_PACKAGE_DIR + os.sep) or module.split(".")[0] == "gin"
+                or (frame.f_code.co_name == "__init__"
+                    and frame.f_locals.get("self") is layer))
+        if not skip:
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return f"{outermost.f_code.co_filename}:{outermost.f_lineno}"
+
+
+def _fetch_once(fetch: Callable[[], Any], n: int, owner: str) -> Callable[[], Any]:
+    """Wraps ``fetch`` so it runs once and must return ``n`` items (one per sublayer)."""
+    cache = []
+
+    def fetch_once():
+        if not cache:
+            value = fetch()
+            if not isinstance(value, (tuple, list)) or len(value) != n:
+                got = len(value) if isinstance(value, (tuple, list)) else type(value).__name__
+                raise ValueError(f"deferred value of {owner} must be a tuple of {n} items "
+                                 f"(one per sublayer); got {got}")
+            cache.append(value)
+        return cache[0]
+
+    return fetch_once
 
 
 def _freeze(value: Any) -> Any:
@@ -162,7 +207,7 @@ class Layer:
         self._n_out = n_out
         self._name = name or type(self).__name__
         self._sublayers = tuple(sublayers)
-        self._caller = _creation_site()
+        self._caller = _creation_site(self)
         self._weights: Any = EMPTY
         self._state: Any = EMPTY
         self._initialized = False
@@ -194,8 +239,18 @@ class Layer:
 
     @property
     def structure_key(self) -> Any:
-        """Hashable key equal for layers built by the same class with equal arguments."""
+        """Hashable key equal for layers built by the same class with equal arguments.
+
+        Arguments are bound to the constructor's signature with defaults filled in, so
+        ``Concatenate()`` and ``Concatenate(axis=-1)`` have the same key.
+        """
         args, kwargs = self._constructor_args
+        try:
+            bound = inspect.signature(type(self).__init__).bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            args, kwargs = (), dict(list(bound.arguments.items())[1:])
+        except (TypeError, ValueError):
+            pass
         return (type(self).__module__, type(self).__qualname__, _freeze(args),
                 _freeze(kwargs))
 
@@ -230,10 +285,10 @@ class Layer:
                 raise ValueError(
                     f"{self.name}.{kind} must be a tuple of {len(self._sublayers)} items (one "
                     f"per sublayer); got {got}")
-            for sub, sub_value in zip(self._sublayers, value):
+            for sub, sub_value in zip(self._sublayers, value, strict=True):
                 sub._set_tree(kind, sub_value)
         elif self._sublayers:
-            fetch = value.fetch
+            fetch = _fetch_once(value.fetch, len(self._sublayers), f"{self.name}.{kind}")
             for i, sub in enumerate(self._sublayers):
                 sub._set_tree(kind, _Deferred(lambda i=i: fetch()[i]))
         else:
@@ -297,7 +352,7 @@ class Layer:
         except LayerError:
             raise
         except Exception as e:
-            raise LayerError(self.name, "pure_fn", self._caller, signature_of(x), e) from e
+            raise LayerError(self.name, "pure_fn", self._caller, _error_signature(x), e) from e
 
     def forward(self, x: Any) -> Any:
         """Runs the layer on ``x`` with its own weights, state and rng; returns ``y``.
@@ -334,13 +389,14 @@ class Layer:
         """
         if rng is not None:
             self.rng = rng
-        signature = signature_of(input_signature)
         try:
+            signature = signature_of(input_signature)
             weights, state = self.init_weights_and_state(signature, self.rng)
         except LayerError:
             raise
         except Exception as e:
-            raise LayerError(self.name, "init", self._caller, signature, e) from e
+            raise LayerError(self.name, "init", self._caller, _error_signature(input_signature),
+                             e) from e
         self.weights = weights
         self.state = state
         self._initialized = True
@@ -446,7 +502,9 @@ class PureLayer(Layer):
         if got != self.n_out:
             raise ValueError(f"{self.name} declared n_out={self.n_out} but returned {got} "
                              f"outputs")
-        return (tuple(y) if isinstance(y, list) else y), state
+        if isinstance(y, (tuple, list)):
+            y = y[0] if self.n_out == 1 else tuple(y)
+        return y, state
 
 
 class Fn(PureLayer):
