@@ -1,0 +1,253 @@
+"""Checkpoints through ``orbax.checkpoint.CheckpointManager``, Paxml-style retention.
+
+A checkpoint is one pytree (the loop stores ``{'weights', 'state', 'slots', 'step',
+'rng'}``), saved *flat*: a dict from a path string such as ``'weights/3/0/1'`` to a numpy
+array. Flat keys make the on-disk layout independent of how orbax treats tuples, empty
+nodes and optax NamedTuples, and make the structure check on restore a comparison of two
+ordered key lists. Restoring needs a *template* (the current model's tree): its structure
+rebuilds the tree, and any difference in paths, shapes or dtypes is a `ValueError` naming
+the first mismatching path (Trax fails with an ``IndexError`` deep inside the restore).
+
+Retention, as Paxml's checkpoint manager: the newest ``max_to_keep`` checkpoints, plus,
+permanently, every checkpoint whose step is a multiple of ``keep_period`` and one per
+``keep_time_interval`` seconds (orbax ``LatestN``, ``EveryNSteps`` and ``EveryNSeconds``
+preservation policies). Saves are atomic: orbax writes into a temporary directory and
+renames it when complete, so a crash mid-save leaves the previous checkpoint the newest
+restorable one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers as policies
+
+logger = logging.getLogger(__name__)
+
+SEPARATOR = "/"
+_KEY_MARK = "__prng_key__"  # Suffix of the path of a flattened typed PRNG key.
+
+
+def _is_typed_key(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype,
+                                                                  jax.dtypes.prng_key)
+
+
+def _leaves_with_keys(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` pairs; a top-level dict keeps its insertion order (not sorted)."""
+    if isinstance(tree, dict):
+        return [(f"{name}{SEPARATOR}{key}" if key else str(name), leaf)
+                for name, sub in tree.items() for key, leaf in _leaves_with_keys(sub)]
+    return [(jax.tree_util.keystr(path, simple=True, separator=SEPARATOR), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def flatten_tree(tree: Any) -> dict[str, np.ndarray]:
+    """Returns ``{path: numpy array}`` for every leaf of ``tree``.
+
+    Paths join the key path with ``'/'`` (``'weights/3/0/1'``). A top-level dict keeps its
+    insertion order, so ``'weights'`` paths come first when the dict lists them first.
+    Typed PRNG keys are stored as their uint32 key data. Empty nodes (``()``, None) hold no
+    leaves and vanish; the template given to `unflatten_tree` puts them back.
+    """
+    flat = {}
+    for key, leaf in _leaves_with_keys(tree):
+        if _is_typed_key(leaf):
+            flat[key + SEPARATOR + _KEY_MARK] = np.asarray(jax.random.key_data(leaf))
+        else:
+            flat[key] = np.asarray(leaf)
+    return flat
+
+
+def unflatten_tree(flat: Mapping[str, Any], template: Any) -> Any:
+    """Inverse of `flatten_tree`: rebuilds ``template``'s structure from ``flat`` values.
+
+    Raises:
+      ValueError: when ``flat`` does not hold exactly the template's paths and shapes.
+    """
+    expected = flatten_tree(template)
+    check_matches(_signatures(expected), _signatures(flat), "values")
+    return _rebuild(flat, template, "")
+
+
+def _rebuild(flat: Mapping[str, Any], template: Any, prefix: str) -> Any:
+    if isinstance(template, dict):
+        return type(template)(
+            (name, _rebuild(flat, sub, f"{prefix}{name}{SEPARATOR}"))
+            for name, sub in template.items())
+    leaves = []
+    for path, old in jax.tree_util.tree_flatten_with_path(template)[0]:
+        key = prefix + jax.tree_util.keystr(path, simple=True, separator=SEPARATOR)
+        key = key.rstrip(SEPARATOR)
+        if _is_typed_key(old):
+            leaves.append(jax.random.wrap_key_data(flat[key + SEPARATOR + _KEY_MARK]))
+        else:
+            leaves.append(flat[key])
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
+
+
+def _signatures(flat: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    return {k: (tuple(np.shape(v)), np.dtype(v.dtype)) for k, v in flat.items()}
+
+
+def _describe(signature: tuple[tuple[int, ...], np.dtype]) -> str:
+    shape, dtype = signature
+    return f"{dtype.name}[{','.join(str(d) for d in shape)}]"
+
+
+def check_matches(expected: Mapping[str, tuple], found: Mapping[str, tuple],
+                  what: str = "checkpoint") -> None:
+    """Checks two ``{path: (shape, dtype)}`` maps agree; raises naming the first mismatch.
+
+    Paths are compared in ``expected``'s order; a path only in ``found`` is reported after
+    all of ``expected``'s paths have been checked.
+
+    Raises:
+      ValueError: naming the first path that is missing, extra, or differs in shape/dtype.
+    """
+    for key, signature in expected.items():
+        if key not in found:
+            raise ValueError(f"{what} does not match the model: path {key!r} "
+                             f"({_describe(signature)}) is in the model but not in the "
+                             f"{what}")
+        if found[key] != signature:
+            raise ValueError(f"{what} does not match the model at path {key!r}: saved "
+                             f"{_describe(found[key])}, model {_describe(signature)}; use "
+                             f"the configuration it was saved with, or a new directory")
+    extra = [key for key in found if key not in expected]
+    if extra:
+        raise ValueError(f"{what} does not match the model: path {extra[0]!r} is in the "
+                         f"{what} but not in the model")
+
+
+def _barrier(name: str) -> None:
+    """Waits for every process (no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+class Checkpointer:
+    """Saves and restores flat pytree checkpoints under ``directory`` with orbax.
+
+    Args:
+      directory: where the step directories (``<directory>/<step>``) go; created.
+      max_to_keep: how many of the newest checkpoints to keep (None: all).
+      keep_period: also keep, permanently, every checkpoint whose step is a multiple of
+        this (Paxml's ``keep_period``); None disables.
+      keep_time_interval: also keep, permanently, one checkpoint per this many seconds (a
+        number or ``datetime.timedelta``; Paxml's ``keep_interval_timedelta``); None
+        disables.
+      async_save: write in a background thread (orbax async checkpointing); `save`
+        returns once the arrays are copied. Call `wait_until_finished` or `close` before
+        exiting.
+
+    Raises:
+      ValueError: for ``max_to_keep < 1``, ``keep_period < 1`` or a non-positive interval.
+    """
+
+    def __init__(self, directory: str, max_to_keep: int | None = 3,
+                 keep_period: int | None = None,
+                 keep_time_interval: float | datetime.timedelta | None = None,
+                 async_save: bool = False):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
+            preservation_policy=_preservation_policy(max_to_keep, keep_period,
+                                                     keep_time_interval))
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler())
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of all complete checkpoints, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, tree: Any) -> bool:
+        """Saves ``tree`` as the checkpoint of ``step``; returns whether it was written.
+
+        A step equal to the newest checkpoint's is not written again (returns False). A step
+        *older* than the newest checkpoint is skipped with a warning, as Paxml does, since
+        the newer checkpoint would otherwise hide it on restore. With several processes,
+        every process must call this; `multihost_utils.sync_global_devices` brackets the
+        save.
+        """
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            if step < latest:
+                logger.warning("not saving the checkpoint of step %d: it is older than the "
+                               "newest checkpoint (step %d) in %s", step, latest,
+                               self.directory)
+            return False
+        flat = flatten_tree(tree)
+        _barrier(f"revtrain_checkpoint_save_start_{step}")
+        saved = self._manager.save(int(step), args=ocp.args.StandardSave(flat), force=True)
+        _barrier(f"revtrain_checkpoint_save_end_{step}")
+        return bool(saved)
+
+    def restore(self, template: Any, step: int | None = None) -> Any:
+        """Restores the checkpoint of ``step`` (default: the newest) into ``template``'s form.
+
+        Args:
+          template: a pytree with the structure, shapes and dtypes to restore (e.g. the
+            current trainer's values); its values are not used.
+          step: which checkpoint; None for the newest.
+
+        Returns:
+          A pytree of numpy arrays with ``template``'s structure.
+
+        Raises:
+          FileNotFoundError: when there is no checkpoint (of ``step``).
+          ValueError: when the checkpoint's paths, shapes or dtypes differ from the
+            template's; the message names the first mismatching path.
+        """
+        self.wait_until_finished()
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self._manager.all_steps():
+            which = "any checkpoint" if step is None else f"a checkpoint of step {step}"
+            raise FileNotFoundError(f"{self.directory} holds no {which}")
+        expected = flatten_tree(template)
+        metadata = self._manager.item_metadata(step).tree
+        found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in metadata.items()}
+        check_matches(_signatures(expected), found,
+                      f"checkpoint {os.path.join(self.directory, str(step))}")
+        flat = self._manager.restore(step, args=ocp.args.StandardRestore(expected))
+        return unflatten_tree(flat, template)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until an asynchronous save has finished."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finishes pending saves and releases the manager."""
+        self._manager.close()
+
+
+def _preservation_policy(max_to_keep: int | None, keep_period: int | None,
+                         keep_time_interval: float | datetime.timedelta | None) -> Any:
+    """orbax ``AnyPreservationPolicy`` of the newest-N, every-N-steps and interval rules."""
+    if max_to_keep is not None and max_to_keep < 1:
+        raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 or None (keep all)")
+    rules = [policies.LatestN(n=max_to_keep)]
+    if keep_period is not None:
+        if keep_period < 1:
+            raise ValueError(f"keep_period={keep_period} must be >= 1 or None")
+        rules.append(policies.EveryNSteps(interval_steps=int(keep_period)))
+    if keep_time_interval is not None:
+        if isinstance(keep_time_interval, datetime.timedelta):
+            keep_time_interval = keep_time_interval.total_seconds()
+        if keep_time_interval <= 0:
+            raise ValueError(f"keep_time_interval={keep_time_interval} seconds must be > 0 "
+                             f"or None")
+        rules.append(policies.EveryNSeconds(interval_secs=max(int(keep_time_interval), 1)))
+    return policies.AnyPreservationPolicy(rules)

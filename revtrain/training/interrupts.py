@@ -1,0 +1,66 @@
+"""Graceful stop on SIGINT / SIGTERM: the loop finishes its step, saves, and returns.
+
+Inside `StopOnSignals`, the first SIGINT (Ctrl-C) or SIGTERM (e.g. a preemption notice)
+only records the signal; the training loop checks `StopOnSignals.requested` after each step,
+saves a checkpoint and stops. A second SIGINT runs the previous handler (normally
+``KeyboardInterrupt``), so a user can still force an exit. Handlers can only be installed
+in the main thread; elsewhere the context manager does nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import numpy as np
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopOnSignals:
+    """Context manager that turns SIGINT/SIGTERM into a stop request.
+
+    Attributes:
+      signum: the first signal received (an int), or None.
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        del frame
+        if self.signum is None:
+            self.signum = signum
+        if signum == signal.SIGINT:  # A second Ctrl-C goes to the previous handler.
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT,
+                                                            signal.default_int_handler))
+
+    def __enter__(self) -> StopOnSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def requested(self) -> bool:
+        """True once a stop signal arrived (in any process, when there are several).
+
+        With several processes the flag is combined across processes (a tiny all-gather
+        per call), so every process stops after the same step even when only one of them
+        received the signal.
+        """
+        import jax
+
+        if jax.process_count() == 1:
+            return self.signum is not None
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
+        if self.signum is None and np.any(flags):
+            self.signum = int(np.max(flags))
+        return self.signum is not None

@@ -1,0 +1,383 @@
+"""`Loop`: trains a model with one of the three trainers, evaluates, checkpoints, logs.
+
+One step of the loop, at global step ``k`` (the number of steps already taken):
+
+1. take batch ``k`` of ``inputs.train_stream(start_step=...)`` (streams are deterministic
+   per step, so the step alone is the data position);
+2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``;
+3. stop with `NonFiniteLossError` if the loss is NaN or inf (nothing is saved after it);
+4. ``k += 1``; log train metrics every ``log_every`` steps, evaluate every ``eval_every``
+   steps and save a checkpoint every ``checkpoint_every`` steps.
+
+At the end (and when SIGINT/SIGTERM asked to stop) it saves a checkpoint, evaluates if the
+last step was not evaluated yet, and returns the last eval metrics. On construction it
+restores the newest checkpoint of ``output_dir`` -- weights, optimizer slots, layer state,
+step and rng -- so ``run(20)`` then ``run(30)`` (even in a new process) ends with the same
+weights as ``run(30)``, as with Trax's ``train`` whose ``steps`` is the total step count.
+
+All trainers see the model as the flat layer list of ``extract_reversible_blocks`` (the
+plain `Trainer` gets ``Serial`` of it), so every trainer gives layer ``i`` the same rng and
+checkpoints' ``weights`` have the same structure for all three.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from revtrain.data.inputs import Inputs
+from revtrain.layers import Accuracy, Layer, Serial, WeightedCategoryCrossEntropy, signature_of
+from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
+from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.evaluation import BYTE_VOCAB_SIZE, Evaluator, bits_per_byte
+from revtrain.training.interrupts import StopOnSignals
+from revtrain.training.metrics_writer import MetricsWriter
+from revtrain.training.optimizers import optimizer_fn as default_optimizer_fn
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or inf; the message names the step."""
+
+
+def build_trainer(trainer_class: Callable[..., Any], model: Layer, loss_layer: Layer,
+                  optimizer_fn: Callable[[], optax.GradientTransformation],
+                  n_devices: int | None = None, **trainer_kwargs: Any) -> Any:
+    """Builds ``trainer_class`` for an initialised ``model`` followed by ``loss_layer``.
+
+    `Trainer` (or a subclass) gets ``Serial(*flat_layers)``; any other class is called as
+    the block trainers are, ``trainer_class(blocks, loss_layer, optimizer_fn, n_devices,
+    **trainer_kwargs)``, with ``blocks, loss_layer = extract_reversible_blocks([model,
+    loss_layer])``.
+    """
+    blocks, loss = extract_reversible_blocks([model, loss_layer])
+    if isinstance(trainer_class, type) and issubclass(trainer_class, Trainer):
+        return trainer_class(Serial(*blocks_to_layers(blocks, loss)), optimizer_fn,
+                             n_devices=n_devices, **trainer_kwargs)
+    return trainer_class(blocks, loss, optimizer_fn, n_devices=n_devices, **trainer_kwargs)
+
+
+def _global_l2(stats: Mapping[str, Any], name: str) -> float | None:
+    """``stats[name]``, or the L2 norm over all ``layer{i}/{name}`` entries."""
+    if name in stats:
+        return float(stats[name])
+    parts = [float(v) ** 2 for k, v in stats.items() if k.endswith("/" + name)]
+    return math.sqrt(sum(parts)) if parts else None
+
+
+class Loop:
+    """Runs training steps, evaluation, checkpointing and metric logging.
+
+    Args:
+      model: the model function, called as ``model(mode='train')`` and
+        ``model(mode='eval')`` (e.g. ``functools.partial(ReversibleTransformerLM, ...)``).
+      inputs: an `Inputs` (or a function returning one) with ``train_stream(start_step)``
+        and ``eval_stream()``.
+      optimizer_fn: ``() -> optax.GradientTransformation`` built with
+        ``optax.inject_hyperparams`` (see `revtrain.training.optimizer_fn`).
+      trainer_class: `Trainer`, `ReversibleSerialTrainer` or `MemoryEfficientTrainer`.
+      loss: the loss layer (or a function returning one); default
+        ``WeightedCategoryCrossEntropy()`` (works on logits and on log-probabilities).
+      learning_rate: a float or an optax schedule ``step -> rate``; None keeps the
+        optimizer's own rate.
+      output_dir: where checkpoints (``checkpoints/``), ``metrics.jsonl`` and TensorBoard
+        files go; None keeps nothing.
+      eval_every: evaluate every this many steps (0: only at the end).
+      eval_steps: eval batches per evaluation (0: never evaluate).
+      checkpoint_every: save every this many steps (0: only at the end).
+      max_to_keep, keep_period, keep_time_interval: checkpoint retention (see
+        `Checkpointer`).
+      log_every: write train metrics every this many steps; default ``eval_every`` or 100.
+      seed: seeds the weight initialisation and the per-step rngs.
+      n_devices: devices per process (default: all local devices).
+      trainer_kwargs: extra keyword arguments of ``trainer_class``.
+      progress: show a tqdm progress bar; None shows it when stderr is a terminal.
+
+    Attributes:
+      step: the number of steps taken (restored from the checkpoint).
+      trainer: the trainer.
+      model: the training model (its layer objects hold the trained weights).
+      interrupted_by: the signal number that stopped the last `run`, or None.
+      last_eval_metrics: the metrics of the last evaluation ({} before any).
+    """
+
+    def __init__(self, model: Callable[..., Layer], inputs: Inputs | Callable[[], Inputs],
+                 optimizer_fn: Callable[[], optax.GradientTransformation] = default_optimizer_fn,
+                 *, trainer_class: Callable[..., Any] = Trainer,
+                 loss: Layer | Callable[[], Layer] | None = None,
+                 learning_rate: float | optax.Schedule | None = 1e-3,
+                 output_dir: str | None = None, eval_every: int = 100, eval_steps: int = 10,
+                 checkpoint_every: int = 100, max_to_keep: int | None = 3,
+                 keep_period: int | None = None, keep_time_interval: float | None = None,
+                 log_every: int | None = None, seed: int = 0, n_devices: int | None = None,
+                 trainer_kwargs: Mapping[str, Any] | None = None,
+                 progress: bool | None = None):
+        for name, value in (("eval_every", eval_every), ("eval_steps", eval_steps),
+                            ("checkpoint_every", checkpoint_every)):
+            if value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (0 disables it)")
+        self.inputs = inputs if isinstance(inputs, Inputs) else inputs()
+        loss = WeightedCategoryCrossEntropy() if loss is None else loss
+        self._loss = loss if isinstance(loss, Layer) else loss()
+        self._schedule = (learning_rate if learning_rate is None or callable(learning_rate)
+                          else optax.constant_schedule(learning_rate))
+        self.output_dir = output_dir
+        self.eval_every, self.eval_steps = eval_every, eval_steps
+        self.checkpoint_every = checkpoint_every
+        self.log_every = log_every or eval_every or 100
+        self._progress = progress
+        self.interrupted_by: int | None = None
+        self.last_eval_metrics: dict[str, float] = {}
+        self._last_eval_step: int | None = None
+        init_rng, self._rng = jax.random.split(jax.random.key(seed))
+        self.model = model(mode="train")
+        self._batch_signature = self._init_model(init_rng)
+        self.trainer = build_trainer(trainer_class, self.model, self._loss, optimizer_fn,
+                                     n_devices, **dict(trainer_kwargs or {}))
+        byte_lm = getattr(self.inputs, "vocab_size", None) == BYTE_VOCAB_SIZE
+        self._byte_lm = byte_lm
+        self._evaluator = Evaluator(model(mode="eval"),
+                                    {"loss": self._loss, "accuracy": Accuracy()}, byte_lm)
+        is_chief = jax.process_index() == 0
+        self._writer = MetricsWriter(output_dir, enabled=is_chief)
+        self._checkpointer = None if output_dir is None else Checkpointer(
+            os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=max_to_keep,
+            keep_period=keep_period, keep_time_interval=keep_time_interval)
+        self.step = 0
+        self._restore()
+
+    # ----------------------------------------------------------------------------------
+    # Set-up and checkpoints.
+
+    def _init_model(self, rng: jax.Array) -> Any:
+        """Initialises the model (and loss) from the first batch's shapes."""
+        batch = next(iter(self.inputs.train_stream(start_step=0)))
+        signature = signature_of(tuple(batch))
+        self.model.init(signature[0], rng=rng)
+        output = self.model.output_signature(signature[0])
+        self._loss.init((output, signature[1], signature[2]))
+        return signature
+
+    def _checkpoint_tree(self) -> dict[str, Any]:
+        return {"weights": self.trainer.weights, "state": self.trainer.state,
+                "slots": self.trainer.slots, "step": np.asarray(self.step, np.int64),
+                "rng": np.asarray(jax.random.key_data(self._rng))}
+
+    def _restore(self) -> None:
+        if self._checkpointer is None or self._checkpointer.latest_step() is None:
+            return
+        tree = self._checkpointer.restore(self._checkpoint_tree())
+        self.trainer.weights = tree["weights"]
+        self.trainer.state = tree["state"]
+        self.trainer.slots = tree["slots"]
+        self.step = int(tree["step"])
+        self._rng = jax.random.wrap_key_data(tree["rng"])
+        logger.info("restored the checkpoint of step %d from %s", self.step,
+                    self._checkpointer.directory)
+
+    def save(self) -> bool:
+        """Saves a checkpoint of the current step (no-op without ``output_dir``)."""
+        if self._checkpointer is None:
+            return False
+        saved = self._checkpointer.save(self.step, self._checkpoint_tree())
+        if saved:
+            logger.info("saved the checkpoint of step %d", self.step)
+        return saved
+
+    # ----------------------------------------------------------------------------------
+    # Training.
+
+    def run(self, steps: int) -> dict[str, float]:
+        """Trains until ``steps`` steps in total have been taken; returns eval metrics.
+
+        Stops early, after saving a checkpoint, when SIGINT or SIGTERM arrives (then
+        `interrupted_by` is set). Returns `last_eval_metrics` (possibly from the final
+        evaluation it runs when the last step was not evaluated).
+
+        Raises:
+          NonFiniteLossError: the loss of a step was NaN or inf; no checkpoint is written
+            after that step, so the newest checkpoint is the last good one.
+        """
+        self.interrupted_by = None
+        if self.step >= steps:
+            logger.info("already at step %d >= steps=%d; nothing to train", self.step, steps)
+        stream = self.inputs.train_stream(start_step=self.step)
+        with StopOnSignals() as stop, self._progress_bar(steps) as bar:
+            window = _Window()
+            while self.step < steps:
+                self._train_step(stream, window)
+                bar.update(1)
+                self._after_step(steps, window, bar)
+                if stop.requested():
+                    self.interrupted_by = stop.signum
+                    logger.warning("stopping after step %d on signal %d", self.step,
+                                   stop.signum)
+                    break
+        self.save()
+        if self.interrupted_by is None and self.eval_steps and self._last_eval_step != self.step:
+            self.evaluate()
+        self._writer.flush()
+        return self.last_eval_metrics
+
+    def _train_step(self, stream: Any, window: _Window) -> None:
+        start = time.perf_counter()
+        batch = next(stream)
+        lr = None if self._schedule is None else float(self._schedule(self.step))
+        rng = jax.random.fold_in(self._rng, self.step)
+        loss, stats = self.trainer.one_step(batch, rng, step=self.step, learning_rate=lr)
+        loss = float(loss)
+        if not math.isfinite(loss):
+            where = ("" if self._checkpointer is None else
+                     f"; the newest checkpoint in {self._checkpointer.directory} (step "
+                     f"{self._checkpointer.latest_step()}) is untouched")
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {self.step + 1}; stopped without saving{where}; "
+                f"lower the learning rate or set optimizer_fn.clip_gradient_norm")
+        self.step += 1
+        window.add(loss, stats, _tokens(batch), time.perf_counter() - start)
+
+    def _after_step(self, steps: int, window: _Window, bar: Any) -> None:
+        if self.step % self.log_every == 0 or self.step == steps:
+            metrics = window.metrics(self._byte_lm)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+            self._write("train", metrics)
+            window.reset()
+        if self.eval_every and self.eval_steps and self.step % self.eval_every == 0:
+            self.evaluate()
+        if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            self.save()
+
+    def _progress_bar(self, steps: int) -> Any:
+        enabled = self._progress
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        enabled = enabled and jax.process_index() == 0
+        bar = tqdm.tqdm(total=steps, initial=min(self.step, steps), disable=not enabled,
+                        desc="train", unit="step", dynamic_ncols=True)
+        return _BarWithLogging(bar) if enabled else bar
+
+    # ----------------------------------------------------------------------------------
+    # Evaluation and metrics.
+
+    def evaluate(self, write: bool = True) -> dict[str, float]:
+        """Evaluates the current weights on ``eval_steps`` eval batches.
+
+        Returns:
+          ``{'loss', 'accuracy'}`` (plus ``'bits_per_byte'`` for byte LMs) as floats.
+        """
+        batches = itertools.islice(self.inputs.eval_stream(), max(self.eval_steps, 1))
+        metrics = self._evaluator.evaluate(self.model.weights, self.model.state, batches)
+        self.last_eval_metrics = metrics
+        self._last_eval_step = self.step
+        if write:
+            self._write("eval", metrics)
+        return metrics
+
+    def eval_model(self) -> Layer:
+        """The eval-mode model holding the current weights and state."""
+        model = self._evaluator.eval_model
+        model.weights, model.state = self.model.weights, self.model.state
+        return model
+
+    @property
+    def batch_signature(self) -> Any:
+        """``ShapeDtype`` signature of a train batch ``(inputs, targets, weights)``."""
+        return self._batch_signature
+
+    def _write(self, split: str, metrics: Mapping[str, float]) -> None:
+        self._writer.write(self.step, split, metrics)
+        text = " ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
+        logger.info("step %d %s: %s", self.step, split, text)
+
+    def close(self) -> None:
+        """Finishes pending checkpoint saves and closes the metric writers."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        self._writer.close()
+
+    def __enter__(self) -> Loop:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.4e}"
+
+
+def _tokens(batch: Any) -> tuple[int, str]:
+    """``(count, unit)`` of a batch across processes: tokens for sequences, else examples."""
+    inputs = np.asarray(batch[0])
+    if inputs.ndim == 2 and np.issubdtype(inputs.dtype, np.integer):
+        return inputs.size * jax.process_count(), "tokens"
+    return inputs.shape[0] * jax.process_count(), "examples"
+
+
+class _Window:
+    """Train metrics accumulated since the last log line."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.losses: list[float] = []
+        self.seconds = 0.0
+        self.count, self.unit = 0, "tokens"
+        self.stats: Mapping[str, Any] = {}
+
+    def add(self, loss: float, stats: Mapping[str, Any], tokens: tuple[int, str],
+            seconds: float) -> None:
+        self.losses.append(loss)
+        self.stats = stats
+        self.count += tokens[0]
+        self.unit = tokens[1]
+        self.seconds += seconds
+
+    def metrics(self, byte_lm: bool) -> dict[str, float]:
+        loss = float(np.mean(self.losses))
+        metrics = {"loss": loss}
+        if byte_lm:
+            metrics["bits_per_byte"] = bits_per_byte(loss)
+        if "learning_rate" in self.stats:
+            metrics["learning_rate"] = float(self.stats["learning_rate"])
+        for name in ("gradients_l2", "weights_l2"):
+            value = _global_l2(self.stats, name)
+            if value is not None:
+                metrics[name] = value
+        seconds = max(self.seconds, 1e-9)
+        metrics["steps_per_second"] = len(self.losses) / seconds
+        metrics[f"{self.unit}_per_second"] = self.count / seconds
+        return metrics
+
+
+class _BarWithLogging:
+    """A tqdm bar that routes log lines through ``tqdm.write`` while it is open."""
+
+    def __init__(self, bar: Any):
+        self._bar = bar
+        self._redirect = logging_redirect_tqdm(
+            loggers=[logging.getLogger(), logging.getLogger("revtrain")])
+
+    def __enter__(self) -> Any:
+        self._redirect.__enter__()
+        return self._bar
+
+    def __exit__(self, *exc_info) -> None:
+        self._bar.close()
+        self._redirect.__exit__(*exc_info)

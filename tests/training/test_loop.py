@@ -1,0 +1,144 @@
+"""Tests of revtrain/training/loop.py with a tiny reversible LM on the copy task."""
+import functools
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from revtrain import trainers
+from revtrain.data import CopyTask, StreamInputs
+from revtrain.training import Checkpointer, Loop, NonFiniteLossError, read_metrics
+from tests.training.tiny_models import tiny_reversible_lm
+from tests.tree_utils import assert_trees_close
+
+TRAINERS = [trainers.Trainer, trainers.ReversibleSerialTrainer]
+if hasattr(trainers, "MemoryEfficientTrainer"):
+    TRAINERS.append(trainers.MemoryEfficientTrainer)
+
+
+def _inputs():
+    return CopyTask(vocab_size=16, length=4, batch_size=4, seed=1)
+
+
+def _loop(output_dir, trainer_class=trainers.ReversibleSerialTrainer, **kwargs):
+    defaults = dict(trainer_class=trainer_class, output_dir=output_dir, eval_every=10,
+                    eval_steps=1, checkpoint_every=10, learning_rate=3e-3, progress=False)
+    defaults.update(kwargs)
+    return Loop(tiny_reversible_lm, _inputs(), **defaults)
+
+
+@pytest.mark.parametrize("trainer_class", TRAINERS, ids=lambda c: c.__name__)
+def test_resume_20_then_10_equals_30(tmp_path, trainer_class):
+    with _loop(str(tmp_path / "a"), trainer_class) as loop:
+        loop.run(20)
+    with _loop(str(tmp_path / "a"), trainer_class) as resumed:
+        assert resumed.step == 20
+        resumed.run(30)
+        assert resumed.step == 30
+    with _loop(str(tmp_path / "b"), trainer_class) as straight:
+        straight.run(30)
+    assert_trees_close(resumed.trainer.weights, straight.trainer.weights, rtol=1e-6, atol=0)
+    assert_trees_close(resumed.trainer.slots, straight.trainer.slots, rtol=1e-6, atol=0)
+    assert Checkpointer(str(tmp_path / "a" / "checkpoints")).all_steps() == [10, 20, 30]
+
+
+def test_trainers_agree_on_weights_after_steps(tmp_path):
+    results = []
+    for trainer_class in TRAINERS:
+        with _loop(None, trainer_class, eval_steps=0) as loop:
+            loop.run(3)
+            results.append(loop.trainer.weights)
+    for weights in results[1:]:
+        assert_trees_close(weights, results[0], rtol=1e-4, atol=1e-6)
+
+
+def test_metrics_jsonl_and_tensorboard_written(tmp_path):
+    with _loop(str(tmp_path), log_every=5, eval_every=10) as loop:
+        metrics = loop.run(10)
+    train = read_metrics(str(tmp_path), "train")
+    evals = read_metrics(str(tmp_path), "eval")
+    assert [r["step"] for r in train] == [5, 10]
+    assert [r["step"] for r in evals] == [10]
+    assert evals[0]["loss"] == pytest.approx(metrics["loss"])
+    assert 0.0 <= evals[0]["accuracy"] <= 1.0
+    for key in ("loss", "learning_rate", "steps_per_second", "tokens_per_second",
+                "gradients_l2", "weights_l2"):
+        assert train[0][key] > 0, key
+    assert train[0]["learning_rate"] == pytest.approx(3e-3)
+    for split in ("train", "eval"):
+        files = os.listdir(tmp_path / "tensorboard" / split)
+        assert any(name.startswith("events.out.tfevents") for name in files)
+
+
+def test_schedule_sets_learning_rate_each_step(tmp_path):
+    with _loop(str(tmp_path), learning_rate=lambda step: 1e-3 * (step + 1), log_every=1,
+               eval_steps=0) as loop:
+        loop.run(3)
+    rates = [r["learning_rate"] for r in read_metrics(str(tmp_path), "train")]
+    np.testing.assert_allclose(rates, [1e-3, 2e-3, 3e-3], rtol=1e-6)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    schedule = lambda step: 3e-3 if step < 4 else 1e30  # Weights blow up after step 5.
+    with _loop(str(tmp_path), learning_rate=schedule, checkpoint_every=2, eval_steps=0) as loop:
+        with pytest.raises(NonFiniteLossError, match=r"at step \d+; stopped without saving"):
+            loop.run(10)
+        assert loop.step >= 5
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+    assert ckpt.all_steps() == [2, 4]
+    with _loop(str(tmp_path)) as resumed:
+        assert resumed.step == 4
+        assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(resumed.trainer.weights))
+
+
+def test_restore_into_different_model_names_path(tmp_path):
+    with _loop(str(tmp_path), eval_steps=0) as loop:
+        loop.run(2)
+    wider = functools.partial(tiny_reversible_lm, d_model=12)
+    with pytest.raises(ValueError, match=r"at path 'weights/0/0': saved float32\[16,8\], "
+                                         r"model float32\[16,12\]"):
+        Loop(wider, _inputs(), output_dir=str(tmp_path), progress=False)
+
+
+def test_sigterm_saves_and_stops_after_current_step(tmp_path):
+    base = _inputs()
+
+    def train_stream(start_step=0):
+        for step, batch in enumerate(base.train_stream(start_step), start_step):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
+
+    inputs = StreamInputs(train_stream, base.eval_stream, vocab_size=16)
+    loop = Loop(tiny_reversible_lm, inputs, output_dir=str(tmp_path), eval_steps=0,
+                checkpoint_every=0, progress=False)
+    loop.run(10)
+    loop.close()
+    assert loop.interrupted_by == signal.SIGTERM
+    assert loop.step == 4
+    assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [4]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_eval_metrics_are_bits_per_byte_for_byte_lm(tmp_path):
+    base = _inputs()
+    inputs = StreamInputs(base.train_stream, base.eval_stream, vocab_size=256)
+    model = functools.partial(tiny_reversible_lm, vocab_size=256)
+    with Loop(model, inputs, eval_steps=2, progress=False) as loop:
+        metrics = loop.evaluate()
+    assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / np.log(2))
+
+
+def test_negative_interval_is_an_error():
+    with pytest.raises(ValueError, match="eval_every=-1"):
+        Loop(tiny_reversible_lm, _inputs(), eval_every=-1)
+
+
+def test_progress_bar_does_not_break_run(tmp_path, capsys):
+    with _loop(None, progress=True, eval_steps=0) as loop:
+        loop.run(2)
+    assert "train" in capsys.readouterr().err
+    assert json.dumps(loop.last_eval_metrics) == "{}"
