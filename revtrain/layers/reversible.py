@@ -64,19 +64,6 @@ def _run_serially(layers: Sequence[Layer], stack: Any, weights: Weights, state: 
     return stack, tuple(new_states)
 
 
-def _init_serially(layers: Sequence[Layer], signature: Any,
-                   rng: jax.Array) -> tuple[Weights, State]:
-    """Initialises ``layers`` as `Serial` does: one rng key each, signatures chained."""
-    stack, weights, states = signature, [], []
-    for layer, r in zip(layers, split_rng(rng, len(layers)), strict=True):
-        inputs = inputs_from_stack(stack, layer.n_in)
-        w, s = layer.init(inputs, rng=r)
-        weights.append(w)
-        states.append(s)
-        stack = outputs_onto_stack(layer.output_signature(inputs), stack, layer.n_in)
-    return tuple(weights), tuple(states)
-
-
 class ReversibleLayer(Layer):
     """Base class of layers whose input can be recomputed from their output.
 
@@ -248,7 +235,7 @@ class ReversibleHalfResidual(ReversibleLayer):
 
     def init_weights_and_state(self, input_signature, rng):
         _, ctx, _ = self._split(input_signature)
-        return _init_serially(self.sublayers, ctx, rng)
+        return init_in_series(self.sublayers, ctx, rng)
 
     def _split(self, x: Any) -> tuple[jax.Array, Any, tuple]:
         check_n_items(self, x)
@@ -326,7 +313,7 @@ class ReversibleSerial(ReversibleLayer):
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)
-        return _init_serially(self.sublayers, input_signature, rng)
+        return init_in_series(self.sublayers, input_signature, rng)
 
     def _backwards(self, state: State, new_state: State, rng: jax.Array | None) -> list:
         n = len(self.sublayers)

@@ -1,0 +1,160 @@
+"""Decoder-only Transformer language models: reversible (Reformer-style) and plain.
+
+Both take token ids ``int32[batch, length]`` and return log-probabilities
+``float32[batch, length, vocab_size]``. They have no ``ShiftRight``: the data pipeline
+already feeds ``inputs = window[:-1]`` and ``targets = window[1:]``. A trainer takes the
+model followed by its loss, e.g. ``Serial(ReversibleTransformerLM(...), CrossEntropyLoss())``
+on ``(inputs, targets, weights)``.
+
+References:
+  Vaswani et al., "Attention Is All You Need", NeurIPS 2017 (the Transformer); Kitaev et
+  al., "Reformer: The Efficient Transformer", ICLR 2020 (reversible half-residual blocks,
+  two residual streams concatenated at the end); Trax's ``TransformerLM`` and
+  ``ReformerLM`` (arguments and defaults).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from revtrain.layers import (
+    Concatenate,
+    Dense,
+    Dropout,
+    Dup,
+    Embedding,
+    Layer,
+    LogSoftmax,
+    PositionalEncoding,
+    Relu,
+    Residual,
+    ReversibleHalfResidual,
+    ReversibleSerial,
+    ReversibleSwap,
+    Serial,
+)
+from revtrain.layers.attention import CausalAttention
+from revtrain.layers.normalization import LayerNorm
+
+
+class _Cast(Layer):
+    """Casts a floating-point input to ``dtype`` (integer inputs pass unchanged)."""
+
+    def __init__(self, dtype: Any):
+        super().__init__(n_in=1, n_out=1, name=f"Cast[{jnp.dtype(dtype).name}]")
+        self._dtype = jnp.dtype(dtype)
+
+    def forward_with_state(self, x, weights, state, rng):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(self._dtype)
+        return x, state
+
+
+def _cast(compute_dtype: Any) -> list[Layer]:
+    """``[_Cast(compute_dtype)]``, or nothing when computing in float32."""
+    return [] if jnp.dtype(compute_dtype) == jnp.float32 else [_Cast(compute_dtype)]
+
+
+def _attention(d_model: int, n_heads: int, dropout: float, mode: str) -> Layer:
+    return CausalAttention(d_model, n_heads=n_heads, dropout=dropout, mode=mode)
+
+
+def _feed_forward(d_model: int, d_ff: int, dropout: float,
+                  ff_activation: Callable[[], Layer], mode: str,
+                  compute_dtype: Any) -> list[Layer]:
+    """Pre-norm feed-forward: LayerNorm, [cast], Dense(d_ff), act, Dropout, Dense, Dropout."""
+    return [LayerNorm(), *_cast(compute_dtype), Dense(d_ff), ff_activation(),
+            Dropout(dropout, mode=mode), Dense(d_model), Dropout(dropout, mode=mode)]
+
+
+def _embed(vocab_size: int, d_model: int, max_len: int, dropout: float,
+           mode: str) -> list[Layer]:
+    return [Embedding(vocab_size, d_model), Dropout(dropout, mode=mode),
+            PositionalEncoding(max_len, dropout=dropout, mode=mode)]
+
+
+def _head(vocab_size: int) -> list[Layer]:
+    return [LayerNorm(), Dense(vocab_size), LogSoftmax()]
+
+
+def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
+                            n_layers: int = 6, n_heads: int = 8, max_len: int = 2048,
+                            dropout: float = 0.1, ff_activation: Callable[[], Layer] = Relu,
+                            mode: str = "train", compute_dtype: Any = jnp.float32) -> Layer:
+    """A Reformer-style reversible Transformer LM: ``int32[batch, length]`` -> log-probs.
+
+    Layers: ``Embedding, Dropout, PositionalEncoding, Dup``, then one `ReversibleSerial` of
+    ``n_layers`` blocks ``[ReversibleHalfResidual(LayerNorm, attention_layer=
+    CausalAttention), ReversibleSwap, ReversibleHalfResidual(LayerNorm, Dense(d_ff),
+    activation, Dropout, Dense(d_model), Dropout), ReversibleSwap]`` (pre-norm; each block
+    maps ``(x1, x2)`` to ``(x1 + Attn(x2), x2 + FF(x1 + Attn(x2)))``), then ``Concatenate``
+    (``[batch, length, 2 * d_model]``), ``LayerNorm, Dense(vocab_size), LogSoftmax``.
+
+    With ``compute_dtype=jnp.bfloat16`` the inside of each half-residual runs in bfloat16
+    (a cast after its LayerNorm), while the two residual streams stay float32: bfloat16
+    streams lose the exactness of the subtraction that reversal relies on and drift badly
+    with depth. The cast has no weights but adds one entry to each half-residual's weights
+    tuple, so float32 and bfloat16 models have different weight trees.
+
+    Args:
+      vocab_size: number of token ids; the output's last axis.
+      d_model: width of each residual stream.
+      d_ff: hidden width of the feed-forward blocks.
+      n_layers: number of (attention, feed-forward) block pairs.
+      n_heads: attention heads; must divide ``d_model``.
+      max_len: longest sequence accepted.
+      dropout: rate for embedding, positional-encoding, attention and feed-forward dropout.
+      ff_activation: a layer class (or function) giving the feed-forward activation.
+      mode: ``'train'`` (dropout on), ``'eval'`` or ``'predict'``.
+      compute_dtype: dtype inside the half-residuals (``jnp.float32`` or ``jnp.bfloat16``).
+
+    Returns:
+      A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``.
+
+    Raises:
+      ValueError: when ``n_heads`` does not divide ``d_model`` (from `CausalAttention`).
+    """
+    blocks = []
+    for _ in range(n_layers):
+        blocks += [
+            ReversibleHalfResidual(LayerNorm(), *_cast(compute_dtype),
+                                   attention_layer=_attention(d_model, n_heads, dropout, mode)),
+            ReversibleSwap(),
+            ReversibleHalfResidual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
+                                                  compute_dtype)),
+            ReversibleSwap(),
+        ]
+    return Serial(_embed(vocab_size, d_model, max_len, dropout, mode), Dup(),
+                  ReversibleSerial(blocks), Concatenate(), _head(vocab_size),
+                  name="ReversibleTransformerLM")
+
+
+def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
+                  n_layers: int = 6, n_heads: int = 8, max_len: int = 2048,
+                  dropout: float = 0.1, ff_activation: Callable[[], Layer] = Relu,
+                  mode: str = "train", compute_dtype: Any = jnp.float32) -> Layer:
+    """The plain (non-reversible) pre-norm Transformer LM, the baseline of the reversible one.
+
+    Layers: ``Embedding, Dropout, PositionalEncoding``, ``n_layers`` pairs of
+    ``Residual(LayerNorm, CausalAttention)`` and ``Residual(LayerNorm, Dense(d_ff),
+    activation, Dropout, Dense(d_model), Dropout)``, then ``LayerNorm, Dense(vocab_size),
+    LogSoftmax``. Arguments as `ReversibleTransformerLM`; with bfloat16 ``compute_dtype`` the
+    residual branches compute in bfloat16 and are cast back to the float32 stream.
+
+    Returns:
+      A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``.
+    """
+    back = [] if not _cast(compute_dtype) else [_Cast(jnp.float32)]
+    blocks = []
+    for _ in range(n_layers):
+        blocks += [
+            Residual(LayerNorm(), *_cast(compute_dtype),
+                     _attention(d_model, n_heads, dropout, mode), *back),
+            Residual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
+                                    compute_dtype), *back),
+        ]
+    return Serial(_embed(vocab_size, d_model, max_len, dropout, mode), blocks,
+                  _head(vocab_size), name="TransformerLM")

@@ -1,0 +1,241 @@
+"""Tests for revtrain.models.transformer: shapes, causality, dtypes, and reversible gradients."""
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tree_utils import assert_trees_close
+
+from revtrain.layers import (
+    CrossEntropyLoss,
+    Fn,
+    ReversibleSerial,
+    Serial,
+    ShapeDtype,
+    blocks_to_layers,
+    extract_reversible_blocks,
+    inputs_from_stack,
+    outputs_onto_stack,
+    reconstruction_error,
+)
+from revtrain.models import ReversibleTransformerLM, TransformerLM
+
+VOCAB, BATCH, LENGTH, D = 16, 2, 8, 8
+
+
+def _lm(cls=ReversibleTransformerLM, n_layers=2, **kwargs):
+    kwargs.setdefault("d_model", D)
+    return cls(vocab_size=VOCAB, d_ff=16, n_layers=n_layers, n_heads=2, max_len=LENGTH,
+               **kwargs)
+
+
+def _batch(seed=0):
+    tokens = jax.random.randint(jax.random.key(seed), (BATCH, LENGTH + 1), 0, VOCAB)
+    return tokens[:, :-1], tokens[:, 1:], jnp.ones((BATCH, LENGTH), jnp.float32)
+
+
+def _signature(x):
+    return jax.tree.map(lambda a: ShapeDtype(a.shape, a.dtype), x)
+
+
+def _init(model, x, seed=1):
+    model.init(_signature(x), jax.random.key(seed))
+    return model
+
+
+def test_same_arguments_and_defaults():
+    rev = inspect.signature(ReversibleTransformerLM)
+    assert rev == inspect.signature(TransformerLM)
+    assert rev.parameters["d_model"].default == 512 and rev.parameters["mode"].default == "train"
+
+
+@pytest.mark.parametrize("cls", [ReversibleTransformerLM, TransformerLM])
+def test_log_probs_shape_and_causality(cls):
+    tokens = _batch()[0]
+    model = _init(_lm(cls, mode="eval"), tokens)
+    y = model(tokens)
+    assert y.shape == (BATCH, LENGTH, VOCAB) and y.dtype == jnp.float32
+    np.testing.assert_allclose(jax.scipy.special.logsumexp(y, axis=-1), 0.0, atol=1e-5)
+    changed = tokens.at[:, 5].set((tokens[:, 5] + 1) % VOCAB)
+    y2 = model(changed)
+    np.testing.assert_allclose(y2[:, :5], y[:, :5], atol=1e-6)
+    assert not np.allclose(y2[:, 5:], y[:, 5:])
+
+
+def test_reversible_lm_structure():
+    model = _lm(n_layers=3)
+    names = [s.name for s in model.sublayers]
+    assert names == ["Embedding", "Dropout", "PositionalEncoding", "Dup", "ReversibleSerial",
+                     "Concatenate", "LayerNorm", "Dense", "LogSoftmax"]
+    rev = model.sublayers[4]
+    assert isinstance(rev, ReversibleSerial) and len(rev.sublayers) == 12
+    assert rev.sublayers[0].sublayers[1].name == "CausalAttention"
+    assert [s.name for s in rev.sublayers[2].sublayers[0].sublayers] == [
+        "LayerNorm", "Dense", "Relu", "Dropout", "Dense", "Dropout"]
+
+
+def test_dropout_only_in_train_mode():
+    tokens = _batch()[0]
+    for mode, same in (("train", False), ("eval", True)):
+        model = _init(_lm(mode=mode, dropout=0.3), tokens)
+        a = model(tokens, rng=jax.random.key(0))
+        b = model(tokens, rng=jax.random.key(1))
+        assert np.allclose(a, b) == same
+
+
+def test_bfloat16_compute_keeps_float32_streams():
+    tokens = _batch()[0]
+    model = _init(_lm(compute_dtype=jnp.bfloat16, mode="eval"), tokens)
+    stem = Serial(*model.sublayers[:4])
+    streams = stem(tokens, weights=stem.weights, state=stem.state)
+    rev = model.sublayers[4]
+    out = rev(streams, weights=rev.weights, state=rev.state)
+    assert [a.dtype for a in out] == [jnp.float32, jnp.float32]
+    reference = _lm(mode="eval")
+    reference.weights = model.weights[:4] + (_drop_casts(model.weights[4]),) + model.weights[5:]
+    np.testing.assert_allclose(model(tokens), reference(tokens), atol=0.1)
+    assert not np.allclose(model(tokens), reference(tokens), atol=1e-6)  # really bf16
+
+
+def _drop_casts(rev_weights):
+    """Weights of the float32 model from the bfloat16 one: drop each cast's ``()``."""
+    out = []
+    for w in rev_weights:
+        if w == ():  # a swap
+            out.append(w)
+        else:  # a half-residual: (compute, attention); the cast follows the LayerNorm
+            compute, attention = w
+            assert compute[1] == ()
+            out.append((compute[:1] + compute[2:], attention))
+    return tuple(out)
+
+
+def _grads_by_reversal(blocks, loss_layer, batch, rng):
+    """Weight gradients of the loss, storing only each block's std-layer input.
+
+    Forward: store the input of every std layer, keep nothing for reversible layers.
+    Backward: reconstruct reversible layers' inputs with ``reverse_and_grad`` from the
+    block's output, as `ReversibleSerialTrainer` does.
+    """
+    flat = blocks_to_layers(blocks, loss_layer)
+    rngs = iter(jax.random.split(rng, len(flat)))
+    stack, saved = batch, []
+    for std, revs in blocks:
+        r_std, records = next(rngs), []
+        saved.append((std, stack, r_std, records))
+        stack = _apply(std, stack, r_std)[0]
+        for layer in revs:
+            r = next(rngs)
+            stack, new_state = _apply(layer, stack, r)
+            records.append((layer, new_state, r))
+    r_loss = next(rngs)
+    assert loss_layer.n_in == len(stack), "the loss must consume the whole stack"
+
+    def loss_fn(x, w):
+        return loss_layer.pure_fn(x, w, loss_layer.state, r_loss)[0]
+
+    loss, vjp_fn = jax.vjp(loss_fn, tuple(stack), loss_layer.weights)
+    ct, loss_grads = vjp_fn(jnp.ones_like(loss))
+    grads = [loss_grads]
+    for std, std_input, r_std, records in reversed(saved):
+        for layer, new_state, r in reversed(records):
+            y, y_ct = inputs_from_stack(stack, layer.n_out), inputs_from_stack(ct, layer.n_out)
+            x, (x_ct, w_ct) = layer.reverse_and_grad(y, y_ct, layer.weights, layer.state,
+                                                     new_state, r)
+            stack = outputs_onto_stack(x, stack, layer.n_out)
+            ct = outputs_onto_stack(x_ct, ct, layer.n_out)
+            grads.append(w_ct)
+        x_ct, w_ct = _std_vjp(std, inputs_from_stack(std_input, std.n_in), r_std,
+                              inputs_from_stack(ct, std.n_out))
+        ct, stack = outputs_onto_stack(x_ct, ct, std.n_out), std_input
+        grads.append(w_ct)
+    return tuple(grads[::-1])
+
+
+def _std_vjp(layer, x, rng, ct):
+    _, vjp_fn = jax.vjp(lambda x, w: layer.pure_fn(x, w, layer.state, rng)[0], x,
+                        layer.weights)
+    return vjp_fn(ct)
+
+
+def _apply(layer, stack, rng):
+    y, new_state = layer.pure_fn(inputs_from_stack(stack, layer.n_in), layer.weights,
+                                 layer.state, rng)
+    return outputs_onto_stack(y, stack, layer.n_in), new_state
+
+
+def _max_relative_error(actual, expected):
+    """Max over flat layers of ``max |a - e| / max |e|`` within that layer's gradients.
+
+    Per layer rather than per leaf: some leaves (e.g. the attention key bias, which
+    softmax ignores) have mathematically zero gradients that are pure rounding noise.
+    """
+    worst = 0.0
+    for a_layer, e_layer in zip(actual, expected, strict=True):
+        e_leaves = jax.tree.leaves(e_layer)
+        if not e_leaves:
+            continue
+        scale = max(float(jnp.max(jnp.abs(e))) for e in e_leaves)
+        diff = max(float(jnp.max(jnp.abs(a - e)))
+                   for a, e in zip(jax.tree.leaves(a_layer), e_leaves, strict=True))
+        worst = max(worst, diff / max(scale, 1e-12))
+    return worst
+
+
+def test_grad_of_32_layer_reversible_lm_equals_reversal_grads():
+    batch = _batch()
+    model = Serial(_lm(n_layers=32, dropout=0.1), CrossEntropyLoss())
+    blocks, loss_layer = extract_reversible_blocks(model)
+    flat = Serial(blocks_to_layers(blocks, loss_layer))
+    flat.init(_signature(batch), jax.random.key(2))
+    rng = jax.random.key(3)
+
+    def loss(weights):
+        return flat.pure_fn(batch, weights, flat.state, rng)[0]
+
+    stored = jax.grad(loss)(flat.weights)  # plain jax.grad: stores every activation
+    reversed_grads = _grads_by_reversal(blocks, loss_layer, batch, rng)
+    error = _max_relative_error(reversed_grads, stored)
+    print(f"32-layer reversible LM: max relative gradient error {error:.2e}")
+    assert error < 1e-4
+    assert float(jnp.max(jnp.abs(stored[1][0][0][0][0]))) > 0  # real, non-zero gradients
+
+
+def test_reversible_model_equals_its_flat_blocks_without_dropout():
+    batch = _batch()
+    model = Serial(_lm(dropout=0.0), CrossEntropyLoss())
+    _init(model, batch)
+    blocks, loss_layer = extract_reversible_blocks(model)
+    flat = blocks_to_layers(blocks, loss_layer)
+    weights = tuple(layer.weights for layer in flat)
+    states = tuple(layer.state for layer in flat)
+    expected = model.pure_fn(batch, model.weights, model.state, None)[0]
+    assert_trees_close(Serial(flat).pure_fn(batch, weights, states, None)[0], expected)
+
+
+def test_reconstruction_error_of_64_layer_stack():
+    batch = _batch()
+    model = Serial(_lm(n_layers=64, dropout=0.1), CrossEntropyLoss())
+    _init(model, batch)
+    errors = reconstruction_error(model, batch, jax.random.key(5))
+    assert len(errors) == 4 * 64
+    print(f"64-layer reversible LM, float32: max reconstruction error {max(errors):.2e} "
+          f"(bottom layer; median {np.median(errors):.2e})")
+    assert max(errors) < 1e-4
+
+
+def test_bfloat16_compute_with_float32_streams_reconstructs_far_better_than_bf16_streams():
+    batch = _batch()
+    medians = {}
+    for streams in ("float32", "bfloat16"):
+        lm = _lm(n_layers=16, dropout=0.1, compute_dtype=jnp.bfloat16)
+        layers = list(lm.sublayers)
+        if streams == "bfloat16":  # cast the embedded input, so both streams are bf16
+            layers.insert(3, Fn("ToBf16", lambda x: x.astype(jnp.bfloat16)))
+        model = Serial(Serial(layers), CrossEntropyLoss())
+        _init(model, batch)
+        medians[streams] = float(np.median(reconstruction_error(model, batch,
+                                                                jax.random.key(5))))
+    print(f"16-layer LM, bf16 compute: median reconstruction error {medians}")
+    assert medians["float32"] < 1e-5 and medians["bfloat16"] > 1e-3
