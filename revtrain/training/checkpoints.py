@@ -159,7 +159,7 @@ class Checkpointer:
                  async_save: bool = False):
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
+            enable_async_checkpointing=async_save,
             preservation_policy=_preservation_policy(max_to_keep, keep_period,
                                                      keep_time_interval))
         self._manager = ocp.CheckpointManager(

@@ -114,6 +114,7 @@ class Loop:
       model: the training model (its layer objects hold the trained weights).
       interrupted_by: the signal number that stopped the last `run`, or None.
       last_eval_metrics: the metrics of the last evaluation ({} before any).
+      restored_step: the step of the checkpoint restored on construction, or None.
     """
 
     def __init__(self, model: Callable[..., Layer], inputs: Inputs | Callable[[], Inputs],
@@ -159,6 +160,7 @@ class Loop:
             os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=max_to_keep,
             keep_period=keep_period, keep_time_interval=keep_time_interval)
         self.step = 0
+        self.restored_step: int | None = None
         self._restore()
 
     # ----------------------------------------------------------------------------------
@@ -187,6 +189,7 @@ class Loop:
         self.trainer.slots = tree["slots"]
         self.step = int(tree["step"])
         self._rng = jax.random.wrap_key_data(tree["rng"])
+        self.restored_step = self.step
         logger.info("restored the checkpoint of step %d from %s", self.step,
                     self._checkpointer.directory)
 
@@ -318,7 +321,7 @@ class Loop:
 
 
 def _fmt(value: float) -> str:
-    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.4e}"
+    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
 
 
 def _tokens(batch: Any) -> tuple[int, str]:

@@ -45,13 +45,14 @@ def warmup_rsqrt_decay(peak_value: float = 1e-3, warmup_steps: int = 1000) -> op
     _check(peak_value, warmup_steps)
     w = max(int(warmup_steps), 1)
 
-    def rsqrt(step):
-        return peak_value * jnp.sqrt(w / (step + w))  # join_schedules passes step - w.
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        decay = peak_value * jnp.sqrt(w / jnp.maximum(step, w))
+        if warmup_steps == 0:
+            return decay
+        return jnp.where(step < w, peak_value * step / w, decay)
 
-    if warmup_steps == 0:
-        return lambda step: peak_value * jnp.sqrt(w / jnp.maximum(step, w))
-    warmup = optax.linear_schedule(0.0, peak_value, w)
-    return optax.join_schedules([warmup, rsqrt], boundaries=[w])
+    return schedule
 
 
 def warmup_cosine_decay(peak_value: float = 1e-3, warmup_steps: int = 1000,

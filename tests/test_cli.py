@@ -1,0 +1,149 @@
+"""End-to-end tests of revtrain/cli.py: revtrain-train / -eval / -decode on tiny configs."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from revtrain import cli
+from revtrain.training import read_metrics
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+COPY_TASK = os.path.join(CONFIGS, "copy_task.gin")
+TINY = [  # Shrinks configs/copy_task.gin to seconds on CPU; batch 4 fits 1, 2 or 4 devices.
+    "ReversibleTransformerLM.vocab_size=8", "ReversibleTransformerLM.d_model=8",
+    "ReversibleTransformerLM.d_ff=16", "ReversibleTransformerLM.n_layers=1",
+    "ReversibleTransformerLM.n_heads=2", "ReversibleTransformerLM.max_len=16",
+    "CopyTask.vocab_size=8", "CopyTask.length=4", "CopyTask.batch_size=4",
+    "train.eval_steps=1", "train.log_every=2", "train.progress=False",
+]
+TRAINERS = ["Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer"]
+
+
+def _train(output_dir, *bindings, config=COPY_TASK):
+    argv = ["revtrain-train", f"--config_file={config}", f"--output_dir={output_dir}"]
+    argv += [f"--gin_bindings={b}" for b in TINY + list(bindings)]
+    return cli.train_main(argv)
+
+
+def _checkpoint(output_dir, step):
+    """The flat checkpoint of ``step`` as a dict of numpy arrays (read without a template)."""
+    path = os.path.join(output_dir, "checkpoints", str(step), "default")
+    return ocp.StandardCheckpointer().restore(path)
+
+
+def _steps(output_dir):
+    return sorted(int(d) for d in os.listdir(os.path.join(output_dir, "checkpoints"))
+                  if d.isdigit())
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_train_checkpoints_and_resume(tmp_path, capsys, trainer):
+    out = str(tmp_path)
+    common = (f"train.trainer_class=@{trainer}", "train.checkpoint_every=2",
+              "train.eval_every=2")
+    assert _train(out, "train.steps=4", *common) == 0
+    assert "final eval at step 4: loss" in capsys.readouterr().out
+    assert _steps(out) == [2, 4]
+    with open(os.path.join(out, "config.gin")) as f:
+        config = f.read()
+    assert f"train.trainer_class = @{trainer}" in config and "train.steps = 4" in config
+    assert _train(out, "train.steps=6", *common) == 0
+    captured = capsys.readouterr()
+    assert "restored the checkpoint of step 4" in captured.err
+    assert "final eval at step 6" in captured.out
+    assert _steps(out) == [4, 6]  # max_to_keep = 2 in copy_task.gin.
+    assert [r["step"] for r in read_metrics(out, "train")] == [2, 4, 6]
+
+
+def test_20_then_10_steps_equal_30_steps(tmp_path):
+    resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
+    assert _train(resumed, "train.steps=20", "train.eval_steps=0") == 0
+    assert _train(resumed, "train.steps=30", "train.eval_steps=0") == 0
+    assert _train(straight, "train.steps=30", "train.eval_steps=0") == 0
+    a, b = _checkpoint(resumed, 30), _checkpoint(straight, 30)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert int(a["step"]) == 30
+
+
+def test_nan_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path, capsys):
+    out = str(tmp_path)
+    assert _train(out, "train.steps=2") == 0
+    before = _checkpoint(out, 2)
+    capsys.readouterr()
+    status = _train(out, "train.steps=10", "train.learning_rate=1e30",
+                    "train.checkpoint_every=1")
+    err = capsys.readouterr().err
+    assert status == 1
+    line = [x for x in err.splitlines() if "error" in x]
+    assert len(line) == 1 and "NonFiniteLossError: loss is" in line[0]
+    assert "at step" in line[0] and "Traceback" not in err
+    assert _steps(out)[-1] < int(line[0].split("at step ")[1].split(";")[0])
+    after = _checkpoint(out, 2)
+    for key in before:
+        np.testing.assert_array_equal(before[key], after[key])
+
+
+@pytest.mark.parametrize("argv_tail, message", [
+    (["--config_file=nope.gin", "--output_dir=X"], "config file 'nope.gin' not found"),
+    ([f"--config_file={COPY_TASK}", "--output_dir=X", "--gin_bindings=train.stepz=3"],
+     "doesn't have a parameter named 'stepz'"),
+    ([f"--config_file={COPY_TASK}", "--output_dir=X", "--gin_bindings=Nope.x=3"],
+     "No configurable matching 'Nope'"),
+    ([f"--config_file={COPY_TASK}", "--bogus_flag=1"], "Unknown command line flag"),
+    ([f"--config_file={COPY_TASK}"], "--output_dir is required"),
+    (["--output_dir=X", "extra"], "unexpected arguments"),
+])
+def test_bad_flags_are_one_line_errors(tmp_path, capsys, argv_tail, message):
+    argv = [a.replace("=X", f"={tmp_path}") for a in argv_tail]
+    assert cli.train_main(["revtrain-train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("revtrain-train: error:")
+    assert message in err
+
+
+def test_help_prints_flags(capsys):
+    assert cli.train_main(["revtrain-train", "--help"]) == 0
+    assert "--gin_bindings" in capsys.readouterr().out
+
+
+def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
+    out = str(tmp_path)
+    lm = ["ReversibleTransformerLM.vocab_size=256", "train.inputs=@TextFiles",
+          "TextFiles.sequence_length=8", "TextFiles.batch_size=4", "train.steps=2"]
+    assert _train(out, *lm) == 0
+    final = capsys.readouterr().out
+    assert "bits_per_byte" in final
+    assert cli.eval_main(["revtrain-eval", f"--output_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("eval at step 2: loss")
+    assert printed.split(": ", 1)[1] == final.split(": ", 1)[1]  # Same weights, same data.
+    assert cli.decode_main(["revtrain-decode", f"--output_dir={out}", "--prompt=def ",
+                            "--max_new_bytes=5"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert cli.eval_main(["revtrain-eval", f"--output_dir={tmp_path / 'none'}"]) == 2
+    assert "config.gin not found" in capsys.readouterr().err
+
+
+def test_console_script_runs_and_sigterm_saves(tmp_path):
+    script = shutil.which("revtrain-train", path=os.path.dirname(sys.executable))
+    assert script, "revtrain-train is not installed; pip install -e . to create it"
+    out = str(tmp_path)
+    argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
+    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=100000",
+                                                    "train.checkpoint_every=0"]]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # Wait for the first train log line, then ask it to stop.
+        if " train: loss" in line:
+            proc.terminate()
+            break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + 15, err
+    assert "stopped by SIGTERM after step" in err and "Traceback" not in err
+    steps = _steps(out)
+    assert len(steps) == 1 and steps[0] >= 2

@@ -1,0 +1,43 @@
+"""Tests of revtrain/training/metrics_writer.py."""
+import glob
+import math
+import os
+import struct
+
+from tensorboardX.proto import event_pb2
+
+from revtrain.training import MetricsWriter, read_metrics
+
+
+def _scalars(logdir, tag):
+    """(step, value) of ``tag`` from the TFRecord event files in ``logdir``."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        data, i = open(path, "rb").read(), 0
+        while i < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc.
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            found += [(event.step, v.simple_value) for v in event.summary.value
+                      if v.tag == tag]
+    return found
+
+
+def test_jsonl_records_and_tensorboard_scalars(tmp_path):
+    writer = MetricsWriter(str(tmp_path))
+    writer.write(10, "train", {"loss": 2.5, "steps_per_second": 4})
+    writer.write(10, "eval", {"loss": math.nan})
+    writer.write(20, "train", {"loss": 2.0, "steps_per_second": 5})
+    writer.close()
+    records = read_metrics(str(tmp_path))
+    assert [(r["step"], r["split"], r["loss"]) for r in records] == [
+        (10, "train", 2.5), (10, "eval", None), (20, "train", 2.0)]
+    assert _scalars(str(tmp_path / "tensorboard" / "train"), "loss") == [(10, 2.5), (20, 2.0)]
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+    writer = MetricsWriter(str(tmp_path / "x"), enabled=False)
+    writer.write(1, "train", {"loss": 1.0})
+    writer.close()
+    assert not os.path.exists(tmp_path / "x")
+    assert read_metrics(str(tmp_path / "x")) == []

@@ -1,0 +1,48 @@
+"""Tests of revtrain/training/optimizers.py."""
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from revtrain.training import optimizer_fn
+
+
+def test_learning_rate_is_injectable_and_sets_the_update():
+    opt = optimizer_fn("sgd", learning_rate=0.5)
+    params = {"w": jnp.array([1.0, -2.0])}
+    state = opt.init(params)
+    assert float(state.hyperparams["learning_rate"]) == 0.5
+    state.hyperparams["learning_rate"] = jnp.asarray(0.25)
+    updates, _ = opt.update({"w": jnp.array([4.0, 8.0])}, state, params)
+    np.testing.assert_allclose(updates["w"], [-1.0, -2.0])
+
+
+def test_hyperparameters_pass_through():
+    state = optimizer_fn("adam", learning_rate=1e-3, b2=0.98).init({"w": jnp.zeros(2)})
+    assert float(state.hyperparams["b2"]) == pytest.approx(0.98)
+
+
+def test_clip_gradient_norm_clips_before_the_update():
+    opt = optimizer_fn("sgd", learning_rate=1.0, clip_gradient_norm=1.0)
+    params = {"w": jnp.zeros(2)}
+    state = opt.init(params)
+    assert "learning_rate" in state.hyperparams
+    updates, _ = opt.update({"w": jnp.array([3.0, 4.0])}, state, params)
+    np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-6)
+    assert optax.tree_utils.tree_get(state, "learning_rate") == 1.0
+
+
+@pytest.mark.parametrize("name", ["nonexistent", "chain", "_src", "global_norm"])
+def test_unknown_name(name):
+    with pytest.raises(ValueError, match=repr(name)):
+        optimizer_fn(name)
+
+
+def test_unknown_hyperparameter_names_the_optimizer():
+    with pytest.raises(TypeError, match="optax.adam does not accept"):
+        optimizer_fn("adam", bogus=1.0)
+
+
+def test_bad_clip_norm():
+    with pytest.raises(ValueError, match="clip_gradient_norm=0"):
+        optimizer_fn("adam", clip_gradient_norm=0)
