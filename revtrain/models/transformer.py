@@ -109,7 +109,8 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
       dropout: rate for embedding, positional-encoding, attention and feed-forward dropout.
       ff_activation: a layer class (or function) giving the feed-forward activation.
       mode: ``'train'`` (dropout on), ``'eval'`` or ``'predict'``.
-      compute_dtype: dtype inside the half-residuals (``jnp.float32`` or ``jnp.bfloat16``).
+      compute_dtype: dtype inside the half-residuals: ``jnp.float32`` or ``jnp.bfloat16``
+        (a dtype or its name, e.g. ``"bfloat16"`` from gin).
 
     Returns:
       A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``.
