@@ -37,10 +37,10 @@ REP = P()
 def has_injectable_learning_rate(slots: Any) -> bool:
     """True when ``slots`` holds an ``optax.inject_hyperparams`` ``learning_rate``."""
     try:
-        optax.tree_utils.tree_get(slots, "learning_rate")
+        value = optax.tree_utils.tree_get(slots, "learning_rate")
     except (KeyError, ValueError):
         return False
-    return True
+    return value is not None
 
 
 def learning_rate_of(slots: Any) -> float | None:
@@ -96,8 +96,8 @@ def _wrap_key(key_data: jax.Array) -> jax.Array:
 
 
 def _layer_stats(grads: Any, new_weights: Any) -> dict[str, jax.Array]:
-    return {"gradients_l2": optax.global_norm(grads),
-            "weights_l2": optax.global_norm(new_weights)}
+    return {"gradients_l2": optax.tree.norm(grads),
+            "weights_l2": optax.tree.norm(new_weights)}
 
 
 def _update(optimizer, ct_w, w, slots, lr) -> tuple[Any, Any, dict[str, jax.Array]]:

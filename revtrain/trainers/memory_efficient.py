@@ -84,8 +84,8 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
     # Storage hooks of ReversibleSerialTrainer.
 
     def _store_initial(self, weights: list, states: list, slots: list) -> None:
-        self._host_w = [devices.on_cpu(w) for w in weights]
-        self._host_slots = [devices.on_cpu(s) for s in slots]
+        self._w_on_host = [devices.on_cpu(w) for w in weights]
+        self._slots_on_host = [devices.on_cpu(s) for s in slots]
         self._states = [devices.on_cpu(devices.for_n_devices(s, self.n_devices))
                         for s in states]
 
@@ -120,10 +120,10 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
         return devices.shard_per_device(kept, self.mesh) if _is_host(kept) else kept
 
     def _host_weights(self, i: int) -> Any:
-        return self._host_w[i]
+        return self._w_on_host[i]
 
     def _host_slots(self, i: int) -> Any:
-        return self._host_slots[i]
+        return self._slots_on_host[i]
 
     def _host_state(self, i: int) -> Any:
         return jax.tree.map(lambda a: np.asarray(a)[0], self._states[i])
@@ -134,14 +134,14 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
     def _fetch(self, i: int, with_slots: bool) -> list:
         entry = self._resident.get(i)
         if entry is None:
-            entry = self._resident[i] = [devices.replicate(self._host_w[i], self.mesh), None]
+            entry = self._resident[i] = [devices.replicate(self._w_on_host[i], self.mesh), None]
         if with_slots and entry[1] is None:
-            entry[1] = devices.replicate(self._host_slots[i], self.mesh)
+            entry[1] = devices.replicate(self._slots_on_host[i], self.mesh)
         return entry
 
     def _resolve_pending(self) -> None:
         for i, weights, slots in self._pending:
-            self._host_w[i], self._host_slots[i] = jax.device_get((weights, slots))
+            self._w_on_host[i], self._slots_on_host[i] = jax.device_get((weights, slots))
             _delete((weights, slots))
         self._pending = []
 

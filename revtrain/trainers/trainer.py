@@ -66,8 +66,8 @@ class Trainer(TrainerBase):
             grads = jax.lax.pmean(grads, BATCH_AXIS)
             new_weights, new_slots = apply_optimizer(optimizer, grads, weights, slots, lr)
             stats = {"loss": jax.lax.pmean(loss, BATCH_AXIS),
-                     "gradients_l2": optax.global_norm(grads),
-                     "weights_l2": optax.global_norm(new_weights)}
+                     "gradients_l2": optax.tree.norm(grads),
+                     "weights_l2": optax.tree.norm(new_weights)}
             if lr is not None:
                 stats["learning_rate"] = jnp.asarray(lr, jnp.float32)
             new_state = jax.tree.map(lambda a: a[None], new_state)

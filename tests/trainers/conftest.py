@@ -1,0 +1,70 @@
+"""Models and helpers shared by the trainer tests."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+from revtrain import layers as tl
+
+VOCAB, LENGTH, D = 16, 6, 8
+
+
+def _half_residual_pair():
+    return [tl.ReversibleHalfResidual(tl.LayerNorm(), tl.Dense(D), tl.Dropout(0.2)),
+            tl.ReversibleSwap(),
+            tl.ReversibleHalfResidual(tl.Dense(D), tl.Relu(), tl.Dropout(0.1)),
+            tl.ReversibleSwap()]
+
+
+def make_blocks(kind: str = "one"):
+    """``(blocks, loss_layer)`` of a small LM with dropout everywhere (not initialised).
+
+    kind: ``'one'`` -- embedding, dropout, two half-residual pairs, loss with dropout;
+    ``'two'`` -- two blocks; ``'empty'`` -- a second block with no reversible layers.
+    """
+    first = (tl.Serial(tl.Embedding(VOCAB, D), tl.Dropout(0.1), tl.Dup()),
+             _half_residual_pair() + _half_residual_pair())
+    head = [tl.Dense(VOCAB), tl.LogSoftmax(), tl.Dropout(0.1), tl.CrossEntropyLoss()]
+    if kind == "one":
+        return [first], tl.Serial(tl.Concatenate(), *head)
+    if kind == "two":
+        second = (tl.Serial(tl.Parallel(tl.Dense(D), None)), _half_residual_pair())
+        return [first, second], tl.Serial(tl.Concatenate(), *head)
+    if kind == "empty":
+        second = (tl.Serial(tl.Concatenate(), tl.Dense(D), tl.Relu()), [])
+        return [first, second], tl.Serial(*head)
+    raise ValueError(kind)
+
+
+def make_batch(batch_size: int = 8, seed: int = 0):
+    rs = np.random.RandomState(seed)
+    tokens = rs.randint(0, VOCAB, (batch_size, LENGTH + 1)).astype(np.int32)
+    weights = (rs.rand(batch_size, LENGTH) > 0.2).astype(np.float32)
+    return tokens[:, :-1], tokens[:, 1:], weights
+
+
+def signature(batch):
+    return tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
+
+
+def initialised_blocks(kind: str, batch, weights=None, seed: int = 0):
+    """Builds and initialises blocks; optionally sets the flat weights to ``weights``."""
+    blocks, loss = make_blocks(kind)
+    tl.init_reversible_blocks(blocks, loss, signature(batch), jax.random.key(seed))
+    if weights is not None:
+        tl.Serial(tl.blocks_to_layers(blocks, loss)).weights = weights
+    return blocks, loss
+
+
+def flat_weights(blocks, loss):
+    """Host copies of ``Serial(*blocks_to_layers(blocks, loss)).weights``."""
+    return jax.tree.map(np.asarray, tl.Serial(tl.blocks_to_layers(blocks, loss)).weights)
+
+
+def adam():
+    return optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+
+
+@pytest.fixture
+def batch():
+    return make_batch()

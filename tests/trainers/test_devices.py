@@ -1,0 +1,72 @@
+import jax
+import numpy as np
+import pytest
+
+from revtrain.trainers import devices
+
+
+def test_reshape_by_device_splits_the_leading_axis():
+    x = {"a": np.arange(24).reshape(8, 3), "b": np.arange(8)}
+    y = devices.reshape_by_device(x, 4)
+    assert y["a"].shape == (4, 2, 3) and y["b"].shape == (4, 2)
+    np.testing.assert_array_equal(y["a"][1], x["a"][2:4])
+
+
+def test_reshape_by_device_names_both_numbers():
+    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by n_devices=4"):
+        devices.reshape_by_device(np.zeros((6, 2)), 4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_for_n_devices_uses_n(n):
+    y = devices.for_n_devices({"w": np.ones((2, 3))}, n)
+    assert y["w"].shape == (n, 2, 3)
+
+
+def test_per_device_rngs_one_device_is_a_plain_split():
+    rng = jax.random.key(3)
+    keys = devices.per_device_rngs(rng, 1, 5)
+    np.testing.assert_array_equal(keys[0], jax.random.key_data(jax.random.split(rng, 5)))
+
+
+def test_per_device_rngs_split_by_device_then_layer():
+    rng = jax.random.key(3)
+    keys = devices.per_device_rngs(rng, 4, 3)
+    assert keys.shape[:2] == (4, 3)
+    by_device = jax.random.split(rng, 4)
+    for d in range(4):
+        np.testing.assert_array_equal(
+            keys[d], jax.random.key_data(jax.random.split(by_device[d], 3)))
+
+
+def test_replicate_copies_and_unreplicate_round_trips():
+    mesh = devices.make_mesh(4)
+    x = jax.numpy.arange(6.0)
+    r = devices.replicate({"x": x}, mesh)
+    assert len(r["x"].addressable_shards) == 4
+    r["x"].delete()
+    assert not x.is_deleted()
+    np.testing.assert_array_equal(devices.unreplicate(devices.replicate(x, mesh)), np.arange(6.0))
+
+
+def test_on_accelerator_rejects_a_missing_device():
+    with pytest.raises(ValueError, match=r"device index 9 does not exist"):
+        devices.on_accelerator(np.ones(2), 9)
+    y = devices.on_accelerator(np.ones(2), 1)
+    assert y.devices() == {jax.local_devices()[1]}
+
+
+def test_on_cpu_gives_numpy():
+    assert isinstance(devices.on_cpu({"a": jax.numpy.ones(2)})["a"], np.ndarray)
+
+
+def test_make_mesh_rejects_too_many_devices():
+    with pytest.raises(ValueError, match=r"n_devices=9 but this process has 4 devices"):
+        devices.make_mesh(9)
+
+
+def test_check_same_structure_names_the_first_mismatching_path():
+    with pytest.raises(ValueError, match=r"\['b'\]"):
+        devices.check_same_structure({"a": 1.0, "c": 2.0}, {"a": 1.0, "b": 2.0}, "slots")
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        devices.check_same_structure({"a": np.ones(3)}, {"a": np.ones(2)}, "weights")

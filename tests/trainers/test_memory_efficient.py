@@ -1,0 +1,120 @@
+"""MemoryEfficientTrainer: same results as Trainer, weights in host memory between steps."""
+import gc
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from revtrain import layers as tl
+from revtrain import memory
+from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
+from tests.trainers.conftest import adam, flat_weights, initialised_blocks, make_batch, signature
+from tests.trainers.test_trainers import _run
+from tests.tree_utils import assert_trees_close
+
+
+def _weight_buffers(trainer):
+    leaves = jax.tree.leaves((trainer._w_on_host, trainer._slots_on_host))
+    return {(leaf.shape, leaf.dtype) for leaf in leaves if leaf.size > 1}
+
+
+@pytest.mark.parametrize("kind,n_devices", [("one", 1), ("one", 2), ("empty", 2)])
+def test_matches_trainer(kind, n_devices, batch):
+    blocks, loss = initialised_blocks(kind, batch)
+    w0 = flat_weights(blocks, loss)
+    met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=n_devices)
+    blocks2, loss2 = initialised_blocks(kind, batch, weights=w0, seed=1)
+    plain = Trainer(tl.Serial(tl.blocks_to_layers(blocks2, loss2)), adam, n_devices=n_devices)
+    np.testing.assert_allclose(_run(met, batch), _run(plain, batch), rtol=1e-5)
+    assert_trees_close(met.weights, plain.weights, rtol=1e-5, atol=1e-5)
+    assert_trees_close(flat_weights(blocks, loss), flat_weights(blocks2, loss2),
+                       rtol=1e-5, atol=1e-5)
+
+
+def test_matches_reversible_serial_trainer_exactly(batch):
+    blocks, loss = initialised_blocks("two", batch)
+    w0 = flat_weights(blocks, loss)
+    met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=2, n_async_layers=2)
+    rev = ReversibleSerialTrainer(*initialised_blocks("two", batch, weights=w0), adam, 2)
+    np.testing.assert_array_equal(_run(met, batch), _run(rev, batch))
+    assert_trees_close(met.weights, rev.weights, rtol=0, atol=0)
+    assert_trees_close(met.slots, rev.slots, rtol=0, atol=0)
+
+
+def test_weights_and_slots_live_in_host_memory_between_steps(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    # Layers hold numpy weights, so no device array of these shapes is the caller's.
+    tl.Serial(tl.blocks_to_layers(blocks, loss)).weights = flat_weights(blocks, loss)
+    gc.collect()
+    before = {id(a) for a in jax.live_arrays()}
+    met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=2)
+    for step in range(2):
+        met.one_step(batch, jax.random.key(step))
+        host = jax.tree.leaves((met._w_on_host, met._slots_on_host, met._states))
+        assert all(isinstance(leaf, np.ndarray) for leaf in host)
+        shapes = _weight_buffers(met)
+        new = [a for a in jax.live_arrays() if id(a) not in before]
+        on_device = {(a.shape, a.dtype) for a in new if a.size > 1}
+        assert not shapes & on_device, f"weights or slots left on device: {shapes & on_device}"
+        # Only scalars (the returned loss and stats) remain.
+        assert all(a.size == 1 for a in new), [a.shape for a in new]
+
+
+@pytest.mark.parametrize("n_async_layers", [0, 1, 3])
+def test_at_most_one_plus_n_async_layers_on_device(n_async_layers, batch):
+    blocks, loss = initialised_blocks("one", batch)
+    met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=1,
+                                 n_async_layers=n_async_layers)
+    met.one_step(batch, jax.random.key(0))
+    assert met.max_resident_layers == min(1 + n_async_layers, len(met.layers))
+
+
+def test_logs_host_rss_and_device_bytes(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=1, n_steps_per_log=2)
+    met.one_step(batch, jax.random.key(0))
+    phases = [r["phase"] for r in met.memory_log]
+    assert phases == ["forward_start", "loss_start", "backward_start", "backward_end"]
+    assert all(r["host_rss_bytes"] > 0 and r["accelerator_bytes_in_use"] > 0
+               for r in met.memory_log)
+    met.one_step(batch, jax.random.key(1))  # step 1: not logged
+    assert met.memory_log[0]["step"] == 0
+
+
+def _deep_blocks(n_layers, d, batch):
+    """``n_layers`` reversible half-residual Dense layers of width ``d``."""
+    revs = []
+    for _ in range(n_layers // 2):
+        revs += [tl.ReversibleHalfResidual(tl.Dense(d)), tl.ReversibleSwap()]
+    blocks = [(tl.Serial(tl.Embedding(16, d), tl.Dup()), revs)]
+    loss = tl.Serial(tl.Concatenate(), tl.Dense(16), tl.LogSoftmax(), tl.CrossEntropyLoss())
+    tl.init_reversible_blocks(blocks, loss, signature(batch), jax.random.key(0))
+    tl.Serial(tl.blocks_to_layers(blocks, loss)).weights = flat_weights(blocks, loss)
+    return blocks, loss
+
+
+def test_deep_model_trains_with_device_memory_near_one_layer():
+    batch = make_batch(batch_size=4)
+    d = 128
+    blocks, loss = _deep_blocks(24, d, batch)
+    slow_adam = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-4)
+    met = MemoryEfficientTrainer(blocks, loss, slow_adam, n_devices=1, n_async_layers=1)
+    layer_bytes = 3 * (d * d + d) * 4  # weights + two Adam slots of one Dense(d)
+    total_bytes = sum(a.nbytes for a in jax.tree.leaves((met._w_on_host, met._slots_on_host)))
+    limit = total_bytes // 4
+    assert total_bytes > 12 * layer_bytes
+    losses = []
+    with memory.track_peak(met) as report:
+        for step in range(3):
+            loss_value, _ = met.one_step(batch, jax.random.key(step))
+            losses.append(float(loss_value))
+    # The ledger counts every live device array; what was live before the block is not ours.
+    peak = report.peak_bytes - report.baseline_bytes
+    print(f"weights+slots {memory.format_bytes(total_bytes)}, trainer's device peak "
+          f"{memory.format_bytes(peak)} ({report.method}), one layer "
+          f"{memory.format_bytes(layer_bytes)}")
+    assert report.method == "ledger"
+    assert peak < limit
+    assert peak < (2 + met.n_async_layers) * layer_bytes
+    assert losses[-1] < losses[0]

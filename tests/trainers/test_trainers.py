@@ -1,0 +1,194 @@
+"""The core invariant: Trainer and ReversibleSerialTrainer give the same losses and weights."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+from revtrain import layers as tl
+from revtrain.trainers import ReversibleSerialTrainer, Trainer
+from tests.trainers.conftest import adam, flat_weights, initialised_blocks, make_batch
+from tests.tree_utils import assert_trees_close
+
+STEPS = 3
+LR_OVERRIDE = {1: 3e-3}  # step -> learning_rate passed to one_step
+
+
+def _run(trainer, batch, steps=STEPS):
+    losses = []
+    for step in range(steps):
+        loss, stats = trainer.one_step(batch, jax.random.key(100 + step), step=step,
+                                       learning_rate=LR_OVERRIDE.get(step))
+        assert float(stats["loss"]) == pytest.approx(float(loss))
+        losses.append(float(loss))
+    return losses
+
+
+def _pair(kind, n_devices, batch):
+    blocks, loss = initialised_blocks(kind, batch)
+    w0 = flat_weights(blocks, loss)
+    rev = ReversibleSerialTrainer(blocks, loss, adam, n_devices=n_devices)
+    blocks2, loss2 = initialised_blocks(kind, batch, weights=w0, seed=1)
+    plain = Trainer(tl.Serial(tl.blocks_to_layers(blocks2, loss2)), adam, n_devices=n_devices)
+    return rev, plain, (blocks, loss), (blocks2, loss2)
+
+
+@pytest.mark.parametrize("kind,n_devices", [
+    ("one", 1), ("one", 2), ("one", 4), ("two", 1), ("two", 4), ("empty", 1), ("empty", 2)])
+def test_reversible_trainer_matches_trainer(kind, n_devices, batch):
+    rev, plain, (blocks, loss), (blocks2, loss2) = _pair(kind, n_devices, batch)
+    rev_losses = _run(rev, batch)
+    plain_losses = _run(plain, batch)
+    np.testing.assert_allclose(rev_losses, plain_losses, rtol=1e-5)
+    assert rev_losses[-1] < rev_losses[0]
+    assert_trees_close(rev.weights, plain.weights, rtol=1e-5, atol=1e-5)
+    # The layer objects show the new weights too.
+    assert_trees_close(flat_weights(blocks, loss), flat_weights(blocks2, loss2),
+                       rtol=1e-5, atol=1e-5)
+    assert rev.learning_rate == pytest.approx(3e-3) == plain.learning_rate
+
+
+def test_weights_move_and_layers_show_them(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    w0 = flat_weights(blocks, loss)
+    trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=2)
+    trainer.one_step(batch, jax.random.key(0))
+    embedding = blocks[0][0].sublayers[0]
+    assert not np.allclose(np.asarray(embedding.weights), w0[0][0])
+    np.testing.assert_array_equal(np.asarray(embedding.weights), trainer.weights[0][0])
+
+
+def test_stats_keys(batch):
+    blocks, loss = initialised_blocks("two", batch)
+    trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
+    _, stats = trainer.one_step(batch, jax.random.key(0))
+    n = len(trainer.layers)
+    assert {"loss", "learning_rate"} <= set(stats)
+    for i in range(n):
+        assert f"layer{i}/gradients_l2" in stats and f"layer{i}/weights_l2" in stats
+    assert float(stats[f"layer{n - 1}/gradients_l2"]) > 0
+    _, plain_stats = Trainer(tl.Serial(trainer.layers), adam, 1).one_step(
+        batch, jax.random.key(0))
+    assert {"loss", "gradients_l2", "weights_l2", "learning_rate"} <= set(plain_stats)
+
+
+def test_no_recompilation_after_the_first_step(batch):
+    blocks, loss = initialised_blocks("two", batch)
+    rev = ReversibleSerialTrainer(blocks, loss, adam, n_devices=2)
+    plain = Trainer(tl.Serial(tl.blocks_to_layers(*initialised_blocks("two", batch))), adam, 2)
+    _run(rev, batch, steps=1)
+    _run(plain, batch, steps=1)
+    n_fns = rev._fns.n_built
+    # Identical layers share compiled functions: far fewer than 3 per layer.
+    assert n_fns < 2 * len(rev.layers)
+    with jax.log_compiles(True):
+        pass
+    compiled = []
+    with _count_compiles(compiled):
+        _run(rev, make_batch(seed=1), steps=3)
+        _run(plain, make_batch(seed=1), steps=3)
+    assert rev._fns.n_built == n_fns
+    assert plain.n_traces == 1
+    assert compiled == []
+
+
+class _count_compiles:
+    """Collects the names of functions XLA compiles inside the block."""
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def __enter__(self):
+        import logging
+        self._handler = logging.Handler()
+        self._handler.emit = lambda record: (
+            self.sink.append(record.getMessage())
+            if "Compiling" in record.getMessage() and "shard_map" in record.getMessage()
+            or "Finished XLA compilation" in record.getMessage() else None)
+        self._logger = logging.getLogger("jax")
+        self._logger.addHandler(self._handler)
+        self._old = jax.config.jax_log_compiles
+        jax.config.update("jax_log_compiles", True)
+        return self
+
+    def __exit__(self, *exc):
+        jax.config.update("jax_log_compiles", self._old)
+        self._logger.removeHandler(self._handler)
+
+
+def test_slots_round_trip_is_exact(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=2)
+    trainer.one_step(batch, jax.random.key(0))
+    slots = trainer.slots
+    trainer.slots = slots
+    assert_trees_close(trainer.slots, slots, rtol=0, atol=0)
+    plain = Trainer(tl.Serial(tl.blocks_to_layers(*initialised_blocks("one", batch))), adam, 2)
+    plain.one_step(batch, jax.random.key(0))
+    plain_slots = plain.slots
+    plain.slots = plain_slots
+    assert_trees_close(plain.slots, plain_slots, rtol=0, atol=0)
+
+
+def test_setting_slots_with_the_wrong_structure_names_the_path(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
+    slots = list(trainer.slots)
+    slots[1] = slots[0]
+    with pytest.raises(ValueError, match=r"slots structure mismatch at slots\[1\]"):
+        trainer.slots = slots
+
+
+def test_trainer_built_from_trained_layers_continues_from_them(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    first = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
+    first.one_step(batch, jax.random.key(0))
+    second = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
+    assert_trees_close(second.weights, first.weights, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("trainer_kind", ["plain", "reversible"])
+def test_bad_input_is_a_clear_error_and_weights_are_unchanged(trainer_kind, batch):
+    blocks, loss = initialised_blocks("one", batch)
+    if trainer_kind == "plain":
+        trainer = Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), adam, n_devices=4)
+    else:
+        trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=4)
+    before = trainer.weights
+    odd = tuple(b[:6] for b in batch)
+    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by n_devices=4"):
+        trainer.one_step(odd, jax.random.key(0))
+    assert_trees_close(trainer.weights, before, rtol=0, atol=0)
+    loss_value, _ = trainer.one_step(batch, jax.random.key(0))
+    assert np.isfinite(float(loss_value))
+
+
+@pytest.mark.parametrize("trainer_kind", ["plain", "reversible"])
+def test_learning_rate_needs_an_injectable_optimizer(trainer_kind, batch):
+    blocks, loss = initialised_blocks("one", batch)
+    plain_adam = lambda: optax.adam(1e-2)
+    if trainer_kind == "plain":
+        trainer = Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), plain_adam, 1)
+    else:
+        trainer = ReversibleSerialTrainer(blocks, loss, plain_adam, n_devices=1)
+    before = trainer.weights
+    with pytest.raises(ValueError, match=r"learning_rate=0.1 .*inject_hyperparams"):
+        trainer.one_step(batch, jax.random.key(0), learning_rate=0.1)
+    assert_trees_close(trainer.weights, before, rtol=0, atol=0)
+    _, stats = trainer.one_step(batch, jax.random.key(0))
+    assert "learning_rate" not in stats
+
+
+def test_uninitialised_layers_are_rejected():
+    from tests.trainers.conftest import make_blocks
+    blocks, loss = make_blocks("one")
+    with pytest.raises(ValueError, match=r"is not initialised"):
+        ReversibleSerialTrainer(blocks, loss, adam)
+    with pytest.raises(ValueError, match=r"is not initialised"):
+        Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), adam)
+
+
+def test_non_reversible_block_member_is_a_type_error(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    std, revs = blocks[0]
+    with pytest.raises(TypeError, match=r"Dense.*is not a ReversibleLayer"):
+        ReversibleSerialTrainer([(std, revs + [tl.Dense(3)])], loss, adam)
