@@ -152,8 +152,12 @@ def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
 
     files = [resolve_config_file(path) for path in config_files]
     gin.clear_config()
-    if os.path.isdir(_CONFIGS_DIR):
-        gin.add_config_file_search_path(_CONFIGS_DIR)
+    # `include 'x.gin'` finds files next to the including config or in configs/.
+    for directory in dict.fromkeys([os.path.dirname(os.path.abspath(f)) for f in files]
+                                   + [_CONFIGS_DIR]):
+        known = getattr(gin.config, "_LOCATION_PREFIXES", ())  # Avoid repeats in-process.
+        if os.path.isdir(directory) and directory not in known:
+            gin.add_config_file_search_path(directory)
     try:
         gin.parse_config_files_and_bindings(files, list(bindings), finalize_config=False)
     except (ValueError, KeyError, SyntaxError, TypeError, OSError) as e:

@@ -147,3 +147,28 @@ def test_console_script_runs_and_sigterm_saves(tmp_path):
     assert "stopped by SIGTERM after step" in err and "Traceback" not in err
     steps = _steps(out)
     assert len(steps) == 1 and steps[0] >= 2
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(CONFIGS) if f.endswith(".gin")))
+def test_every_config_parses_with_model_and_inputs(name):
+    import gin
+
+    cli._parse_gin([os.path.join(CONFIGS, name)], [])
+    bindings = gin.get_bindings("train")
+    assert callable(bindings["model"]) and callable(bindings["inputs"])
+    assert bindings["steps"] > 0 and callable(bindings["learning_rate"])
+
+
+@pytest.mark.parametrize("name, model", [
+    ("reversible_lm.gin", "ReversibleTransformerLM"),
+    ("reversible_lm_memory_efficient.gin", "ReversibleTransformerLM"),
+    ("transformer_lm.gin", "TransformerLM"),
+])
+def test_text_configs_train_two_tiny_steps(tmp_path, capsys, name, model):
+    shrink = [f"{model}.d_model=16", f"{model}.d_ff=32", f"{model}.n_heads=2",
+              f"{model}.n_layers=1", "TextFiles.sequence_length=16", "TextFiles.batch_size=4",
+              "train.steps=2", "train.eval_steps=1", "train.progress=False"]
+    argv = ["revtrain-train", f"--config_file={os.path.join(CONFIGS, name)}",
+            f"--output_dir={tmp_path}"] + [f"--gin_bindings={b}" for b in shrink]
+    assert cli.train_main(argv) == 0
+    assert "final eval at step 2: loss" in capsys.readouterr().out
