@@ -86,9 +86,10 @@ class TrainerBase:
         if not (isinstance(rng, jax.Array) and jax.dtypes.issubdtype(rng.dtype,
                                                                      jax.dtypes.prng_key)):
             rng = jax.random.wrap_key_data(np.asarray(rng, dtype=np.uint32))
+        where = (jax.process_index(), jax.process_count())
         if n_layers is None:
-            return devices.per_device_keys(rng, self.n_devices)
-        return devices.per_device_rngs(rng, self.n_devices, n_layers)
+            return devices.per_device_keys(rng, self.n_devices, *where)
+        return devices.per_device_rngs(rng, self.n_devices, n_layers, *where)
 
     def _record(self, label: str, fn: Callable | None = None, args: tuple = ()) -> None:
         if self.memory_ledger is not None:

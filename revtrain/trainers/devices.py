@@ -1,9 +1,15 @@
 """Device helpers shared by every trainer: meshes, device reshape, per-device rngs, moves.
 
 All trainers run data-parallel over a one-axis mesh whose axis is named ``batch``
-(`BATCH_AXIS`). A per-device value has a leading axis of size ``n_devices`` sharded over
-that axis (the layout ``jax.pmap`` used, which keeps Trax's per-device rng semantics);
-weights and optimizer slots are replicated.
+(`BATCH_AXIS`). A per-device value has a leading axis over that mesh axis (the layout
+``jax.pmap`` used, which keeps Trax's per-device rng semantics); weights and optimizer
+slots are replicated.
+
+Multi-host: ``n_devices`` counts *this process's* devices. The mesh spans the first
+``n_devices`` devices of every process (``jax.process_count()`` of them under
+``jax.distributed``), so gradients are averaged over all processes. Each process gives its
+own per-device values (its slice of the global batch, ``[n_devices, ...]``), and reads back
+its own; replicated values are read from a local copy.
 """
 
 from __future__ import annotations
@@ -35,8 +41,17 @@ def resolve_n_devices(n_devices: int | None) -> int:
 
 
 def make_mesh(n_devices: int) -> Mesh:
-    """A one-axis mesh named ``batch`` over the first ``n_devices`` local devices."""
-    devices = jax.local_devices()[:resolve_n_devices(n_devices)]
+    """A one-axis mesh named ``batch`` over the first ``n_devices`` devices of each process.
+
+    With one process these are the first ``n_devices`` local devices; under
+    ``jax.distributed`` the mesh has ``n_devices * jax.process_count()`` devices, ordered by
+    process.
+    """
+    n_devices = resolve_n_devices(n_devices)
+    by_process: dict[int, list] = {}
+    for device in jax.devices():
+        by_process.setdefault(device.process_index, []).append(device)
+    devices = [d for p in sorted(by_process) for d in by_process[p][:n_devices]]
     return Mesh(np.array(devices), (BATCH_AXIS,))
 
 
@@ -84,29 +99,36 @@ def device_rngs(rng: jax.Array, n_devices: int) -> jax.Array:
     return rng[None] if n_devices == 1 else jax.random.split(rng, n_devices)
 
 
-def per_device_rngs(rng: jax.Array, n_devices: int, n_layers: int) -> np.ndarray:
+def per_device_rngs(rng: jax.Array, n_devices: int, n_layers: int,
+                    process_index: int = 0, process_count: int = 1) -> np.ndarray:
     """Splits ``rng`` by device first, then by layer; computed on the host CPU.
 
     For one device the result row equals ``jax.random.split(rng, n_layers)``; for several,
     row ``d`` is ``split(split(rng, n_devices)[d], n_layers)``. A model run as
     ``Serial(*layers)`` with the device key therefore gives layer ``i`` key ``[d, i]``.
-    The split runs on the CPU so it does not fragment accelerator memory.
+    The split runs on the CPU so it does not fragment accelerator memory. With several
+    processes the split is over all ``n_devices * process_count`` devices and this
+    process's ``n_devices`` rows are returned.
 
     Returns:
       uint32 numpy key data ``[n_devices, n_layers, *key_shape]`` (wrap with
       ``jax.random.wrap_key_data`` on use).
     """
+    keys = per_device_keys(rng, n_devices, process_index, process_count)
     with jax.default_device(_cpu_device()):
-        rng = jax.device_put(rng, _cpu_device())
-        keys = jax.vmap(lambda k: jax.random.split(k, n_layers))(device_rngs(rng, n_devices))
+        keys = jax.random.wrap_key_data(jax.device_put(keys, _cpu_device()))
+        keys = jax.vmap(lambda k: jax.random.split(k, n_layers))(keys)
         return np.asarray(jax.random.key_data(keys))
 
 
-def per_device_keys(rng: jax.Array, n_devices: int) -> np.ndarray:
-    """uint32 key data ``[n_devices, *key_shape]`` of `device_rngs`, computed on the CPU."""
+def per_device_keys(rng: jax.Array, n_devices: int, process_index: int = 0,
+                    process_count: int = 1) -> np.ndarray:
+    """uint32 key data ``[n_devices, *key_shape]`` of this process's `device_rngs` rows."""
     with jax.default_device(_cpu_device()):
         rng = jax.device_put(rng, _cpu_device())
-        return np.asarray(jax.random.key_data(device_rngs(rng, n_devices)))
+        keys = device_rngs(rng, n_devices * process_count)
+        start = process_index * n_devices
+        return np.asarray(jax.random.key_data(keys))[start:start + n_devices]
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
@@ -120,14 +142,32 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 
 
 def unreplicate(tree: Any) -> Any:
-    """Host (numpy) copy of a replicated tree."""
-    return jax.device_get(tree)
+    """Host (numpy) copy of a replicated tree, read from this process's first copy."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data)
+                        if isinstance(a, jax.Array) else np.asarray(a), tree)
 
 
 def shard_per_device(tree: Any, mesh: Mesh) -> Any:
-    """Puts ``[n_devices, ...]`` leaves on ``mesh`` with the leading axis over devices."""
+    """Puts this process's ``[n_devices, ...]`` leaves on ``mesh``, one row per device.
+
+    With several processes the result is a global array of ``n_devices * process_count``
+    rows (``jax.make_array_from_process_local_data``).
+    """
     sharding = per_device(mesh)
-    return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
+    if jax.process_count() == 1:
+        return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
+    return jax.tree.map(
+        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), tree)
+
+
+def local_rows(tree: Any) -> Any:
+    """Host copy of this process's rows ``[n_devices, ...]`` of per-device values."""
+    def rows(a):
+        if not isinstance(a, jax.Array) or a.is_fully_addressable:
+            return np.asarray(a)
+        shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return np.concatenate([np.asarray(s.data) for s in shards])
+    return jax.tree.map(rows, tree)
 
 
 def on_cpu(tree: Any) -> Any:

@@ -109,12 +109,12 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
         return devices.shard_per_device(state, self.mesh)
 
     def _keep_state(self, state: Any) -> Any:
-        host = jax.device_get(state)
+        host = devices.local_rows(state)
         _delete(state)
         return host
 
     def _keep_stack(self, stack: Any) -> Any:
-        return jax.device_get(stack)
+        return devices.local_rows(stack)
 
     def _device_stack(self, kept: Any) -> Any:
         return devices.shard_per_device(kept, self.mesh) if _is_host(kept) else kept
@@ -141,7 +141,7 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
 
     def _resolve_pending(self) -> None:
         for i, weights, slots in self._pending:
-            self._w_on_host[i], self._slots_on_host[i] = jax.device_get((weights, slots))
+            self._w_on_host[i], self._slots_on_host[i] = devices.unreplicate((weights, slots))
             _delete((weights, slots))
         self._pending = []
 
@@ -167,7 +167,7 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
     def _end_forward(self, stack: Any) -> Any:
         if not self.free_accelerators_on_step:
             return stack
-        host = jax.device_get(stack)
+        host = devices.local_rows(stack)
         _delete(stack)
         self._free_resident()
         return host

@@ -39,6 +39,22 @@ def test_per_device_rngs_split_by_device_then_layer():
             keys[d], jax.random.key_data(jax.random.split(by_device[d], 3)))
 
 
+def test_per_device_rngs_of_one_process_are_its_rows_of_the_global_split():
+    rng = jax.random.key(5)
+    global_keys = devices.per_device_rngs(rng, 4, 3)
+    for process_index in range(2):
+        local = devices.per_device_rngs(rng, 2, 3, process_index=process_index,
+                                        process_count=2)
+        np.testing.assert_array_equal(local, global_keys[2 * process_index:
+                                                         2 * process_index + 2])
+
+
+def test_local_rows_round_trips_per_device_values():
+    mesh = devices.make_mesh(4)
+    x = np.arange(8.0).reshape(4, 2)
+    np.testing.assert_array_equal(devices.local_rows(devices.shard_per_device(x, mesh)), x)
+
+
 def test_replicate_copies_and_unreplicate_round_trips():
     mesh = devices.make_mesh(4)
     x = jax.numpy.arange(6.0)

@@ -73,9 +73,6 @@ def test_checkpoints_and_metrics_written_once(two_process_run):
     assert os.path.isfile(os.path.join(out, "config.gin"))
 
 
-@pytest.mark.xfail(strict=True, reason="trainers build their mesh from jax.local_devices(), "
-                   "so gradients are averaged over each process's devices only and the "
-                   "processes' weights diverge; needs a global mesh in revtrain.trainers")
 def test_processes_train_one_model(two_process_run):
     _, results = two_process_run
     norms = [re.findall(r"step 6 train: .*weights_l2 (\S+)", stderr)
