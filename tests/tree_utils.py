@@ -13,7 +13,7 @@ def assert_trees_close(actual: Any, expected: Any, rtol: float = 1e-5, atol: flo
     actual_leaves, actual_def = jax.tree_util.tree_flatten_with_path(actual)
     expected_leaves, expected_def = jax.tree_util.tree_flatten_with_path(expected)
     assert actual_def == expected_def, f"tree structures differ:\n{actual_def}\n{expected_def}"
-    for (path, a), (_, e) in zip(actual_leaves, expected_leaves):
+    for (path, a), (_, e) in zip(actual_leaves, expected_leaves, strict=True):
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
             err_msg=f"leaf {jax.tree_util.keystr(path)} differs")
