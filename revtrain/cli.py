@@ -165,7 +165,10 @@ def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
 
 
 def _one_line(error: BaseException) -> str:
-    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    """The error message on one line, without gin's "In call to configurable" notes."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    text = " ".join(line for line in lines
+                    if line and not line.startswith("In call to configurable"))
     return text or type(error).__name__
 
 

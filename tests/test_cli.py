@@ -107,6 +107,15 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys, argv_tail, message):
     assert message in err
 
 
+def test_missing_data_file_is_one_line_runtime_error(tmp_path, capsys):
+    status = _train(str(tmp_path), "train.inputs=@TextFiles",
+                    f"TextFiles.paths=['{tmp_path / 'missing.txt'}']")
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and len(err.splitlines()) == 1
+    assert "FileNotFoundError: text file" in err and "does not exist" in err
+    assert "In call to configurable" not in err
+
+
 def test_help_prints_flags(capsys):
     assert cli.train_main(["revtrain-train", "--help"]) == 0
     assert "--gin_bindings" in capsys.readouterr().out
