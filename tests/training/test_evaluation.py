@@ -62,3 +62,13 @@ def test_sampling_is_seeded_and_decoder_checks_arguments():
         decoder.decode([], 3)
     with pytest.raises(ValueError, match="temperature=-1"):
         decoder.decode([1], 3, temperature=-1)
+
+
+def test_eval_and_decode_functions_compile_once():
+    evaluator = Evaluator(_FixedLogits(8), {"accuracy": tl.Accuracy()})
+    for _ in range(3):
+        evaluator.evaluate((), (), [_batch([[1, 2]], [[1, 1]]), _batch([[3, 4]], [[1, 0]])])
+    assert evaluator._batch_sums._cache_size() == 1
+    decoder = Decoder(_FixedLogits(256), length=3)
+    decoder.decode([1, 2], 5)  # Positions 1, 2, then a full sliding window.
+    assert decoder._next_logits._cache_size() == 1

@@ -142,3 +142,10 @@ def test_progress_bar_does_not_break_run(tmp_path, capsys):
         loop.run(2)
     assert "train" in capsys.readouterr().err
     assert json.dumps(loop.last_eval_metrics) == "{}"
+
+
+def test_loop_steps_do_not_recompile_the_trainer():
+    schedule = lambda step: 1e-3 / (step + 1)  # A new rate every step must not retrace.
+    with _loop(None, trainers.Trainer, learning_rate=schedule, eval_steps=0) as loop:
+        loop.run(5)
+    assert loop.trainer.n_traces == 1
