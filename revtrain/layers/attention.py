@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from revtrain.layers.base import Layer
 from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, check_mode, check_rate
@@ -67,15 +68,21 @@ class CausalAttention(Layer):
       mode: ``'train'``, ``'eval'`` or ``'predict'``. There is no incremental decoding cache:
         ``'predict'`` behaves as ``'eval'`` (decode by re-running the whole prefix).
 
+    Integer inputs are computed in float32 (as `Dense` does); float inputs in their dtype.
+
     Raises:
-      ValueError: if ``d_feature`` is not divisible by ``n_heads``.
+      ValueError: if ``d_feature`` or ``n_heads`` is not a positive int, or ``d_feature``
+        is not divisible by ``n_heads``.
       LayerError: (from ``pure_fn``) for inputs that are not ``[batch, length, d_feature]``.
     """
 
     def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
                  mode: str = "train"):
         super().__init__(n_in=1, n_out=1)
-        if n_heads < 1 or d_feature % n_heads:
+        for name, value in (("d_feature", d_feature), ("n_heads", n_heads)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"CausalAttention {name}={value!r} must be a positive int")
+        if d_feature % n_heads:
             raise ValueError(f"d_feature={d_feature} is not divisible by n_heads={n_heads}; "
                              f"use an n_heads that divides d_feature (or a d_feature that is "
                              f"a multiple of n_heads)")
@@ -91,6 +98,8 @@ class CausalAttention(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         self._check_input(x.shape)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(jnp.float32)
         batch, length, _ = x.shape
         d_head = self._d_feature // self._n_heads
 

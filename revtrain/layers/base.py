@@ -169,6 +169,35 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def _has_own_weights(layer: Layer) -> bool:
+    """True for a leaf layer that makes weights or state (it overrides the init hook)."""
+    return (not layer.sublayers
+            and type(layer).init_weights_and_state is not Layer.init_weights_and_state)
+
+
+def _check_no_reused_layers(layer: Layer) -> None:
+    """Raises ValueError when one layer object with weights occurs twice under ``layer``.
+
+    Trax shares the weights of a reused layer; revtrain does not: every occurrence would
+    get its own copy of the weights in a trainer, only the last copy would be written back
+    to the layer object, and the copies would silently diverge. Weightless layers (``Relu``,
+    ``Dropout``, ``ReversibleSwap``, ...) may be reused freely.
+    """
+    seen: set[int] = set()
+    pending = list(layer.sublayers)
+    while pending:
+        sub = pending.pop()
+        pending.extend(sub.sublayers)
+        if not _has_own_weights(sub):
+            continue
+        if id(sub) in seen:
+            raise ValueError(
+                f"{sub.name} (created at {sub.caller}) is used more than once in {layer.name}; "
+                f"revtrain does not share weights between uses of one layer object; create "
+                f"a separate {sub.name} for each use")
+        seen.add(id(sub))
+
+
 class _Deferred:
     """A value to be fetched on first read (e.g. weights a trainer holds on a device)."""
 
@@ -189,6 +218,10 @@ class Layer:
       state: as ``weights``, for values updated by the forward pass.
       rng: the PRNG key used by ``init`` and ``forward`` when none is given.
 
+    A layer object with weights or state may occur only once in a model: a combinator
+    whose sublayers contain it twice raises ValueError (Trax would share its weights;
+    revtrain's trainers would train two copies). Build one layer object per use.
+
     Every layer records the arguments it was constructed with; `structure_key` is a hashable
     summary of them, so two layers built with equal arguments are known to compute the same
     function (trainers use this to compile one function for many identical layers).
@@ -208,6 +241,7 @@ class Layer:
         self._name = name or type(self).__name__
         self._sublayers = tuple(sublayers)
         self._caller = _creation_site(self)
+        _check_no_reused_layers(self)
         self._weights: Any = EMPTY
         self._state: Any = EMPTY
         self._initialized = False
@@ -344,10 +378,12 @@ class Layer:
           ``(y, new_state)``; ``y`` is one array when ``n_out == 1`` else a tuple.
 
         Raises:
-          LayerError: wrapping any exception raised by the computation, naming this layer,
-            where it was created and the input shapes.
+          LayerError: wrapping any exception raised by the computation (or a ValueError
+            when ``x`` does not hold ``n_in`` items), naming this layer, where it was
+            created and the input shapes.
         """
         try:
+            check_n_items(self, x)
             return self.forward_with_state(x, weights, state, rng)
         except LayerError:
             raise
@@ -385,11 +421,13 @@ class Layer:
           rng: PRNG key; defaults to the layer's ``rng``. The layer keeps it as its ``rng``.
 
         Raises:
-          LayerError: wrapping any exception raised while initialising.
+          LayerError: wrapping any exception raised while initialising (or a ValueError
+            when the signature does not hold ``n_in`` items).
         """
         if rng is not None:
             self.rng = rng
         try:
+            check_n_items(self, input_signature)
             signature = signature_of(input_signature)
             weights, state = self.init_weights_and_state(signature, self.rng)
         except LayerError:

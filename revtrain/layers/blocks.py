@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from revtrain.layers.base import Layer, State, Weights, inputs_from_stack, outputs_onto_stack
-from revtrain.layers.combinators import Serial, split_rng
+from revtrain.layers.combinators import Select, Serial, split_rng
 from revtrain.layers.reversible import ReversibleLayer, ReversibleSerial
 
 Block = tuple[Layer, list[ReversibleLayer]]
@@ -134,6 +134,10 @@ def _as_blocks(model_or_blocks: Any) -> tuple[list[Block], Layer]:
             and all(isinstance(b, tuple) and len(b) == 2 and isinstance(b[0], Layer)
                     for b in candidate[0])):
         return list(candidate[0]), candidate[1]
+    items = _flat_items(candidate)
+    if items and items[-1][0]:
+        # A reversible stack without a loss (e.g. one ReversibleSerial): an identity ends it.
+        return extract_reversible_blocks([candidate, Select([])])
     return extract_reversible_blocks(candidate)
 
 
@@ -160,8 +164,9 @@ def reconstruction_error(model_or_blocks: Any, batch: Any, rng: jax.Array) -> li
     the depth or precision is unsafe for reversal.
 
     Args:
-      model_or_blocks: a layer or list of layers (ending in the loss layer), or a
-        ``(blocks, loss_layer)`` pair from `extract_reversible_blocks`.
+      model_or_blocks: a layer or list of layers (ending in the loss layer, or in a
+        reversible layer: a loss is not needed here), or a ``(blocks, loss_layer)`` pair
+        from `extract_reversible_blocks`.
       batch: the model's input stack (one array or a tuple, loss inputs included).
       rng: PRNG key, split over the flat layers as trainers do.
 
@@ -169,7 +174,7 @@ def reconstruction_error(model_or_blocks: Any, batch: Any, rng: jax.Array) -> li
       A list of floats, one per reversible layer in flat order.
 
     Raises:
-      ValueError: when a layer is not initialised, or as `extract_reversible_blocks`.
+      ValueError: when a layer is not initialised, or the model is empty.
     """
     blocks, loss_layer = _as_blocks(model_or_blocks)
     flat = blocks_to_layers(blocks, loss_layer)

@@ -2,8 +2,9 @@
 
 Inputs are ``[batch, *spatial, channels]`` (NHWC for 2-D), with 1, 2 or 3 spatial axes as
 given by the length of ``kernel_size`` / ``pool_size``. `Conv` computes with
-``jax.lax.conv_general_dilated``, pooling with ``jax.lax.reduce_window``; both keep the input
-dtype (weights are float32 and cast to it).
+``jax.lax.conv_general_dilated``, pooling with ``jax.lax.reduce_window``; both keep a float
+input's dtype (weights are float32 and cast to it); `Conv` computes integer inputs (e.g.
+uint8 pixels) in float32.
 
 References: Trax's ``trax.layers.convolution.Conv`` and ``trax.layers.core`` pooling layers
 (arguments and defaults: ``strides`` default to the pool size, ``'VALID'`` pooling padding);
@@ -74,16 +75,18 @@ class Conv(Layer):
       filters: number of output channels.
       kernel_size: window size per spatial axis (its length sets the number of spatial
         axes: 1, 2 or 3); an int means the same size on 2 axes.
-      strides: stride per spatial axis (or one int for all).
+      strides: stride per spatial axis, or one int for all (default 1).
       padding: ``'SAME'``, ``'VALID'`` or ``(low, high)`` pairs per spatial axis.
       use_bias: add a learned bias.
 
-    Raises (from ``pure_fn``):
-      LayerError: when the input rank or channel count differs from those at ``init``.
+    Raises:
+      ValueError: when ``filters < 1`` or ``strides`` has the wrong length.
+      LayerError: (from ``pure_fn``) when the input rank or channel count differs from
+        those at ``init``.
     """
 
     def __init__(self, filters: int, kernel_size: int | Sequence[int] = (3, 3),
-                 strides: int | Sequence[int] = (1, 1), padding: Padding = "SAME",
+                 strides: int | Sequence[int] = 1, padding: Padding = "SAME",
                  use_bias: bool = True, kernel_init: Initializer = GLOROT_UNIFORM,
                  bias_init: Initializer = TINY_NORMAL):
         super().__init__(n_in=1, n_out=1)
@@ -92,6 +95,8 @@ class Conv(Layer):
         if n not in _DIMENSION_NUMBERS:
             raise ValueError(f"Conv supports 1, 2 or 3 spatial axes; kernel_size="
                              f"{self._kernel_size} has {n}")
+        if filters < 1:
+            raise ValueError(f"Conv filters={filters} must be >= 1")
         self._filters = filters
         self._strides = _as_tuple(strides, n, "strides")
         self._padding = _padding(padding)
@@ -106,11 +111,12 @@ class Conv(Layer):
         if x.shape[-1] != w.shape[-2]:
             raise ValueError(f"Conv expects {w.shape[-2]} input channels (as at init) but "
                              f"received {x.shape[-1]}; feed [..., {w.shape[-2]}] or re-init")
+        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else w.dtype
         y = jax.lax.conv_general_dilated(
-            x, w.astype(x.dtype), window_strides=self._strides, padding=self._padding,
-            dimension_numbers=_DIMENSION_NUMBERS[n])
+            x.astype(dtype), w.astype(dtype), window_strides=self._strides,
+            padding=self._padding, dimension_numbers=_DIMENSION_NUMBERS[n])
         if self._use_bias:
-            y = y + weights[1].astype(x.dtype)
+            y = y + weights[1].astype(dtype)
         return y, state
 
     def init_weights_and_state(self, input_signature, rng):

@@ -65,13 +65,20 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None,
       ``x * mask / (1 - rate)`` in ``x.dtype``, with ``mask ~ Bernoulli(1 - rate)``.
 
     Raises:
-      ValueError: if ``rate > 0`` and ``rng`` is None.
+      ValueError: if ``rate > 0`` and ``rng`` is None, ``x`` is not of a float dtype (e.g.
+        token ids: drop after the `Embedding`), or a shared axis is out of range.
     """
     if rate == 0.0:
         return x
     if rng is None:
         raise ValueError(f"dropout with rate={rate} needs an rng; pass a jax.random.key or "
                          f"use mode='eval'")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"dropout needs float inputs but received {x.dtype}; apply it to "
+                         f"activations (e.g. after Embedding), not to integer ids")
+    if any(not -x.ndim <= a < x.ndim for a in shared_axes):
+        raise ValueError(f"dropout shared_axes={tuple(shared_axes)} are out of range for "
+                         f"rank-{x.ndim} inputs; use axes in [-{x.ndim}, {x.ndim})")
     shared = {a % x.ndim for a in shared_axes}
     noise_shape = tuple(1 if i in shared else d for i, d in enumerate(x.shape))
     keep = jax.random.bernoulli(rng, 1.0 - rate, noise_shape)
@@ -120,6 +127,8 @@ class Dense(Layer):
         return y, state
 
     def init_weights_and_state(self, input_signature, rng):
+        if not input_signature.shape:
+            raise ValueError("Dense expects inputs [..., d_in] of rank >= 1; got a scalar")
         d_in = input_signature.shape[-1]
         rng_w, rng_b = jax.random.split(rng)
         w = self._kernel_init(rng_w, (d_in, self._n_units), jnp.float32)
@@ -172,6 +181,9 @@ class Dropout(Layer):
       shared_axes: axes along which one mask value is shared (Trax's ``shared_axes``), e.g.
         ``(1,)`` drops whole feature vectors per position of a ``[batch, length, d]`` input.
       mode: ``'train'``, ``'eval'`` or ``'predict'``.
+
+    Raises (from ``pure_fn``, in ``'train'`` mode with ``rate > 0``):
+      LayerError: for inputs not of a float dtype, or ``shared_axes`` out of their range.
     """
 
     def __init__(self, rate: float = 0.0, shared_axes: Sequence[int] | None = None,
@@ -237,10 +249,16 @@ class Sigmoid(_Activation):
         return jax.nn.sigmoid(x)
 
 
+def _float_dtype(x: jax.Array) -> jnp.dtype:
+    """``x.dtype`` for float inputs, float32 for integer or bool ones."""
+    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32)
+
+
 class LogSoftmax(_Activation):
     """``x - logsumexp(x, axis)``: log-probabilities from logits.
 
-    Computed in at least float32 (bfloat16 logits are upcast) and returned in ``x.dtype``.
+    Computed in at least float32 (bfloat16 logits are upcast) and returned in ``x.dtype``
+    (float32 for integer inputs).
     """
 
     def __init__(self, axis: int = -1):
@@ -249,11 +267,12 @@ class LogSoftmax(_Activation):
 
     def apply(self, x):
         return jax.nn.log_softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
-                                  axis=self._axis).astype(x.dtype)
+                                  axis=self._axis).astype(_float_dtype(x))
 
 
 class Softmax(_Activation):
-    """``exp(x) / sum(exp(x), axis)``; computed in at least float32, returned in ``x.dtype``."""
+    """``exp(x) / sum(exp(x), axis)``; computed in at least float32, returned in ``x.dtype``
+    (float32 for integer inputs)."""
 
     def __init__(self, axis: int = -1):
         super().__init__()
@@ -261,7 +280,7 @@ class Softmax(_Activation):
 
     def apply(self, x):
         return jax.nn.softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
-                              axis=self._axis).astype(x.dtype)
+                              axis=self._axis).astype(_float_dtype(x))
 
 
 def sinusoidal_encoding(length: int, d_feature: int) -> np.ndarray:
@@ -292,7 +311,8 @@ class PositionalEncoding(Layer):
       mode: ``'train'``, ``'eval'`` or ``'predict'``.
 
     Raises (from ``pure_fn``):
-      LayerError: when the input is longer than ``max_len``.
+      LayerError: when the input is longer than ``max_len``, not of rank 3, or not of a
+        float dtype (token ids: put an `Embedding` first).
     """
 
     def __init__(self, max_len: int = 2048, dropout: float = 0.0, mode: str = "train"):
@@ -305,6 +325,9 @@ class PositionalEncoding(Layer):
         if x.ndim != 3:
             raise ValueError(f"PositionalEncoding expects [batch, length, d_feature] inputs; "
                              f"got rank {x.ndim}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"PositionalEncoding expects float embeddings but received "
+                             f"{x.dtype}; put an Embedding layer before it")
         length, d_feature = x.shape[1], x.shape[2]
         if length > self._max_len:
             raise ValueError(f"input length {length} exceeds PositionalEncoding "
@@ -347,6 +370,10 @@ class Mean(Layer):
         self._keepdims = keepdims
 
     def forward_with_state(self, x, weights, state, rng):
+        axes = (self._axis,) if isinstance(self._axis, int) else self._axis
+        if any(not -x.ndim <= a < x.ndim for a in axes):
+            raise ValueError(f"Mean axis={self._axis} is out of range for inputs of shape "
+                             f"{x.shape}; use axes in [-{x.ndim}, {x.ndim})")
         return jnp.mean(x, axis=self._axis, keepdims=self._keepdims), state
 
 
@@ -365,6 +392,9 @@ class ShiftRight(Layer):
         self._mode = check_mode(mode, "ShiftRight")
 
     def forward_with_state(self, x, weights, state, rng):
+        if x.ndim < 2:
+            raise ValueError(f"ShiftRight expects inputs [batch, length, ...]; got shape "
+                             f"{x.shape}")
         if self._mode == "predict" or self._n_positions == 0:
             return x, state
         pad = [(0, 0)] * x.ndim

@@ -4,7 +4,8 @@ Every layer here takes three stack items, ``n_in=3``, and returns one float32 sc
 ``n_out=1``: a *weighted mean* over all target positions, ``sum(w * value) / sum(w)``
 (see `weighted_mean`). Weights mask padding (weight 0) and must broadcast to the targets'
 shape. When all weights are 0 the result is 0, not NaN, so an all-padding batch does not
-poison a running average.
+poison a running average. A class-index target outside ``[0, n_classes)`` (e.g. a -1 pad
+id) gives NaN at its position, so it shows in the loss unless its weight is 0.
 
 References: Trax's ``trax.layers.metrics`` (``CrossEntropyLoss``,
 ``WeightedCategoryCrossEntropy``, ``Accuracy``, ``L2Loss``), whose names and input order
@@ -55,10 +56,19 @@ def _check_targets(predictions: jax.Array, targets: jax.Array, name: str) -> Non
                          f"{predictions.shape[:-1]}")
 
 
+def _nan_outside_classes(values: jax.Array, targets: jax.Array, n_classes: int) -> jax.Array:
+    """``values`` with NaN where ``targets`` is not in ``[0, n_classes)``.
+
+    Indexing would otherwise wrap a negative target to the last class silently.
+    """
+    valid = (targets >= 0) & (targets < n_classes)
+    return jnp.where(valid, values, jnp.nan)
+
+
 def _nll(log_probs: jax.Array, targets: jax.Array) -> jax.Array:
-    """``-log_probs[..., targets]`` in float32, shape ``targets.shape``."""
+    """``-log_probs[..., targets]`` in float32, shape ``targets.shape``; NaN off range."""
     picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    return -picked.astype(jnp.float32)
+    return _nan_outside_classes(-picked.astype(jnp.float32), targets, log_probs.shape[-1])
 
 
 class _WeightedMetric(Layer):
@@ -119,7 +129,7 @@ class WeightedCategoryCrossEntropy(_WeightedMetric):
             return _nll(log_probs, targets)
         s, vocab = self._label_smoothing, predictions.shape[-1]
         soft = jax.nn.one_hot(targets, vocab) * (1.0 - s) + s / vocab
-        return -jnp.sum(soft * log_probs, axis=-1)
+        return _nan_outside_classes(-jnp.sum(soft * log_probs, axis=-1), targets, vocab)
 
 
 class Accuracy(_WeightedMetric):

@@ -1,9 +1,9 @@
 """Normalization layers: `LayerNorm` and `BatchNorm`.
 
 Statistics are computed in at least float32 (bfloat16 inputs are upcast) and outputs are
-returned in the input dtype; weights and state are float32. Both layers keep their weights
-as ``(scale, bias)``; a disabled part (``BatchNorm(center=False)`` / ``scale=False``) is
-``()`` in its place.
+returned in the input dtype (float32 for integer inputs); weights and state are float32.
+Both layers keep their weights as ``(scale, bias)``; a disabled part
+(``BatchNorm(center=False)`` / ``scale=False``) is ``()`` in its place.
 
 References: Ba et al., 2016, "Layer Normalization"; Ioffe & Szegedy, 2015, "Batch
 Normalization"; Trax's ``trax.layers.normalization`` (arguments, defaults, the moving-average
@@ -23,6 +23,11 @@ from revtrain.layers.core import check_mode
 
 def _stats_dtype(x: jax.Array) -> jnp.dtype:
     return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _output_dtype(x: jax.Array) -> jnp.dtype:
+    """The input's dtype if it is a float type, else float32 (normalised ids are floats)."""
+    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32)
 
 
 class LayerNorm(Layer):
@@ -49,9 +54,11 @@ class LayerNorm(Layer):
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self._epsilon)
-        return (y * scale + bias).astype(x.dtype), state
+        return (y * scale + bias).astype(_output_dtype(x)), state
 
     def init_weights_and_state(self, input_signature, rng):
+        if not input_signature.shape:
+            raise ValueError("LayerNorm expects inputs [..., d] of rank >= 1; got a scalar")
         d = input_signature.shape[-1]
         return (jnp.ones((d,), jnp.float32), jnp.zeros((d,), jnp.float32)), ()
 
@@ -130,7 +137,7 @@ class BatchNorm(Layer):
             y = y * scale_w.reshape(bshape)
         if self._center:
             y = y + bias_w.reshape(bshape)
-        return y.astype(x.dtype), state
+        return y.astype(_output_dtype(x)), state
 
     def init_weights_and_state(self, input_signature, rng):
         shape = self._stats_shape(input_signature.shape)

@@ -29,7 +29,8 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -37,8 +38,10 @@ import jax.numpy as jnp
 
 from revtrain.layers.base import (
     Layer,
+    LayerError,
     State,
     Weights,
+    _error_signature,
     check_n_items,
     inputs_from_stack,
     outputs_onto_stack,
@@ -64,6 +67,43 @@ def _run_serially(layers: Sequence[Layer], stack: Any, weights: Weights, state: 
     return stack, tuple(new_states)
 
 
+def _check_stack(layer: Layer, items: Any, what: str) -> None:
+    """Raises ValueError unless ``items`` (an output or its cotangent) has ``n_out`` items."""
+    got = len(items) if isinstance(items, (tuple, list)) else 1
+    if got != layer.n_out:
+        raise ValueError(f"{what} must hold {layer.n_out} stack items (one per output of "
+                         f"{layer.name}); got {got}")
+
+
+def _check_per_sublayer(layer: Layer, **trees: Any) -> None:
+    """Raises ValueError unless each tree holds one item per sublayer (names the tree)."""
+    n = len(layer.sublayers)
+    for kind, tree in trees.items():
+        if not isinstance(tree, (tuple, list)) or len(tree) != n:
+            got = len(tree) if isinstance(tree, (tuple, list)) else type(tree).__name__
+            raise ValueError(f"{layer.name} {kind} must be a tuple of {n} items (one per "
+                             f"sublayer); got {got}; pass the {kind} of the forward pass")
+
+
+def _raising_layer_errors(method: Callable) -> Callable:
+    """Wraps a ``reverse``/``reverse_and_grad`` method so it raises `LayerError`s."""
+    if getattr(method, "_raises_layer_errors", False):
+        return method
+
+    @functools.wraps(method)
+    def wrapped(self, output, *args, **kwargs):
+        try:
+            return method(self, output, *args, **kwargs)
+        except LayerError:
+            raise
+        except Exception as e:
+            raise LayerError(self.name, method.__name__, self.caller, _error_signature(output),
+                             e) from e
+
+    wrapped._raises_layer_errors = True
+    return wrapped
+
+
 class ReversibleLayer(Layer):
     """Base class of layers whose input can be recomputed from their output.
 
@@ -71,8 +111,19 @@ class ReversibleLayer(Layer):
     and hence by ``jax.grad``, which stores activations) and `reverse`. The default
     `reverse_and_grad` reconstructs the input with `reverse`, then takes ``jax.vjp`` of
     ``pure_fn`` at the reconstructed input; subclasses may fuse the two.
+
+    As ``pure_fn`` does, `reverse` and `reverse_and_grad` (a subclass's overrides too)
+    re-raise any exception as a `LayerError` naming the layer, where it was created and
+    the output shapes.
     """
 
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        for name in ("reverse", "reverse_and_grad"):
+            if name in cls.__dict__:
+                setattr(cls, name, _raising_layer_errors(cls.__dict__[name]))
+
+    @_raising_layer_errors
     def reverse(self, output: Any, weights: Weights, state: State, new_state: State,
                 rng: jax.Array | None) -> Any:
         """Returns the input that produced ``output``.
@@ -89,6 +140,7 @@ class ReversibleLayer(Layer):
         """
         raise NotImplementedError(f"{type(self).__name__} does not define reverse")
 
+    @_raising_layer_errors
     def reverse_and_grad(self, output: Any, ct: Any, weights: Weights, state: State,
                          new_state: State, rng: jax.Array | None
                          ) -> tuple[Any, tuple[Any, Weights]]:
@@ -143,9 +195,12 @@ class ReversibleSelect(ReversibleLayer):
         return self._permute(x, self._indices), state
 
     def reverse(self, output, weights, state, new_state, rng):
+        _check_stack(self, output, "output")
         return self._permute(output, self._inverse)
 
     def reverse_and_grad(self, output, ct, weights, state, new_state, rng):
+        _check_stack(self, output, "output")
+        _check_stack(self, ct, "ct")
         return (self._permute(output, self._inverse),
                 (self._permute(ct, self._inverse), _zeros_like(weights)))
 
@@ -183,9 +238,12 @@ class ReversibleReshape(ReversibleLayer):
         return self._reshape(x, self._shapes[0]), state
 
     def reverse(self, output, weights, state, new_state, rng):
+        _check_stack(self, output, "output")
         return self._reshape(output, self._shapes[1])
 
     def reverse_and_grad(self, output, ct, weights, state, new_state, rng):
+        _check_stack(self, output, "output")
+        _check_stack(self, ct, "ct")
         return (self._reshape(output, self._shapes[1]),
                 (self._reshape(ct, self._shapes[1]), _zeros_like(weights)))
 
@@ -248,18 +306,23 @@ class ReversibleHalfResidual(ReversibleLayer):
         residual, new_state = self._residual(ctx, weights, state, rng)
         return (acc + residual.astype(acc.dtype),) + ctx_items, new_state
 
-    def _reverse_state(self, state: State, new_state: State) -> State:
+    def _reverse_state(self, weights: Weights, state: State, new_state: State) -> State:
+        _check_per_sublayer(self, weights=weights, state=state, new_state=new_state)
         return (state[0], new_state[1])
 
     def reverse(self, output, weights, state, new_state, rng):
+        _check_stack(self, output, "output")
         acc, ctx, ctx_items = self._split(output)
-        residual, _ = self._residual(ctx, weights, self._reverse_state(state, new_state), rng)
+        residual, _ = self._residual(ctx, weights,
+                                     self._reverse_state(weights, state, new_state), rng)
         return (acc - residual.astype(acc.dtype),) + ctx_items
 
     def reverse_and_grad(self, output, ct, weights, state, new_state, rng):
+        _check_stack(self, output, "output")
+        _check_stack(self, ct, "ct")
         acc, ctx, ctx_items = self._split(output)
         ct_acc, ct_ctx = ct[0], tuple(ct[1:])
-        run_state = self._reverse_state(state, new_state)
+        run_state = self._reverse_state(weights, state, new_state)
 
         def f(ctx, w):
             residual, _ = self._residual(ctx, w, run_state, rng)
@@ -315,25 +378,28 @@ class ReversibleSerial(ReversibleLayer):
         check_n_items(self, input_signature)
         return init_in_series(self.sublayers, input_signature, rng)
 
-    def _backwards(self, state: State, new_state: State, rng: jax.Array | None) -> list:
+    def _backwards(self, weights: Weights, state: State, new_state: State,
+                   rng: jax.Array | None) -> list:
+        _check_per_sublayer(self, weights=weights, state=state, new_state=new_state)
         n = len(self.sublayers)
         return list(zip(self.sublayers, range(n), state, new_state,
                         split_rng(rng, n), strict=True))[::-1]
 
     def reverse(self, output, weights, state, new_state, rng):
-        check_n_items(self, output, self.n_out)
+        _check_stack(self, output, "output")
         stack = output
-        for layer, i, s, new_s, r in self._backwards(state, new_state, rng):
+        for layer, i, s, new_s, r in self._backwards(weights, state, new_state, rng):
             y = inputs_from_stack(stack, layer.n_out)
             x = layer.reverse(y, weights[i], s, new_s, r)
             stack = outputs_onto_stack(x, stack, layer.n_out)
         return stack
 
     def reverse_and_grad(self, output, ct, weights, state, new_state, rng):
-        check_n_items(self, output, self.n_out)
+        _check_stack(self, output, "output")
+        _check_stack(self, ct, "ct")
         stack, ct_stack = output, ct
         weights_ct = [None] * len(self.sublayers)
-        for layer, i, s, new_s, r in self._backwards(state, new_state, rng):
+        for layer, i, s, new_s, r in self._backwards(weights, state, new_state, rng):
             y = inputs_from_stack(stack, layer.n_out)
             y_ct = inputs_from_stack(ct_stack, layer.n_out)
             x, (x_ct, weights_ct[i]) = layer.reverse_and_grad(y, y_ct, weights[i], s, new_s, r)
