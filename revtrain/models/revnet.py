@@ -44,6 +44,8 @@ def _check_widths(widths: Sequence[int], n_blocks_per_stage: Sequence[int]) -> N
         raise ValueError(f"RevNet needs one width per stage: widths={tuple(widths)} and "
                          f"n_blocks_per_stage={tuple(n_blocks_per_stage)} must be non-empty "
                          f"and of equal length")
+    if any(n < 0 for n in n_blocks_per_stage):
+        raise ValueError(f"RevNet n_blocks_per_stage={tuple(n_blocks_per_stage)} must be >= 0")
     odd = [w for w in widths if w % 2 or w < 2]
     if odd:
         raise ValueError(f"RevNet widths {tuple(widths)} include {odd}, which cannot be split "
@@ -73,7 +75,8 @@ def RevNet(n_classes: int = 10, widths: Sequence[int] = (16, 32, 64),
       A `Serial`: ``float32[batch, height, width, c] -> float32[batch, n_classes]``.
 
     Raises:
-      ValueError: when a width is odd or the two sequences differ in length.
+      ValueError: when a width is odd, a block count negative, or the two sequences
+        differ in length.
     """
     _check_widths(widths, n_blocks_per_stage)
     layers: list[Layer] = [Conv(widths[0], (3, 3), padding="SAME")]

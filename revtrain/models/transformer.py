@@ -58,6 +58,20 @@ def _cast(compute_dtype: Any) -> list[Layer]:
     return [] if jnp.dtype(compute_dtype) == jnp.float32 else [_Cast(compute_dtype)]
 
 
+def _check_arguments(n_layers: int, compute_dtype: Any) -> None:
+    """Raises ValueError for a negative ``n_layers`` or a non-float ``compute_dtype``."""
+    if n_layers < 0:
+        raise ValueError(f"n_layers={n_layers} must be >= 0")
+    try:
+        dtype = jnp.dtype(compute_dtype)
+    except TypeError as e:
+        raise ValueError(f"compute_dtype={compute_dtype!r} is not a dtype; use jnp.float32 or "
+                         f"jnp.bfloat16 (or their names)") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"compute_dtype={dtype.name} is not a float dtype; use jnp.float32 or "
+                         f"jnp.bfloat16")
+
+
 def _attention(d_model: int, n_heads: int, dropout: float, mode: str) -> Layer:
     return CausalAttention(d_model, n_heads=n_heads, dropout=dropout, mode=mode)
 
@@ -116,8 +130,10 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
       A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``.
 
     Raises:
-      ValueError: when ``n_heads`` does not divide ``d_model`` (from `CausalAttention`).
+      ValueError: when ``n_heads`` does not divide ``d_model`` (from `CausalAttention`),
+        ``n_layers < 0`` or ``compute_dtype`` is not a float dtype.
     """
+    _check_arguments(n_layers, compute_dtype)
     blocks = []
     for _ in range(n_layers):
         blocks += [
@@ -147,7 +163,11 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
 
     Returns:
       A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``.
+
+    Raises:
+      ValueError: as `ReversibleTransformerLM`.
     """
+    _check_arguments(n_layers, compute_dtype)
     back = [] if not _cast(compute_dtype) else [_Cast(jnp.float32)]
     blocks = []
     for _ in range(n_layers):
