@@ -97,6 +97,18 @@ class ProcessSlice:
         return tuple(x[self.rows] for x in global_batch)
 
 
+def check_seed(seed: int) -> int:
+    """Returns `seed` as an int, or raises ValueError if it is negative.
+
+    NumPy's `default_rng` rejects negative seeds only when the first batch is drawn; this
+    names the argument when the stream is built.
+    """
+    seed = int(seed)
+    if seed < 0:
+        raise ValueError(f"seed={seed} must be >= 0")
+    return seed
+
+
 def step_rng(seed: int, stream: int, step: int) -> np.random.Generator:
     """The generator of one step of one random stream: `default_rng((seed, stream, step))`.
 
@@ -142,8 +154,21 @@ def lm_batch(windows: np.ndarray, mask: np.ndarray | None = None) -> Batch:
     Returns:
       `inputs = windows[:, :-1]` and `targets = windows[:, 1:]`, int32 `[batch, length]`,
       and float32 `weights` `[batch, length]`: the mask of the targets.
+
+    Raises:
+      ValueError: `windows` is not an integer `[batch, length + 1]` array with
+        `length >= 1`, or `mask` is not shaped like it.
     """
-    windows = np.asarray(windows, np.int32)
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise ValueError(f"token windows must be [batch, length + 1] with length >= 1; got "
+                         f"shape {windows.shape}")
+    if not np.issubdtype(windows.dtype, np.integer):
+        raise ValueError(f"token windows must hold integer ids; got {windows.dtype}")
+    if mask is not None and np.shape(mask) != windows.shape:
+        raise ValueError(f"mask of shape {np.shape(mask)} does not match windows of shape "
+                         f"{windows.shape}; pass one mask value per token")
+    windows = windows.astype(np.int32)
     if mask is None:
         weights = np.ones(windows[:, 1:].shape, np.float32)
     else:

@@ -38,11 +38,14 @@ class _RandomAccess(Inputs):
                 f"vocab_size={vocab_size} is too small for {type(self).__name__}; "
                 f"use at least {min_vocab_size}"
             )
+        if vocab_size > np.iinfo(np.int32).max + 1:
+            raise ValueError(f"vocab_size={vocab_size} does not fit int32 token ids; use at "
+                             f"most {np.iinfo(np.int32).max + 1}")
         if length < 1:
             raise ValueError(f"length={length} must be >= 1")
         self.vocab_size = int(vocab_size)
         self.length = int(length)
-        self.seed = int(seed)
+        self.seed = batching.check_seed(seed)
         self.shard = batching.ProcessSlice.create(batch_size, process_index, process_count)
 
     def train_stream(self, start_step: int = 0) -> Iterator[Batch]:

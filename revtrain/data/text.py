@@ -46,6 +46,7 @@ def read_corpus(paths: PathLike | Sequence[PathLike] | None) -> bytes:
 
     Raises:
       FileNotFoundError: A path does not name an existing file (the message names it).
+      IsADirectoryError: A path names a directory.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -53,6 +54,9 @@ def read_corpus(paths: PathLike | Sequence[PathLike] | None) -> bytes:
         return default_corpus()
     chunks = []
     for path in paths:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"text file {os.fspath(path)!r} is a directory; pass the "
+                                    f"files in it")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"text file {os.fspath(path)!r} does not exist")
         with open(path, "rb") as f:
@@ -112,15 +116,16 @@ class TextFiles(Inputs):
           process_count: Number of processes; default `jax.process_count()`.
 
         Raises:
-          FileNotFoundError: A path does not exist.
-          ValueError: A bad argument, or a part of the corpus shorter than one window.
+          FileNotFoundError: A path does not exist (IsADirectoryError: names a directory).
+          ValueError: A bad argument (e.g. a negative seed), or a part of the corpus
+            shorter than one window.
         """
         if sequence_length < 1:
             raise ValueError(f"sequence_length={sequence_length} must be >= 1")
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction={eval_fraction} must be in [0, 1)")
         self.sequence_length = int(sequence_length)
-        self.seed = int(seed)
+        self.seed = batching.check_seed(seed)
         self.shard = batching.ProcessSlice.create(batch_size, process_index, process_count)
         data = np.frombuffer(read_corpus(paths), dtype=np.uint8)
         n_eval = int(round(len(data) * eval_fraction))
