@@ -6,6 +6,7 @@ module holds the parts that must not differ between them, so they stay equivalen
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,17 @@ from revtrain.trainers import devices
 from revtrain.trainers.fbo import has_injectable_learning_rate, learning_rate_of
 
 OptimizerFn = Callable[[], optax.GradientTransformation]
+
+
+def _check_each_layer_once(layers: Sequence[Layer]) -> None:
+    """Raises ValueError when a layer object with weights appears twice in ``layers``."""
+    seen: dict[int, Layer] = {}
+    for layer in layers:
+        if id(layer) in seen and jax.tree.leaves(layer.weights):
+            raise ValueError(f"layer {layer.name} (created at {layer.caller}) is used more "
+                             f"than once; each use would train its own copy of its weights, "
+                             f"so build one layer object per use")
+        seen[id(layer)] = layer
 
 
 class TrainerBase:
@@ -34,6 +46,7 @@ class TrainerBase:
 
     def __init__(self, layers: Sequence[Layer], optimizer_fn: OptimizerFn,
                  n_devices: int | None):
+        _check_each_layer_once(layers)
         for layer in layers:
             if not layer.initialized:
                 raise ValueError(
@@ -47,6 +60,7 @@ class TrainerBase:
         self.mesh = devices.make_mesh(self.n_devices)
         self._optimizer_fn = optimizer_fn
         self.memory_ledger = None
+        self._copy_batch = False
         self._host_cache: dict[Any, Any] = {}
 
     # ----------------------------------------------------------------------------------
@@ -60,6 +74,9 @@ class TrainerBase:
         """Validates a ``learning_rate`` override and returns the value to pass this step."""
         if learning_rate is None:
             return None if self.learning_rate is None else np.float32(self.learning_rate)
+        if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
+            raise TypeError(f"learning_rate={learning_rate!r} must be a real number (or None "
+                            f"to keep the current rate)")
         if not self._injectable:
             raise ValueError(
                 f"learning_rate={learning_rate} was given but the optimizer has no injectable "
@@ -77,15 +94,16 @@ class TrainerBase:
         if not isinstance(batch, (tuple, list)):
             raise TypeError(f"batch must be a tuple of arrays (inputs, targets, weights); got "
                             f"{type(batch).__name__}")
+        if self._copy_batch:
+            # Host copies first, so every device buffer of the step is the trainer's own.
+            batch = tuple(np.asarray(b) for b in batch)
         reshaped = devices.reshape_by_device(tuple(batch), self.n_devices)
         return devices.shard_per_device(reshaped, self.mesh)
 
     def _rng_data(self, rng: jax.Array, n_layers: int | None = None) -> np.ndarray:
         """uint32 key data: ``[n_devices, n_layers, 2]`` (split by device, then by layer),
         or ``[n_devices, 2]`` device keys when ``n_layers`` is None."""
-        if not (isinstance(rng, jax.Array) and jax.dtypes.issubdtype(rng.dtype,
-                                                                     jax.dtypes.prng_key)):
-            rng = jax.random.wrap_key_data(np.asarray(rng, dtype=np.uint32))
+        rng = as_key(rng)
         where = (jax.process_index(), jax.process_count())
         if n_layers is None:
             return devices.per_device_keys(rng, self.n_devices, *where)
@@ -111,6 +129,22 @@ class TrainerBase:
 
     def _new_step(self) -> None:
         self._host_cache = {}
+
+
+def as_key(rng: Any) -> jax.Array:
+    """A typed PRNG key from a key or raw uint32 key data (``jax.random.PRNGKey``).
+
+    Raises:
+      TypeError: for anything else (e.g. an int seed), naming ``jax.random.key``.
+    """
+    if isinstance(rng, jax.Array) and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape:
+            raise TypeError(f"rng must be one key; got a key array of shape {rng.shape}")
+        return rng
+    data = np.asarray(rng)
+    if data.dtype != np.uint32 or data.shape != (2,):
+        raise TypeError(f"rng={rng!r} is not a PRNG key; pass jax.random.key(seed)")
+    return jax.random.wrap_key_data(data)
 
 
 def stats_with_learning_rate(stats: dict[str, Any], learning_rate: Any) -> dict[str, Any]:

@@ -34,6 +34,9 @@ def resolve_n_devices(n_devices: int | None) -> int:
     available = jax.local_device_count()
     if n_devices is None:
         return available
+    if isinstance(n_devices, bool) or not isinstance(n_devices, (int, np.integer)):
+        raise TypeError(f"n_devices={n_devices!r} must be an int; use 1 <= n_devices <= "
+                        f"{available} or None for all devices")
     if not 1 <= n_devices <= available:
         raise ValueError(f"n_devices={n_devices} but this process has {available} devices; "
                          f"use 1 <= n_devices <= {available}")
@@ -73,14 +76,21 @@ def reshape_by_device(x: Any, n_devices: int) -> Any:
       n_devices: number of devices.
 
     Raises:
-      ValueError: when a leaf's batch is not divisible by ``n_devices`` (names both).
+      ValueError: when the batch is empty, when leaves disagree on the batch size, or when
+        it is not divisible by ``n_devices`` (names both numbers).
     """
+    leaves = [a if hasattr(a, "reshape") else np.asarray(a) for a in jax.tree.leaves(x)]
+    sizes = sorted({a.shape[0] if a.ndim else None for a in leaves}, key=str)
+    if len(sizes) > 1:
+        raise ValueError(f"batch items have different batch sizes {sizes}; give every item "
+                         f"(inputs, targets, weights) the same leading batch axis")
+    batch = sizes[0] if sizes else None
+    if batch is None or batch == 0 or batch % n_devices:
+        raise ValueError(f"batch size {batch} is not divisible by n_devices={n_devices}; "
+                         f"use a non-empty global batch that is a multiple of {n_devices}")
+
     def reshape(a):
         a = a if hasattr(a, "reshape") else np.asarray(a)
-        batch = a.shape[0] if a.ndim else None
-        if batch is None or batch % n_devices:
-            raise ValueError(f"batch size {batch} is not divisible by n_devices={n_devices}; "
-                             f"use a global batch that is a multiple of {n_devices}")
         return a.reshape((n_devices, batch // n_devices) + tuple(a.shape[1:]))
     return jax.tree.map(reshape, x)
 
@@ -201,10 +211,12 @@ def first_device_slice(tree: Any) -> Any:
 def check_same_structure(new: Any, old: Any, what: str) -> None:
     """Raises ValueError naming the first path where ``new`` differs from ``old``.
 
-    Compares tree structure, then each leaf's shape and dtype.
+    Compares the tree structures (empty subtrees included; a list stands for a tuple),
+    then each leaf's shape and dtype.
     """
-    new_leaves = jax.tree_util.tree_flatten_with_path(new)[0]
-    old_leaves = jax.tree_util.tree_flatten_with_path(old)[0]
+    new, old = _lists_as_tuples(new), _lists_as_tuples(old)
+    new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
+    old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old)
     new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
     old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
     for i, old_path in enumerate(old_paths):
@@ -215,11 +227,21 @@ def check_same_structure(new: Any, old: Any, what: str) -> None:
     if len(new_paths) > len(old_paths):
         raise ValueError(f"{what} structure mismatch at {what}{new_paths[len(old_paths)]}: "
                          f"unexpected extra leaf")
+    if new_def != old_def:
+        raise ValueError(f"{what} structure mismatch: expected {old_def}, got {new_def}")
     for (path, a), (_, b) in zip(new_leaves, old_leaves, strict=True):
         if np.shape(a) != np.shape(b) or np.dtype(_dtype(a)) != np.dtype(_dtype(b)):
             raise ValueError(
                 f"{what}{jax.tree_util.keystr(path)} has shape {np.shape(a)} dtype "
                 f"{np.dtype(_dtype(a))}; expected {np.shape(b)} {np.dtype(_dtype(b))}")
+
+
+def _lists_as_tuples(tree: Any) -> Any:
+    if isinstance(tree, list):
+        tree = tuple(tree)
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_lists_as_tuples(t) for t in tree)
+    return tree
 
 
 def _dtype(a: Any) -> Any:

@@ -36,29 +36,33 @@ REP = P()
 
 def has_injectable_learning_rate(slots: Any) -> bool:
     """True when ``slots`` holds an ``optax.inject_hyperparams`` ``learning_rate``."""
-    try:
-        value = optax.tree_utils.tree_get(slots, "learning_rate")
-    except (KeyError, ValueError):
-        return False
-    return value is not None
+    return bool(optax.tree_utils.tree_get_all_with_path(slots, "learning_rate"))
 
 
 def learning_rate_of(slots: Any) -> float | None:
     """The ``learning_rate`` stored in optimizer slots, or None when there is none."""
-    if not has_injectable_learning_rate(slots):
-        return None
-    return float(np.asarray(optax.tree_utils.tree_get(slots, "learning_rate")))
+    found = optax.tree_utils.tree_get_all_with_path(slots, "learning_rate")
+    return float(np.asarray(found[0][1])) if found else None
 
 
 def apply_optimizer(optimizer: optax.GradientTransformation, grads: Any, weights: Any,
                     slots: Any, learning_rate: jax.Array | None) -> tuple[Any, Any]:
     """One optimizer update; sets the injectable learning rate first when one is given."""
     if learning_rate is not None:
-        old = optax.tree_utils.tree_get(slots, "learning_rate")
+        old = optax.tree_utils.tree_get_all_with_path(slots, "learning_rate")[0][1]
         slots = optax.tree_utils.tree_set(slots, learning_rate=jnp.asarray(
             learning_rate, dtype=jnp.asarray(old).dtype))
     updates, new_slots = optimizer.update(grads, slots, weights)
     return optax.apply_updates(weights, updates), new_slots
+
+
+def check_scalar_loss(layer: Layer, loss: Any) -> None:
+    """Raises ValueError unless ``loss`` is a scalar (checked while tracing)."""
+    if not isinstance(loss, jax.Array) or loss.shape != ():
+        shape = getattr(loss, "shape", type(loss).__name__)
+        raise ValueError(f"the loss layer {layer.name} returned {shape}, not a scalar; end "
+                         f"the model with a loss that averages over the batch (e.g. "
+                         f"CrossEntropyLoss)")
 
 
 def _squeeze(tree: Any) -> Any:
@@ -157,6 +161,7 @@ def make_loss_fbo(layer: Layer, optimizer: optax.GradientTransformation,
         x, state = _squeeze(x), _squeeze(state)
         fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _wrap_key(rng[0]))
         loss, vjp_fn, new_state = jax.vjp(fn, x, w, has_aux=True)
+        check_scalar_loss(layer, loss)
         ct_x, ct_w = vjp_fn(jnp.ones_like(loss))
         new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
         loss = jax.lax.pmean(loss, BATCH_AXIS)

@@ -30,15 +30,9 @@ import psutil
 from revtrain.layers.base import Layer
 from revtrain.trainers import devices
 from revtrain.trainers.base import OptimizerFn
-from revtrain.trainers.reversible import Block, ReversibleSerialTrainer
+from revtrain.trainers.reversible import Block, ReversibleSerialTrainer, delete_arrays
 
 _FORWARD, _LOSS, _BACKWARD = "forward", "loss", "backward"
-
-
-def _delete(tree: Any) -> None:
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            leaf.delete()
 
 
 class MemoryEfficientTrainer(ReversibleSerialTrainer):
@@ -89,12 +83,6 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
         self._states = [devices.on_cpu(devices.for_n_devices(s, self.n_devices))
                         for s in states]
 
-    def _shard_batch(self, batch: Any) -> Any:
-        # Host copies first, so every device buffer of the step is the trainer's own.
-        if isinstance(batch, (tuple, list)):
-            batch = tuple(np.asarray(b) for b in batch)
-        return super()._shard_batch(batch)
-
     def _device_weights_and_slots(self, i: int) -> tuple[Any, Any]:
         entry = self._fetch(i, with_slots=True)
         return entry[0], entry[1]
@@ -110,7 +98,7 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
 
     def _keep_state(self, state: Any) -> Any:
         host = devices.local_rows(state)
-        _delete(state)
+        delete_arrays(state)
         return host
 
     def _keep_stack(self, stack: Any) -> Any:
@@ -142,7 +130,7 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
     def _resolve_pending(self) -> None:
         for i, weights, slots in self._pending:
             self._w_on_host[i], self._slots_on_host[i] = devices.unreplicate((weights, slots))
-            _delete((weights, slots))
+            delete_arrays((weights, slots))
         self._pending = []
 
     def _begin_step(self, schedule: list[int]) -> None:
@@ -156,7 +144,7 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
         window = self._schedule[position:position + 1 + self.n_async_layers]
         wanted = {i for i, _ in window}
         for i in [i for i in self._resident if i not in wanted]:
-            _delete(self._resident.pop(i))
+            delete_arrays(self._resident.pop(i))
         for i, phase in window:
             self._fetch(i, with_slots=phase != _FORWARD)
         self.max_resident_layers = max(self.max_resident_layers, len(self._resident))
@@ -168,7 +156,7 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
         if not self.free_accelerators_on_step:
             return stack
         host = devices.local_rows(stack)
-        _delete(stack)
+        delete_arrays(stack)
         self._free_resident()
         return host
 
@@ -181,7 +169,7 @@ class MemoryEfficientTrainer(ReversibleSerialTrainer):
 
     def _free_resident(self) -> None:
         for entry in self._resident.values():
-            _delete(entry)
+            delete_arrays(entry)
         self._resident = {}
 
     def _log_memory(self, phase: str) -> None:

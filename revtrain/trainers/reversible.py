@@ -53,8 +53,10 @@ class ReversibleSerialTrainer(TrainerBase):
       loss_layer: maps the final stack to a scalar loss; consumes every stack item.
       optimizer_fn: returns an optax ``GradientTransformation``.
       n_devices: devices to use (default: all local devices).
-      free_accelerators_on_step: delete this trainer's transient device buffers
-        (activations, cotangents) at the end of each step.
+      free_accelerators_on_step: delete this trainer's transient device buffers (the
+        batch, block inputs, final activations and cotangents) at the end of each step;
+        the batch is then copied through host memory, so a caller's arrays are never
+        deleted.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
@@ -74,6 +76,7 @@ class ReversibleSerialTrainer(TrainerBase):
         self.layers = blocks_to_layers(self._blocks, loss_layer)
         super().__init__(self.layers, optimizer_fn, n_devices)
         self.free_accelerators_on_step = free_accelerators_on_step
+        self._copy_batch = free_accelerators_on_step
         optimizers = [optimizer_fn() for _ in self.layers]
         self._fns = FnCache(self.mesh, optimizers[0])
         weights = [layer.weights for layer in self.layers]
@@ -170,6 +173,8 @@ class ReversibleSerialTrainer(TrainerBase):
         stack, kept_stacks = self._forward(stack, rngs, new_states)
         loss, ct_stack = self._loss(stack, rngs, lr, new_states, stats)
         self._backward(stack, ct_stack, kept_stacks, rngs, lr, new_states, stats)
+        if self.free_accelerators_on_step:
+            delete_arrays((stack, ct_stack, kept_stacks))
         self._states = new_states
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
@@ -301,6 +306,13 @@ class ReversibleSerialTrainer(TrainerBase):
         devices.check_same_structure(tuple(slots), self.slots, "slots")
         self._store_initial(list(self.weights), list(self.state), list(slots))
         self._init_learning_rate(slots[-1])
+
+
+def delete_arrays(tree: Any) -> None:
+    """Frees the device buffers of the jax arrays in ``tree`` (trainer-owned ones only)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
 
 
 def _add_layer_stats(stats: dict, i: int, layer_stats: dict) -> None:

@@ -12,7 +12,7 @@ from revtrain.layers.base import Layer
 from revtrain.trainers import devices
 from revtrain.trainers.base import OptimizerFn, TrainerBase, stats_with_learning_rate
 from revtrain.trainers.devices import BATCH_AXIS
-from revtrain.trainers.fbo import DEV, REP, apply_optimizer
+from revtrain.trainers.fbo import DEV, REP, apply_optimizer, check_scalar_loss
 
 
 class Trainer(TrainerBase):
@@ -60,7 +60,9 @@ class Trainer(TrainerBase):
             rng = jax.random.wrap_key_data(rng[0])
 
             def loss_fn(w):
-                return model.pure_fn(batch, w, state, rng)
+                loss, new_state = model.pure_fn(batch, w, state, rng)
+                check_scalar_loss(model, loss)
+                return loss, new_state
 
             (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
             grads = jax.lax.pmean(grads, BATCH_AXIS)
