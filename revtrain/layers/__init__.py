@@ -56,6 +56,7 @@ from revtrain.layers.metrics import (
     weighted_mean,
 )
 from revtrain.layers.normalization import BatchNorm, LayerNorm
+from revtrain.layers.remat import Remat
 from revtrain.layers.reversible import (
     ReversibleHalfResidual,
     ReversibleLayer,
@@ -75,6 +76,7 @@ __all__ = [
     "Accuracy", "CrossEntropyLoss", "L2Loss", "WeightedCategoryCrossEntropy", "weighted_mean",
     "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LayerNorm", "MaxPool",
     "dot_product_attention",
+    "Remat",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
     "ReversibleSerial", "ReversibleSwap", "blocks_to_layers", "extract_reversible_blocks",
     "init_reversible_blocks", "reconstruction_error",

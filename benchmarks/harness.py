@@ -1,0 +1,353 @@
+"""What both benchmarks share: flags, the model, the four trainers, worker processes, output.
+
+Every configuration (one trainer at one depth) runs in a fresh Python process started with
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` and JAX's persistent compilation cache off, so
+neither memory high-water marks nor compiled executables carry over between
+configurations. The parent process only starts workers and writes JSON, Markdown and PNG.
+
+The model is always the reversible Transformer LM
+(`revtrain.models.ReversibleTransformerLM`, depth = its ``n_layers``, i.e. attention +
+feed-forward block pairs) followed by ``CrossEntropyLoss``, trained with Adam; only the
+trainer differs:
+
+* ``trainer`` -- `Trainer` on ``Serial(*flat_layers)`` (all activations stored);
+* ``trainer_remat`` -- the same, with every ``ReversibleHalfResidual`` wrapped in
+  `revtrain.layers.Remat` (``jax.checkpoint``), the baseline a JAX user reaches for;
+* ``reversible`` -- `ReversibleSerialTrainer` on the extracted blocks;
+* ``memory_efficient`` -- `MemoryEfficientTrainer` on the same blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+TRAINERS = {
+    "trainer": "Trainer",
+    "trainer_remat": "Trainer + remat",
+    "reversible": "ReversibleSerialTrainer",
+    "memory_efficient": "MemoryEfficientTrainer",
+}
+MODEL_DEFAULTS = {"depths": "2,4,8,16,32", "d_model": 256, "d_ff": 1024, "n_heads": 4,
+                  "seq_len": 512, "batch_size": 8, "vocab_size": 256, "dropout": 0.1}
+QUICK = {"depths": "2,4", "d_model": 32, "d_ff": 64, "seq_len": 32, "batch_size": 4}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+QUICK_RESULTS_DIR = RESULTS_DIR / "tmp"
+WORKER_FLAG = "--_worker"
+RESULT_MARKER = "BENCHMARK_RESULT "
+MIB = 2 ** 20
+
+
+# ------------------------------------------------------------------------------------------
+# Flags and configurations (parent process).
+
+def make_parser(description: str, steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The flags both scripts take; ``steps``/``warmup`` are the script's defaults."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true",
+                   help=f"tiny sizes for tests/CI: {QUICK}; output in {QUICK_RESULTS_DIR}")
+    p.add_argument("--depths", help="comma-separated n_layers values")
+    p.add_argument("--trainers", default=",".join(TRAINERS),
+                   help=f"comma-separated subset of {','.join(TRAINERS)}")
+    for name in ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--dropout", type=float)
+    p.add_argument("--steps", type=int, default=steps, help="measured steps per config")
+    p.add_argument("--warmup", type=int, default=warmup,
+                   help="steps run before measuring (the first one compiles)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds before a worker process is killed")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="workers run at once; >1 only for quick checks (they share the CPU, "
+                        "which distorts step times)")
+    p.add_argument("--compilation_cache_dir",
+                   help="for tests: let workers share JAX's persistent compilation cache "
+                        "(first-step times then exclude most compilation)")
+    p.add_argument("--render_only", action="store_true",
+                   help="only rewrite the Markdown and PNG from the JSON in --out_dir")
+    p.add_argument("--out_dir", type=Path,
+                   help=f"where outputs go (default {RESULTS_DIR}, or {QUICK_RESULTS_DIR} "
+                        f"with --quick)")
+    return p
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parses ``argv``; unset model flags take the (quick) defaults. Errors exit via argparse."""
+    args = parser.parse_args(argv)
+    defaults = {**MODEL_DEFAULTS, **(QUICK if args.quick else {})}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.out_dir is None:
+        args.out_dir = QUICK_RESULTS_DIR if args.quick else RESULTS_DIR
+    args.depths = [int(d) for d in str(args.depths).split(",") if d.strip()]
+    args.trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
+    unknown = [t for t in args.trainers if t not in TRAINERS]
+    if unknown:
+        parser.error(f"--trainers {unknown} unknown; choose from {','.join(TRAINERS)}")
+    if not args.depths or min(args.depths) < 1:
+        parser.error(f"--depths {args.depths} must be positive integers, e.g. 2,4,8")
+    if args.jobs < 1:
+        parser.error(f"--jobs={args.jobs} must be >= 1")
+    if args.steps < 1 or args.warmup < 1:
+        parser.error(f"--steps={args.steps} and --warmup={args.warmup} must be >= 1 (the "
+                     f"first warm-up step compiles)")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The model and run settings shared by every configuration (JSON-serialisable)."""
+    names = ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size", "dropout",
+             "steps", "warmup", "seed")
+    return {name: getattr(args, name) for name in names} | {
+        "n_devices": 1, "compilation_cache_dir": args.compilation_cache_dir}
+
+
+def configurations(args: argparse.Namespace, rounds: int = 1) -> list[dict[str, Any]]:
+    """One config per (depth, round, trainer), in that order.
+
+    Depth-major, so a partial run covers the small depths; at each depth the trainers run
+    back to back, ``rounds`` times, so a drift in machine speed hits them alike.
+    """
+    base = model_config(args)
+    return [base | {"trainer": t, "depth": d, "round": r} for d in args.depths
+            for r in range(rounds) for t in args.trainers]
+
+
+def machine_info() -> dict[str, Any]:
+    """Where and when the run happened (for the JSON and the Markdown header)."""
+    import jax  # Only for its version: the parent never starts a backend.
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "platform": platform.platform(), "processor": _cpu_name(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "jax": jax.__version__}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# ------------------------------------------------------------------------------------------
+# Worker processes.
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
+def run_worker(script: str, config: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Runs ``script --_worker <config>`` in a fresh process; returns its result dict.
+
+    A worker that fails, times out or prints no result gives ``{"error": ...}`` with the
+    tail of its stderr, so one bad configuration does not stop the benchmark.
+    """
+    command = [sys.executable, script, WORKER_FLAG, json.dumps(config)]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=worker_env())
+    except subprocess.TimeoutExpired:
+        return config | {"error": f"timed out after {timeout:.0f} s (raise --timeout)"}
+    wall = time.perf_counter() - start
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return config | json.loads(line[len(RESULT_MARKER):]) | {"worker_wall_s": wall}
+    tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+    return config | {"error": f"worker exited with code {done.returncode}: {tail}",
+                     "worker_wall_s": wall}
+
+
+def run_all(script: str, configs: list[dict[str, Any]], timeout: float,
+            describe: Callable[[dict[str, Any]], str], jobs: int = 1) -> list[dict[str, Any]]:
+    """Runs every configuration in its own process (``jobs`` at a time), printing progress.
+
+    Returns the results in the order of ``configs``.
+    """
+    def run(k_config):
+        k, config = k_config
+        result = run_worker(script, config, timeout)
+        outcome = f"ERROR {result['error']}" if "error" in result else describe(result)
+        round_text = f", round {config['round'] + 1}" if config.get("round") else ""
+        print(f"[{k}/{len(configs)}] {TRAINERS[config['trainer']]}, depth {config['depth']}"
+              f"{round_text}: {outcome}", flush=True)
+        return result
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(run, enumerate(configs, 1)))
+
+
+def worker_main(argv: Sequence[str], measure: Callable[[dict[str, Any]], dict[str, Any]]
+                ) -> None:
+    """Entry point of a worker: ``argv == ['--_worker', json_config]``; prints the result."""
+    config = json.loads(argv[1])
+    import jax
+    cache_dir = config.get("compilation_cache_dir")
+    jax.config.update("jax_enable_compilation_cache", bool(cache_dir))
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    result = measure(config)
+    result["device"] = f"{jax.default_backend()}: {jax.local_devices()[0].device_kind}"
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------------------
+# The model and trainers (worker processes).
+
+def make_batch(config: dict[str, Any]) -> tuple:
+    """Random token ids ``(inputs, targets, weights)``, host numpy, ``[batch, seq_len]``."""
+    import numpy as np
+    rs = np.random.RandomState(config["seed"])
+    shape = (config["batch_size"], config["seq_len"] + 1)
+    tokens = rs.randint(0, config["vocab_size"], shape).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:], np.ones(tokens[:, 1:].shape, np.float32)
+
+
+def build(config: dict[str, Any]) -> tuple[Any, tuple]:
+    """Builds the initialised model, and the configured trainer on it; returns it and a batch.
+
+    Weights and state are moved to host memory before the trainer is built, so the only
+    device buffers afterwards are the trainer's own.
+    """
+    import jax
+    import numpy as np
+    import optax
+
+    from revtrain import layers as tl
+    from revtrain.models import ReversibleTransformerLM
+    from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
+
+    model = ReversibleTransformerLM(
+        vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
+        n_layers=config["depth"], n_heads=config["n_heads"], max_len=config["seq_len"],
+        dropout=config["dropout"], mode="train")
+    blocks, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
+    batch = make_batch(config)
+    signature = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
+    tl.init_reversible_blocks(blocks, loss, signature, jax.random.key(config["seed"]))
+    flat = tl.blocks_to_layers(blocks, loss)
+    for layer in flat:
+        layer.weights = jax.tree.map(np.asarray, layer.weights)
+        layer.state = jax.tree.map(np.asarray, layer.state)
+
+    def optimizer_fn():
+        return optax.inject_hyperparams(optax.adam)(learning_rate=1e-4)
+
+    kind, n_devices = config["trainer"], config["n_devices"]
+    if kind == "trainer":
+        return Trainer(tl.Serial(flat), optimizer_fn, n_devices=n_devices), batch
+    if kind == "trainer_remat":
+        remat = [tl.Remat(layer) if isinstance(layer, tl.ReversibleHalfResidual) else layer
+                 for layer in flat]
+        return Trainer(tl.Serial(remat), optimizer_fn, n_devices=n_devices), batch
+    if kind == "reversible":
+        return ReversibleSerialTrainer(blocks, loss, optimizer_fn, n_devices=n_devices), batch
+    if kind == "memory_efficient":
+        return MemoryEfficientTrainer(blocks, loss, optimizer_fn, n_devices=n_devices), batch
+    raise ValueError(f"trainer={kind!r} is not one of {list(TRAINERS)}")
+
+
+def host_bytes(tree: Any) -> int:
+    """Sum of ``nbytes`` over the array leaves of ``tree``."""
+    import jax
+    return sum(int(getattr(leaf, "nbytes", 0)) for leaf in jax.tree.leaves(tree))
+
+
+# ------------------------------------------------------------------------------------------
+# Output.
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Reads a benchmark's JSON output (for ``--render_only``)."""
+    if not path.exists():
+        raise SystemExit(f"{path} does not exist; run the benchmark first (without "
+                         f"--render_only) or pass the --out_dir holding it")
+    return json.loads(path.read_text())
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub Markdown table; the first column left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(headers) + " |",
+             "|" + "|".join([":---"] + ["---:"] * (len(headers) - 1)) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / MIB:,.1f}"
+
+
+def by_key(results: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """Maps ``(trainer, depth)`` to the result, for the successful results only."""
+    return {(r["trainer"], r["depth"]): r for r in results if "error" not in r}
+
+
+def plot_by_depth(path: Path, results: Sequence[dict[str, Any]],
+                  panels: Sequence[tuple[str, str, Callable[[dict], float | None]]],
+                  title: str) -> bool:
+    """One subplot per ``(title, y_label, value_fn)``; a line per trainer over depth.
+
+    Returns False (and writes nothing) when matplotlib is not installed (the ``bench``
+    extra).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is missing, so {path.name} was not written; "
+              f"pip install -e '.[bench]'")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    table = by_key(results)
+    depths = sorted({r["depth"] for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for ax, (panel_title, y_label, value_fn) in zip(axes[0], panels, strict=True):
+        for kind, label in TRAINERS.items():
+            points = [(d, value_fn(table[(kind, d)])) for d in depths if (kind, d) in table]
+            points = [(d, v) for d, v in points if v is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("depth (n_layers: attention + feed-forward pairs)")
+        ax.set_ylabel(y_label)
+        ax.set_title(panel_title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def settings_line(config: dict[str, Any]) -> str:
+    return (f"d_model {config['d_model']}, d_ff {config['d_ff']}, {config['n_heads']} heads, "
+            f"seq {config['seq_len']}, batch {config['batch_size']}, vocab "
+            f"{config['vocab_size']}, dropout {config['dropout']}, Adam, n_devices 1")

@@ -1,0 +1,246 @@
+"""Peak accelerator memory vs depth for the four trainers of a reversible Transformer LM.
+
+Usage (from the repository root, after ``pip install -e '.[bench]'``)::
+
+    python benchmarks/memory_vs_depth.py            # defaults: depths 2..32, d_model 256
+    python benchmarks/memory_vs_depth.py --quick    # tiny sizes, seconds
+
+Each (trainer, depth) runs in a fresh process on one device (``n_devices=1``): build the
+model, run ``--warmup`` steps (the first compiles), then measure ``--steps`` steps under
+`revtrain.memory.track_peak`. On GPU/TPU the peak is the allocator's high-water mark; on
+CPU it is the ledger (live device arrays + the compiled function's temporaries and outputs
+at every dispatch; see `revtrain.memory`). Reported per configuration, in bytes:
+
+* ``peak_bytes`` -- the peak device bytes over the measured steps (everything live on the
+  device in that process: the worker holds nothing else there);
+* ``weights_and_slots_bytes`` -- the trainer's weights and optimizer slots on the device at
+  that peak (the whole model for `Trainer`/`ReversibleSerialTrainer`, the resident layers
+  for `MemoryEfficientTrainer`), and ``rest_bytes = peak_bytes - weights_and_slots_bytes``
+  (activations, cotangents, inputs, temporaries);
+* ``peak_rss_bytes`` -- the worker process's peak resident set size (on CPU "device"
+  memory is host RAM; the RSS also counts the Python heap, XLA and compilation).
+
+Writes ``memory_vs_depth.json``, ``.md`` and ``.png`` to ``--out_dir``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness  # noqa: E402
+
+NAME = "memory_vs_depth"
+
+
+# ------------------------------------------------------------------------------------------
+# Worker side.
+
+def _device_bytes(tree: Any, device: Any) -> int:
+    """Bytes of the live device buffers of ``tree``'s jax arrays held on ``device``."""
+    import jax
+    buffers = {}
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            for shard in leaf.addressable_shards:
+                if shard.device == device:
+                    buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values())
+
+
+def _resident_weights_and_slots(trainer: Any) -> Any:
+    """The trainer's weight and slot arrays that are on the device now.
+
+    Looks inside the trainers (private attributes): `Trainer` and `ReversibleSerialTrainer`
+    keep every layer's on the device; `MemoryEfficientTrainer` only the layers fetched for
+    the current window and results not yet copied back.
+    """
+    from revtrain.trainers import MemoryEfficientTrainer
+    if isinstance(trainer, MemoryEfficientTrainer):
+        return list(trainer._resident.values()), [p[1:] for p in trainer._pending]
+    return trainer._weights, trainer._slots
+
+
+class _SplitRecorder:
+    """Forwards each record to the ledger and notes the weights+slots bytes at the peak."""
+
+    def __init__(self, ledger: Any, trainer: Any, device: Any):
+        self.ledger, self.trainer, self.device = ledger, trainer, device
+        self.peak: tuple[Any, int] | None = None
+        self.n_dispatches = 0
+
+    def record(self, label: str, fn: Any = None, args: tuple = ()) -> Any:
+        entry = self.ledger.record(label, fn, args)
+        self.n_dispatches += fn is not None
+        if self.peak is None or entry.total_bytes > self.peak[0].total_bytes:
+            resident = _device_bytes(_resident_weights_and_slots(self.trainer), self.device)
+            self.peak = (entry, resident)
+        return entry
+
+
+def measure(config: dict[str, Any]) -> dict[str, Any]:
+    """Builds the configured trainer, warms it up, and measures its peak device memory."""
+    import jax
+
+    from revtrain import memory
+
+    trainer, batch = harness.build(config)
+    device = jax.local_devices()[0]
+    model_bytes = harness.host_bytes((trainer.weights, trainer.slots))
+    start = time.perf_counter()
+    for step in range(config["warmup"]):
+        jax.block_until_ready(trainer.one_step(batch, jax.random.key(step)))
+    warmup_s = time.perf_counter() - start
+    with memory.track_peak(trainer, device=device) as report:
+        resident_at_entry = _device_bytes(_resident_weights_and_slots(trainer), device)
+        recorder = None
+        if trainer.memory_ledger is not None:  # The CPU ledger: split its peak.
+            recorder = trainer.memory_ledger = _SplitRecorder(trainer.memory_ledger, trainer,
+                                                              device)
+        losses = []
+        for step in range(config["warmup"], config["warmup"] + config["steps"]):
+            loss, stats = trainer.one_step(batch, jax.random.key(step))
+            jax.block_until_ready(stats)
+            losses.append(float(loss))
+    resident = _resident_at_peak(report, recorder, resident_at_entry)
+    result = {"method": report.method, "peak_bytes": report.peak_bytes,
+              "weights_and_slots_bytes": resident,
+              "rest_bytes": report.peak_bytes - resident,
+              "baseline_bytes": report.baseline_bytes, "peak_label": report.peak_label,
+              "peak_rss_bytes": report.peak_rss_bytes, "rss_bytes": report.rss_bytes,
+              "model_weights_and_slots_bytes": model_bytes,
+              "n_params": harness.host_bytes(trainer.weights) // 4, "losses": losses,
+              "warmup_s": warmup_s}
+    if recorder is not None:
+        entry = recorder.peak[0]
+        result |= {"peak_live_bytes": entry.live_bytes, "peak_fn_bytes": entry.fn_bytes,
+                   "n_dispatches_per_step": recorder.n_dispatches // config["steps"]}
+    if hasattr(trainer, "max_resident_layers"):
+        result["max_resident_layers"] = trainer.max_resident_layers
+    return result
+
+
+def _resident_at_peak(report: Any, recorder: _SplitRecorder | None, at_entry: int) -> int:
+    """Weights+slots bytes on the device at the reported peak.
+
+    With allocator statistics (GPU/TPU) there is no peak entry: the trainer's weights and
+    slots measured at entry stand in (exact for `Trainer`/`ReversibleSerialTrainer`).
+    """
+    if recorder is None or recorder.peak is None:
+        return at_entry
+    entry, resident = recorder.peak
+    # The peak may be the 'enter' record taken before the recorder was installed.
+    return resident if entry.total_bytes >= report.peak_bytes else at_entry
+
+
+# ------------------------------------------------------------------------------------------
+# Parent side: tables, plot, targets.
+
+def _describe(r: dict[str, Any]) -> str:
+    return (f"peak {harness.mib(r['peak_bytes'])} MiB = weights+slots "
+            f"{harness.mib(r['weights_and_slots_bytes'])} + rest {harness.mib(r['rest_bytes'])}"
+            f" ({r['method']} at {r['peak_label']}); peak RSS {harness.mib(r['peak_rss_bytes'])}"
+            f" MiB")
+
+
+def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's memory targets, evaluated where the needed depths were measured."""
+    table = harness.by_key(results)
+    depths = sorted({r["depth"] for r in results})
+    lo, hi = (depths[0], depths[-1]) if depths else (None, None)
+    checks = []
+    rst_hi, tr_hi = table.get(("reversible", hi)), table.get(("trainer", hi))
+    if rst_hi and tr_hi:
+        ratio = rst_hi["peak_bytes"] / tr_hi["peak_bytes"]
+        checks.append({"target": f"ReversibleSerialTrainer peak <= 0.25x Trainer's at depth "
+                                 f"{hi}", "value": f"{ratio:.3f}x", "met": ratio <= 0.25})
+    rst_lo = table.get(("reversible", lo))
+    if rst_lo and rst_hi and lo != hi:
+        growth = rst_hi["rest_bytes"] / rst_lo["rest_bytes"] - 1
+        checks.append({"target": f"ReversibleSerialTrainer non-weight part grows < 10% from "
+                                 f"depth {lo} to {hi}", "value": f"{100 * growth:+.1f}%",
+                       "met": growth < 0.10})
+    met_lo, met_hi = table.get(("memory_efficient", lo)), table.get(("memory_efficient", hi))
+    if met_lo and met_hi and lo != hi:
+        ratio = met_hi["peak_bytes"] / met_lo["peak_bytes"]
+        checks.append({"target": f"MemoryEfficientTrainer peak at depth {hi} <= 1.2x depth "
+                                 f"{lo}", "value": f"{ratio:.3f}x", "met": ratio <= 1.2})
+    return checks
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    results, config = payload["results"], payload["config"]
+    table = harness.by_key(results)
+    depths = sorted({r["depth"] for r in results})
+    kinds = [k for k in harness.TRAINERS if any(r["trainer"] == k for r in results)]
+    summary = [[d] + [harness.mib(table[(k, d)]["peak_bytes"]) if (k, d) in table else "error"
+                      for k in kinds] for d in depths]
+    detail = []
+    for k in kinds:
+        for d in depths:
+            r = table.get((k, d))
+            if r is not None:
+                detail.append([harness.TRAINERS[k], d, harness.mib(r["peak_bytes"]),
+                               harness.mib(r["weights_and_slots_bytes"]),
+                               harness.mib(r["rest_bytes"]), harness.mib(r["peak_rss_bytes"])])
+    lines = [f"Peak device memory (MiB) by depth; {harness.settings_line(config)}; method: "
+             f"{', '.join(sorted({r['method'] for r in table.values()}))}; "
+             f"{payload['machine']['processor']}, {payload['machine']['cpu_count']} cores.", "",
+             harness.markdown_table(["depth"] + [harness.TRAINERS[k] for k in kinds], summary),
+             "", harness.markdown_table(
+                 ["trainer", "depth", "peak (MiB)", "weights+optimizer (MiB)", "rest (MiB)",
+                  "process peak RSS (MiB)"], detail)]
+    lines += _errors_and_targets(results, payload["targets"])
+    return "\n".join(lines) + "\n"
+
+
+def _errors_and_targets(results: Sequence[dict], checks: Sequence[dict]) -> list[str]:
+    lines = [""] + [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
+                    for r in results if "error" in r]
+    if checks:
+        lines += ["", harness.markdown_table(
+            ["target", "measured", "met"],
+            [[c["target"], c["value"], "yes" if c["met"] else "**no**"] for c in checks])]
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs every configuration in a worker process and writes JSON, Markdown and PNG."""
+    parser = harness.make_parser(__doc__.splitlines()[0], steps=1, warmup=1)
+    args = harness.parse_args(parser, argv)
+    out = Path(args.out_dir)
+    if args.render_only:
+        payload = harness.read_json(out / f"{NAME}.json")
+    else:
+        configs = harness.configurations(args)
+        print(f"{NAME}: {len(configs)} configurations, {harness.settings_line(configs[0])}")
+        results = harness.run_all(str(Path(__file__).resolve()), configs, args.timeout,
+                                  _describe, args.jobs)
+        payload = {"benchmark": NAME, "config": harness.model_config(args),
+                   "depths": args.depths, "machine": harness.machine_info(),
+                   "results": results, "targets": targets(results)}
+        harness.write_json(out / f"{NAME}.json", payload)
+    (out / f"{NAME}.md").write_text(markdown(payload))
+    panels = [("total peak", "peak device memory (MiB)",
+               lambda r: r["peak_bytes"] / harness.MIB),
+              ("beyond weights + optimizer state", "MiB",
+               lambda r: r["rest_bytes"] / harness.MIB)]
+    harness.plot_by_depth(out / f"{NAME}.png", payload["results"], panels,
+                          f"Peak device memory vs depth "
+                          f"({harness.settings_line(payload['config'])})")
+    print(markdown(payload))
+    print(f"wrote {out / NAME}.json, .md, .png")
+    return payload
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == harness.WORKER_FLAG:
+        harness.worker_main(sys.argv[1:], measure)
+    else:
+        main()

@@ -1,0 +1,240 @@
+"""Step time vs depth for the four trainers of a reversible Transformer LM.
+
+Usage (from the repository root, after ``pip install -e '.[bench]'``)::
+
+    python benchmarks/step_time.py            # defaults: depths 2..32, d_model 256
+    python benchmarks/step_time.py --quick    # tiny sizes, seconds
+
+Each (trainer, depth) runs in a fresh process on one device (``n_devices=1``; on CPU that
+one XLA device uses every core), so every first step compiles from scratch. Each step is
+timed from the ``one_step`` call until its loss and stats are ready
+(``jax.block_until_ready``). Reported per configuration:
+
+* ``first_step_s`` -- the first step, compilation included, and ``first_step_compile_s``,
+  the part of it JAX spent tracing, lowering and compiling (from ``jax.monitoring``);
+* ``median_step_s`` -- the median of ``--steps`` steps run after ``--warmup`` steps (the
+  first step is warm-up step 1); ``tokens_per_s = batch_size * seq_len / median_step_s``;
+* ``ratio_to_trainer`` -- ``median_step_s`` over `Trainer`'s at the same depth, both from
+  the same run of this script;
+* ``n_dispatches_per_step`` (compiled-function calls in one step) and
+  ``n_compiles_after_first_step`` (should be 0: nothing recompiles).
+
+Writes ``step_time.json``, ``.md`` and ``.png`` to ``--out_dir``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness  # noqa: E402
+
+NAME = "step_time"
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+# ------------------------------------------------------------------------------------------
+# Worker side.
+
+class _DispatchCounter:
+    """Stands in for a memory ledger to count a trainer's compiled-function dispatches."""
+
+    def __init__(self):
+        self.n_dispatches = 0
+
+    def record(self, label: str, fn: Any = None, args: tuple = ()) -> None:
+        del label, args
+        self.n_dispatches += fn is not None
+
+
+def _timed_step(trainer: Any, batch: tuple, step: int) -> tuple[float, float]:
+    """Runs one step until its loss and stats are ready; returns (seconds, loss)."""
+    import jax
+    start = time.perf_counter()
+    loss, stats = trainer.one_step(batch, jax.random.key(step))
+    jax.block_until_ready((loss, stats))
+    return time.perf_counter() - start, float(loss)
+
+
+def measure(config: dict[str, Any]) -> dict[str, Any]:
+    """Builds the configured trainer and times its first step and its steady-state steps."""
+    import jax
+    compile_events: list[tuple[str, float]] = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event in COMPILE_EVENTS:
+            compile_events.append((event, duration))
+
+    trainer, batch = harness.build(config)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        counter = trainer.memory_ledger = _DispatchCounter()
+        first_s, first_loss = _timed_step(trainer, batch, 0)
+        trainer.memory_ledger = None
+        first_compile_s = sum(d for _, d in compile_events)
+        n_first_compiles = sum(e == COMPILE_EVENTS[-1] for e, _ in compile_events)
+        compile_events.clear()
+        for step in range(1, config["warmup"]):
+            _timed_step(trainer, batch, step)
+        timed = [_timed_step(trainer, batch, config["warmup"] + k)
+                 for k in range(config["steps"])]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    times = [t for t, _ in timed]
+    median = statistics.median(times)
+    return {"first_step_s": first_s, "first_step_compile_s": first_compile_s,
+            "n_compiled_in_first_step": n_first_compiles, "step_times_s": times,
+            "median_step_s": median,
+            "tokens_per_s": config["batch_size"] * config["seq_len"] / median,
+            "n_dispatches_per_step": counter.n_dispatches,
+            "n_compiles_after_first_step": sum(e == COMPILE_EVENTS[-1]
+                                               for e, _ in compile_events),
+            "losses": [first_loss] + [loss for _, loss in timed]}
+
+
+# ------------------------------------------------------------------------------------------
+# Parent side: ratios, tables, plot, targets.
+
+def merge_rounds(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pools each (trainer, depth)'s rounds: all their timed steps, their first steps.
+
+    ``median_step_s`` becomes the median of every timed step of every round and
+    ``first_step_s`` the median of the rounds' first steps (each in a fresh process). A
+    configuration whose rounds all failed keeps its first error.
+    """
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["trainer"], r["depth"]), []).append(r)
+    merged = []
+    for rounds in groups.values():
+        ok = [r for r in rounds if "error" not in r]
+        if not ok:
+            merged.append({k: v for k, v in rounds[0].items() if k != "round"})
+            continue
+        m = {k: v for k, v in ok[0].items() if k != "round"}
+        m["step_times_s"] = [t for r in ok for t in r["step_times_s"]]
+        m["median_step_s"] = statistics.median(m["step_times_s"])
+        m["tokens_per_s"] = m["batch_size"] * m["seq_len"] / m["median_step_s"]
+        for key in ("first_step_s", "first_step_compile_s"):
+            m[key] = statistics.median(r[key] for r in ok)
+        m["first_steps_s"] = [r["first_step_s"] for r in ok]
+        m["n_compiles_after_first_step"] = max(r["n_compiles_after_first_step"] for r in ok)
+        m["n_rounds"] = len(ok)
+        merged.append(m)
+    return merged
+
+
+def add_ratios(results: Sequence[dict[str, Any]]) -> None:
+    """Sets ``ratio_to_trainer`` on every result that has a `Trainer` result at its depth."""
+    table = harness.by_key(results)
+    for r in results:
+        base = table.get(("trainer", r["depth"]))
+        if "error" not in r and base is not None:
+            r["ratio_to_trainer"] = r["median_step_s"] / base["median_step_s"]
+
+
+def _describe(r: dict[str, Any]) -> str:
+    return (f"median {r['median_step_s']:.3f} s/step ({r['tokens_per_s']:,.0f} tokens/s), "
+            f"first step {r['first_step_s']:.1f} s (compiling {r['first_step_compile_s']:.1f} "
+            f"s), {r['n_dispatches_per_step']} dispatches/step")
+
+
+def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's time targets, evaluated where the needed depths were measured."""
+    table = harness.by_key(results)
+    depths = sorted({r["depth"] for r in results})
+    checks = []
+    hi = depths[-1] if depths else None
+    for kind in ("reversible", "memory_efficient"):
+        r = table.get((kind, hi))
+        if r:
+            checks.append({"target": f"{harness.TRAINERS[kind]} first step (compile "
+                                     f"included) at depth {hi} <= 10 s",
+                           "value": f"{r['first_step_s']:.1f} s", "met": r["first_step_s"] <= 10})
+    mid = 16 if 16 in depths else hi
+    for kind, limit in (("reversible", 1.4), ("memory_efficient", 2.0)):
+        r = table.get((kind, mid))
+        if r and "ratio_to_trainer" in r:
+            checks.append({"target": f"{harness.TRAINERS[kind]} step time at depth {mid} <= "
+                                     f"{limit}x Trainer's",
+                           "value": f"{r['ratio_to_trainer']:.2f}x",
+                           "met": r["ratio_to_trainer"] <= limit})
+    return checks
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    results, config = payload["results"], payload["config"]
+    rows = []
+    for kind in harness.TRAINERS:
+        for r in sorted((r for r in results if r["trainer"] == kind and "error" not in r),
+                        key=lambda r: r["depth"]):
+            ratio = r.get("ratio_to_trainer")
+            rows.append([harness.TRAINERS[kind], r["depth"], f"{r['median_step_s']:.3f}",
+                         "n/a" if ratio is None else f"{ratio:.2f}x",
+                         f"{r['tokens_per_s']:,.0f}", f"{r['first_step_s']:.1f}",
+                         f"{r['first_step_compile_s']:.1f}", r["n_dispatches_per_step"]])
+    rounds = config.get("rounds", 1)
+    lines = [f"Step time by depth; {harness.settings_line(config)}; median of "
+             f"{config['steps']} steps after {config['warmup']} warm-up steps"
+             f"{f' in each of {rounds} rounds' if rounds > 1 else ''}; "
+             f"{payload['machine']['processor']}, {payload['machine']['cpu_count']} cores.",
+             "", harness.markdown_table(
+                 ["trainer", "depth", "median step (s)", "vs Trainer", "tokens/s",
+                  "first step (s)", "of which compiling (s)", "dispatches/step"], rows), ""]
+    lines += [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
+              for r in results if "error" in r]
+    if payload["targets"]:
+        lines += ["", harness.markdown_table(
+            ["target", "measured", "met"],
+            [[c["target"], c["value"], "yes" if c["met"] else "**no**"]
+             for c in payload["targets"]])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs every configuration in a worker process and writes JSON, Markdown and PNG."""
+    parser = harness.make_parser(__doc__.splitlines()[0], steps=5, warmup=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every configuration this many times (fresh processes, "
+                             "trainers of a depth back to back) and pool the steps")
+    args = harness.parse_args(parser, argv)
+    out = Path(args.out_dir)
+    if args.render_only:
+        payload = harness.read_json(out / f"{NAME}.json")
+    else:
+        if args.rounds < 1:
+            parser.error(f"--rounds={args.rounds} must be >= 1")
+        configs = harness.configurations(args, args.rounds)
+        print(f"{NAME}: {len(configs)} runs, {harness.settings_line(configs[0])}")
+        results = merge_rounds(harness.run_all(str(Path(__file__).resolve()), configs,
+                                               args.timeout, _describe, args.jobs))
+        add_ratios(results)
+        payload = {"benchmark": NAME,
+                   "config": harness.model_config(args) | {"rounds": args.rounds},
+                   "depths": args.depths, "machine": harness.machine_info(),
+                   "results": results, "targets": targets(results)}
+        harness.write_json(out / f"{NAME}.json", payload)
+    (out / f"{NAME}.md").write_text(markdown(payload))
+    panels = [("median step time", "seconds per step", lambda r: r["median_step_s"]),
+              ("first step (compilation included)", "seconds", lambda r: r["first_step_s"])]
+    harness.plot_by_depth(out / f"{NAME}.png", payload["results"], panels,
+                          f"Step time vs depth ({harness.settings_line(payload['config'])})")
+    print(markdown(payload))
+    print(f"wrote {out / NAME}.json, .md, .png")
+    return payload
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == harness.WORKER_FLAG:
+        harness.worker_main(sys.argv[1:], measure)
+    else:
+        main()

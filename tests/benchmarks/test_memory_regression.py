@@ -1,0 +1,51 @@
+"""CPU memory regression: reversible training keeps activation memory flat in depth.
+
+Measured in-process with the CPU ledger (`revtrain.memory.track_peak`) through the memory
+benchmark's own worker function, at tiny widths so it runs in seconds. The activation part
+is the ledger's peak minus the device bytes live when measuring starts -- the trainer's
+weights and optimizer slots (for `Trainer` and `ReversibleSerialTrainer` the whole model's
+are on the device) -- so arrays other tests leave alive cancel out.
+"""
+import gc
+
+import pytest
+
+from benchmarks import memory_vs_depth
+
+TINY = {"d_model": 16, "d_ff": 32, "n_heads": 2, "seq_len": 16, "batch_size": 2,
+        "vocab_size": 32, "dropout": 0.1, "steps": 1, "warmup": 1, "seed": 0,
+        "n_devices": 1, "compilation_cache_dir": None}
+
+
+def _measure(trainer: str, depth: int) -> dict:
+    gc.collect()
+    result = memory_vs_depth.measure(TINY | {"trainer": trainer, "depth": depth})
+    assert result["method"] == "ledger"
+    # At entry only the weights and slots are live: they are the baseline.
+    assert result["baseline_bytes"] >= result["model_weights_and_slots_bytes"]
+    result["activation_bytes"] = result["peak_bytes"] - result["baseline_bytes"]
+    return result
+
+
+@pytest.fixture(scope="module")
+def reversible():
+    return {depth: _measure("reversible", depth) for depth in (2, 8, 32)}
+
+
+def test_reversible_activation_part_is_flat_from_depth_2_to_32(reversible):
+    activations = {d: r["activation_bytes"] for d, r in reversible.items()}
+    assert min(activations.values()) > 0
+    assert max(activations.values()) <= 1.10 * min(activations.values()), activations
+    # ...while the weights and slots on the device grow with depth.
+    weights = [reversible[d]["weights_and_slots_bytes"] for d in (2, 8, 32)]
+    assert weights[0] < weights[1] < weights[2]
+    assert reversible[32]["weights_and_slots_bytes"] == (
+        reversible[32]["model_weights_and_slots_bytes"])
+
+
+def test_trainer_activation_part_grows_with_depth(reversible):
+    trainer = {depth: _measure("trainer", depth) for depth in (2, 8)}
+    activations = {d: r["activation_bytes"] for d, r in trainer.items()}
+    # Four times the blocks: well over twice the stored activations.
+    assert activations[8] > 2 * activations[2], activations
+    assert activations[8] > 2 * reversible[8]["activation_bytes"]

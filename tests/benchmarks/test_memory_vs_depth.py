@@ -1,0 +1,71 @@
+"""benchmarks/memory_vs_depth.py: runs end to end at tiny sizes; targets and tables."""
+import json
+
+import pytest
+
+from benchmarks import harness, memory_vs_depth
+
+
+def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, tmp_path):
+    payload = memory_vs_depth.main(quick_args)
+    saved = json.loads((tmp_path / "memory_vs_depth.json").read_text())
+    assert saved["results"] == json.loads(json.dumps(payload["results"]))
+    table = harness.by_key(saved["results"])
+    assert set(table) == {(kind, 2) for kind in harness.TRAINERS}, saved["results"]
+    for r in table.values():
+        assert r["method"] == "ledger"
+        assert r["peak_bytes"] > 0 and r["weights_and_slots_bytes"] > 0 and r["rest_bytes"] > 0
+        assert r["weights_and_slots_bytes"] + r["rest_bytes"] == r["peak_bytes"]
+        assert r["peak_rss_bytes"] > r["peak_bytes"]
+    # Trainer and ReversibleSerialTrainer hold the whole model; MemoryEfficientTrainer a few
+    # layers of it.
+    for kind in ("trainer", "reversible"):
+        r = table[(kind, 2)]
+        assert r["weights_and_slots_bytes"] == r["model_weights_and_slots_bytes"]
+    met = table[("memory_efficient", 2)]
+    assert met["weights_and_slots_bytes"] < met["model_weights_and_slots_bytes"]
+    assert table[("reversible", 2)]["peak_bytes"] < table[("trainer", 2)]["peak_bytes"]
+    markdown = (tmp_path / "memory_vs_depth.md").read_text()
+    assert "| ReversibleSerialTrainer | 2 |" in markdown
+    assert (tmp_path / "memory_vs_depth.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _result(trainer, depth, peak, rest):
+    return {"trainer": trainer, "depth": depth, "peak_bytes": peak, "rest_bytes": rest,
+            "weights_and_slots_bytes": peak - rest, "peak_rss_bytes": 2 * peak,
+            "method": "ledger"}
+
+
+def test_targets_compare_the_shallowest_and_deepest_depths():
+    results = [_result("trainer", 2, 1000, 800), _result("trainer", 32, 10_000, 9000),
+               _result("reversible", 2, 300, 100), _result("reversible", 32, 2400, 109),
+               _result("memory_efficient", 2, 100, 90), _result("memory_efficient", 32, 130, 95)]
+    checks = {c["target"]: c for c in memory_vs_depth.targets(results)}
+    ratio = checks["ReversibleSerialTrainer peak <= 0.25x Trainer's at depth 32"]
+    assert ratio["value"] == "0.240x" and ratio["met"]
+    growth = checks["ReversibleSerialTrainer non-weight part grows < 10% from depth 2 to 32"]
+    assert growth["value"] == "+9.0%" and growth["met"]
+    flat = checks["MemoryEfficientTrainer peak at depth 32 <= 1.2x depth 2"]
+    assert flat["value"] == "1.300x" and not flat["met"]
+
+
+def test_failed_worker_is_reported_not_raised(tmp_path):
+    config = {"trainer": "reversible", "depth": 1, "d_model": 6, "d_ff": 8, "n_heads": 4,
+              "seq_len": 4, "batch_size": 2, "vocab_size": 8, "dropout": 0.0, "steps": 1,
+              "warmup": 1, "seed": 0, "n_devices": 1, "compilation_cache_dir": None}
+    result = harness.run_worker(memory_vs_depth.__file__, config, timeout=120)
+    assert "d_feature=6 is not divisible by n_heads=4" in result["error"]
+    payload = {"results": [result], "config": config, "targets": [],
+               "machine": {"processor": "cpu", "cpu_count": 2}}
+    assert "ReversibleSerialTrainer depth 1: worker exited" in memory_vs_depth.markdown(payload)
+
+
+def test_quick_defaults_and_explicit_flags(tmp_path):
+    parser = harness.make_parser("test", steps=1, warmup=1)
+    args = harness.parse_args(parser, ["--quick", "--d_model", "64"])
+    assert (args.depths, args.d_model, args.d_ff, args.seq_len) == ([2, 4], 64, 64, 32)
+    assert args.out_dir == harness.QUICK_RESULTS_DIR
+    args = harness.parse_args(parser, ["--depths", "2,32", "--trainers", "reversible"])
+    assert (args.depths, args.trainers, args.d_model) == ([2, 32], ["reversible"], 256)
+    with pytest.raises(SystemExit):
+        harness.parse_args(parser, ["--trainers", "adam"])

@@ -1,0 +1,66 @@
+"""benchmarks/step_time.py: runs end to end at tiny sizes; ratios and targets."""
+import json
+
+import pytest
+
+from benchmarks import harness, step_time
+
+
+def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, tmp_path):
+    step_time.main(quick_args)
+    saved = json.loads((tmp_path / "step_time.json").read_text())
+    table = harness.by_key(saved["results"])
+    assert set(table) == {(kind, 2) for kind in harness.TRAINERS}, saved["results"]
+    config = saved["config"]
+    n_flat_layers = 1 + 4 * 2 + 1  # embedding block, 2 x (2 half-residuals + 2 swaps), loss
+    for kind, r in table.items():
+        assert r["median_step_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(
+            config["batch_size"] * config["seq_len"] / r["median_step_s"])
+        assert r["first_step_s"] >= r["first_step_compile_s"] > 0
+        assert r["n_compiles_after_first_step"] == 0
+        assert r["ratio_to_trainer"] == pytest.approx(
+            r["median_step_s"] / table[("trainer", 2)]["median_step_s"])
+        expected = 1 if kind[0].startswith("trainer") else 2 * n_flat_layers - 1
+        assert r["n_dispatches_per_step"] == expected
+    assert table[("trainer", 2)]["ratio_to_trainer"] == 1.0
+    assert "| MemoryEfficientTrainer | 2 |" in (tmp_path / "step_time.md").read_text()
+    assert (tmp_path / "step_time.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_targets_use_depth_16_for_ratios_and_the_deepest_for_first_steps():
+    def result(trainer, depth, ratio, first):
+        return {"trainer": trainer, "depth": depth, "median_step_s": ratio,
+                "ratio_to_trainer": ratio, "first_step_s": first}
+    results = [result("trainer", 16, 1.0, 30.0), result("trainer", 32, 1.0, 60.0),
+               result("reversible", 16, 1.3, 6.0), result("reversible", 32, 1.3, 9.5),
+               result("memory_efficient", 16, 2.5, 7.0), result("memory_efficient", 32, 2, 12)]
+    checks = {c["target"]: (c["value"], c["met"]) for c in step_time.targets(results)}
+    assert checks == {
+        "ReversibleSerialTrainer first step (compile included) at depth 32 <= 10 s":
+            ("9.5 s", True),
+        "MemoryEfficientTrainer first step (compile included) at depth 32 <= 10 s":
+            ("12.0 s", False),
+        "ReversibleSerialTrainer step time at depth 16 <= 1.4x Trainer's": ("1.30x", True),
+        "MemoryEfficientTrainer step time at depth 16 <= 2.0x Trainer's": ("2.50x", False)}
+
+
+def test_rounds_pool_their_steps_and_keep_errors():
+    def run(trainer, steps, first, round_):
+        return {"trainer": trainer, "depth": 4, "round": round_, "batch_size": 2,
+                "seq_len": 8, "step_times_s": steps, "median_step_s": steps[0],
+                "first_step_s": first, "first_step_compile_s": first / 2,
+                "n_compiles_after_first_step": 0}
+    results = [run("trainer", [1.0, 3.0], 10.0, 0), run("reversible", [2.0], 6.0, 0),
+               run("trainer", [2.0, 2.5], 20.0, 1),
+               {"trainer": "memory_efficient", "depth": 4, "round": 0, "error": "boom"}]
+    merged = {r["trainer"]: r for r in step_time.merge_rounds(results)}
+    trainer = merged["trainer"]
+    assert trainer["step_times_s"] == [1.0, 3.0, 2.0, 2.5]
+    assert trainer["median_step_s"] == 2.25 and trainer["tokens_per_s"] == 16 / 2.25
+    assert trainer["first_step_s"] == 15.0 and trainer["first_steps_s"] == [10.0, 20.0]
+    assert trainer["n_rounds"] == 2 and "round" not in trainer
+    assert merged["reversible"]["n_rounds"] == 1
+    assert merged["memory_efficient"]["error"] == "boom"
+    step_time.add_ratios(list(merged.values()))
+    assert merged["reversible"]["ratio_to_trainer"] == 2.0 / 2.25
