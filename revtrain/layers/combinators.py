@@ -120,37 +120,30 @@ def init_in_series(layers: Sequence[Layer], input_signature: Any,
     return tuple(weights), tuple(states)
 
 
-class Parallel(Layer):
-    """Runs sublayers side by side on consecutive stack sections.
+class _SideBySide(Layer):
+    """Runs each sublayer on its own inputs and stacks all outputs, in sublayer order.
 
-    ``Parallel(f, g)`` with ``f: a -> b`` and ``g: c -> d`` maps ``(a..., c...)`` to
-    ``(b..., d...)``; ``n_in``/``n_out`` are the sums of the sublayers'. None is an identity
-    on one item.
+    Subclasses say which inputs each sublayer reads (`_inputs_per_sublayer`); the rng is
+    split into one key per sublayer and weights/state are the tuples of the sublayers'.
     """
 
-    def __init__(self, *layers: Any, name: str | None = None):
+    def __init__(self, layers: Sequence[Any], n_in_of: Any, name: str | None):
         sublayers = [Select([0]) if layer is None else layer for layer in layers]
         sublayers = [Serial(s) if isinstance(s, (list, tuple)) else s for s in sublayers]
-        super().__init__(n_in=sum(s.n_in for s in sublayers),
+        super().__init__(n_in=n_in_of([s.n_in for s in sublayers]),
                          n_out=sum(s.n_out for s in sublayers), name=name,
                          sublayers=sublayers)
         self._initialized = not sublayers  # an empty combinator has nothing to initialise
 
-    def _sections(self, x: Any) -> list[Any]:
-        items = _as_tuple(x)
-        sections, start = [], 0
-        for layer in self.sublayers:
-            section = items[start:start + layer.n_in]
-            sections.append(section[0] if layer.n_in == 1 else tuple(section))
-            start += layer.n_in
-        return sections
+    def _inputs_per_sublayer(self, x: Any) -> list[Any]:
+        raise NotImplementedError
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         _check_per_sublayer(self, weights, state)
         outputs, new_states = [], []
-        for layer, xs, w, s, r in zip(self.sublayers, self._sections(x), weights, state,
-                                      split_rng(rng, len(self.sublayers)), strict=True):
+        for layer, xs, w, s, r in zip(self.sublayers, self._inputs_per_sublayer(x), weights,
+                                      state, split_rng(rng, len(self.sublayers)), strict=True):
             y, new_s = layer.pure_fn(xs, w, s, r)
             outputs.extend(y if isinstance(y, tuple) else (y,))
             new_states.append(new_s)
@@ -159,7 +152,7 @@ class Parallel(Layer):
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)
         weights, states = [], []
-        for layer, xs, r in zip(self.sublayers, self._sections(input_signature),
+        for layer, xs, r in zip(self.sublayers, self._inputs_per_sublayer(input_signature),
                                 split_rng(rng, len(self.sublayers)), strict=True):
             w, s = layer.init(xs, rng=r)
             weights.append(w)
@@ -167,7 +160,28 @@ class Parallel(Layer):
         return tuple(weights), tuple(states)
 
 
-class Branch(Layer):
+class Parallel(_SideBySide):
+    """Runs sublayers side by side on consecutive stack sections.
+
+    ``Parallel(f, g)`` with ``f: a -> b`` and ``g: c -> d`` maps ``(a..., c...)`` to
+    ``(b..., d...)``; ``n_in``/``n_out`` are the sums of the sublayers'. None is an identity
+    on one item.
+    """
+
+    def __init__(self, *layers: Any, name: str | None = None):
+        super().__init__(layers, sum, name)
+
+    def _inputs_per_sublayer(self, x: Any) -> list[Any]:
+        items = _as_tuple(x)
+        sections, start = [], 0
+        for layer in self.sublayers:
+            section = items[start:start + layer.n_in]
+            sections.append(section[0] if layer.n_in == 1 else tuple(section))
+            start += layer.n_in
+        return sections
+
+
+class Branch(_SideBySide):
     """Runs each sublayer on (copies of) the top of the stack and stacks all outputs.
 
     ``Branch(f, g)`` with ``f: a -> b`` and ``g: a -> c`` maps ``a`` to ``(b, c)``. Each
@@ -176,32 +190,10 @@ class Branch(Layer):
     """
 
     def __init__(self, *layers: Any, name: str | None = None):
-        sublayers = [Select([0]) if layer is None else layer for layer in layers]
-        sublayers = [Serial(s) if isinstance(s, (list, tuple)) else s for s in sublayers]
-        super().__init__(n_in=max((s.n_in for s in sublayers), default=0),
-                         n_out=sum(s.n_out for s in sublayers), name=name,
-                         sublayers=sublayers)
-        self._initialized = not sublayers  # an empty combinator has nothing to initialise
+        super().__init__(layers, lambda n_ins: max(n_ins, default=0), name)
 
-    def forward_with_state(self, x, weights, state, rng):
-        check_n_items(self, x)
-        _check_per_sublayer(self, weights, state)
-        outputs, new_states = [], []
-        for layer, w, s, r in zip(self.sublayers, weights, state,
-                                  split_rng(rng, len(self.sublayers)), strict=True):
-            y, new_s = layer.pure_fn(inputs_from_stack(x, layer.n_in), w, s, r)
-            outputs.extend(y if isinstance(y, tuple) else (y,))
-            new_states.append(new_s)
-        return _bare(outputs), tuple(new_states)
-
-    def init_weights_and_state(self, input_signature, rng):
-        check_n_items(self, input_signature)
-        weights, states = [], []
-        for layer, r in zip(self.sublayers, split_rng(rng, len(self.sublayers)), strict=True):
-            w, s = layer.init(inputs_from_stack(input_signature, layer.n_in), rng=r)
-            weights.append(w)
-            states.append(s)
-        return tuple(weights), tuple(states)
+    def _inputs_per_sublayer(self, x: Any) -> list[Any]:
+        return [inputs_from_stack(x, layer.n_in) for layer in self.sublayers]
 
 
 class Residual(Serial):
