@@ -210,22 +210,28 @@ def _errors_and_targets(results: Sequence[dict], checks: Sequence[dict]) -> list
     return lines
 
 
+def _run(args: Any) -> dict[str, Any]:
+    """Runs every configuration in worker processes; returns the payload."""
+    machine = harness.machine_info()  # Before the run: its date is the start.
+    configs = harness.configurations(args)
+    print(f"{NAME}: {len(configs)} configurations, {harness.settings_line(configs[0])}")
+    results = harness.run_all(str(Path(__file__).resolve()), configs, args.timeout,
+                              _describe, args.jobs)
+    return {"benchmark": NAME, "config": harness.model_config(args), "depths": args.depths,
+            "machine": machine, "results": results}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs every configuration in a worker process and writes JSON, Markdown and PNG."""
+    """Runs every configuration in a worker process and writes JSON, Markdown and PNG.
+
+    With ``--render_only`` it reads the JSON instead and rewrites the three files.
+    """
     parser = harness.make_parser(__doc__.splitlines()[0], steps=1, warmup=1)
     args = harness.parse_args(parser, argv)
     out = Path(args.out_dir)
-    if args.render_only:
-        payload = harness.read_json(out / f"{NAME}.json")
-    else:
-        configs = harness.configurations(args)
-        print(f"{NAME}: {len(configs)} configurations, {harness.settings_line(configs[0])}")
-        results = harness.run_all(str(Path(__file__).resolve()), configs, args.timeout,
-                                  _describe, args.jobs)
-        payload = {"benchmark": NAME, "config": harness.model_config(args),
-                   "depths": args.depths, "machine": harness.machine_info(),
-                   "results": results, "targets": targets(results)}
-        harness.write_json(out / f"{NAME}.json", payload)
+    payload = harness.read_json(out / f"{NAME}.json") if args.render_only else _run(args)
+    payload["targets"] = targets(payload["results"])
+    harness.write_json(out / f"{NAME}.json", payload)
     (out / f"{NAME}.md").write_text(markdown(payload))
     panels = [("total peak", "peak device memory (MiB)",
                lambda r: r["peak_bytes"] / harness.MIB),

@@ -16,6 +16,12 @@ timed from the ``one_step`` call until its loss and stats are ready
   first step is warm-up step 1); ``tokens_per_s = batch_size * seq_len / median_step_s``;
 * ``ratio_to_trainer`` -- ``median_step_s`` over `Trainer`'s at the same depth, both from
   the same run of this script;
+* ``median_cpu_s`` and ``cpu_ratio_to_trainer`` -- the same for the worker's CPU time per
+  step (all its threads), which other processes on a shared machine inflate far less than
+  the wall time, and ``median_others_cpu_s``, the CPU time the rest of the machine used
+  during a step (a contention gauge; Linux only);
+* ``--rounds R`` runs everything R times (the trainers of a depth back to back) and pools
+  the steps, so drifts in machine speed hit every trainer;
 * ``n_dispatches_per_step`` (compiled-function calls in one step) and
   ``n_compiles_after_first_step`` (should be 0: nothing recompiles).
 
@@ -24,6 +30,8 @@ Writes ``step_time.json``, ``.md`` and ``.png`` to ``--out_dir``.
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import sys
 import time
@@ -37,6 +45,8 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 from benchmarks import harness  # noqa: E402
 
 NAME = "step_time"
+QUIET_FRACTION = 0.1
+POOLED = {"step_times_s": "wall_s", "cpu_times_s": "cpu_s", "others_cpu_times_s": "others_cpu_s"}
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
@@ -56,13 +66,33 @@ class _DispatchCounter:
         self.n_dispatches += fn is not None
 
 
-def _timed_step(trainer: Any, batch: tuple, step: int) -> tuple[float, float]:
-    """Runs one step until its loss and stats are ready; returns (seconds, loss)."""
+def _busy_cpu_seconds() -> float | None:
+    """CPU-seconds all cores spent busy since boot (Linux ``/proc/stat``), else None.
+
+    Busy is user + nice + system + irq + softirq + steal (steal: taken by the hypervisor).
+    """
+    try:
+        ticks = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed_step(trainer: Any, batch: tuple, step: int) -> dict[str, float]:
+    """Runs one step until its loss and stats are ready.
+
+    Returns ``wall_s``; ``cpu_s``, the CPU time of this process (all its threads) in the
+    step, which other processes slow down far less than the wall time; ``others_cpu_s``,
+    the CPU time the rest of the machine used meanwhile (NaN where unknown); and ``loss``.
+    """
     import jax
-    start = time.perf_counter()
+    busy, cpu, start = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
     loss, stats = trainer.one_step(batch, jax.random.key(step))
     jax.block_until_ready((loss, stats))
-    return time.perf_counter() - start, float(loss)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    busy_after = _busy_cpu_seconds()
+    others = math.nan if busy is None else max(busy_after - busy - cpu, 0.0)
+    return {"wall_s": wall, "cpu_s": cpu, "others_cpu_s": others, "loss": float(loss)}
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +108,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         counter = trainer.memory_ledger = _DispatchCounter()
-        first_s, first_loss = _timed_step(trainer, batch, 0)
+        first = _timed_step(trainer, batch, 0)
         trainer.memory_ledger = None
         first_compile_s = sum(d for _, d in compile_events)
         n_first_compiles = sum(e == COMPILE_EVENTS[-1] for e, _ in compile_events)
@@ -89,16 +119,36 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
                  for k in range(config["steps"])]
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    times = [t for t, _ in timed]
-    median = statistics.median(times)
-    return {"first_step_s": first_s, "first_step_compile_s": first_compile_s,
-            "n_compiled_in_first_step": n_first_compiles, "step_times_s": times,
-            "median_step_s": median,
-            "tokens_per_s": config["batch_size"] * config["seq_len"] / median,
-            "n_dispatches_per_step": counter.n_dispatches,
-            "n_compiles_after_first_step": sum(e == COMPILE_EVENTS[-1]
-                                               for e, _ in compile_events),
-            "losses": [first_loss] + [loss for _, loss in timed]}
+    result = {"first_step_s": first["wall_s"], "first_step_compile_s": first_compile_s,
+              "n_compiled_in_first_step": n_first_compiles,
+              "n_dispatches_per_step": counter.n_dispatches,
+              "n_compiles_after_first_step": sum(e == COMPILE_EVENTS[-1]
+                                                 for e, _ in compile_events),
+              "losses": [first["loss"]] + [t["loss"] for t in timed]}
+    for name, key in POOLED.items():
+        result[name] = [t[key] for t in timed]
+    return result | summarise(result, config)
+
+
+def summarise(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Medians of the per-step lists of ``result`` (over its quiet steps), and tokens/s.
+
+    A step is *quiet* when the rest of the machine used at most `QUIET_FRACTION` of a
+    core meanwhile (``others_cpu_s <= QUIET_FRACTION * wall_s``). ``median_step_s`` and
+    ``median_cpu_s`` are taken over the quiet steps, or over all steps when none was quiet
+    (``n_quiet_steps == 0``); ``median_step_all_s`` is always over all steps.
+    """
+    steps = list(zip(result["step_times_s"], result["cpu_times_s"],
+                     result["others_cpu_times_s"], strict=True))
+    quiet = [s for s in steps if s[2] <= QUIET_FRACTION * s[0]]  # NaN (unknown) is never.
+    used = quiet or steps
+    median = statistics.median(wall for wall, _, _ in used)
+    return {"median_step_s": median,
+            "median_step_all_s": statistics.median(wall for wall, _, _ in steps),
+            "median_cpu_s": statistics.median(cpu for _, cpu, _ in used),
+            "median_others_cpu_s": statistics.median(other for _, _, other in steps),
+            "n_quiet_steps": len(quiet), "n_steps": len(steps),
+            "tokens_per_s": config["batch_size"] * config["seq_len"] / median}
 
 
 # ------------------------------------------------------------------------------------------
@@ -121,9 +171,9 @@ def merge_rounds(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             merged.append({k: v for k, v in rounds[0].items() if k != "round"})
             continue
         m = {k: v for k, v in ok[0].items() if k != "round"}
-        m["step_times_s"] = [t for r in ok for t in r["step_times_s"]]
-        m["median_step_s"] = statistics.median(m["step_times_s"])
-        m["tokens_per_s"] = m["batch_size"] * m["seq_len"] / m["median_step_s"]
+        for name in POOLED:
+            m[name] = [t for r in ok for t in r.get(name, [])]
+        m |= summarise(m, m)
         for key in ("first_step_s", "first_step_compile_s"):
             m[key] = statistics.median(r[key] for r in ok)
         m["first_steps_s"] = [r["first_step_s"] for r in ok]
@@ -135,11 +185,22 @@ def merge_rounds(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def add_ratios(results: Sequence[dict[str, Any]]) -> None:
     """Sets ``ratio_to_trainer`` on every result that has a `Trainer` result at its depth."""
+    for r in results:
+        if "error" not in r and "cpu_times_s" in r:  # Re-summarise (also --render_only).
+            r |= summarise(r, r)
     table = harness.by_key(results)
     for r in results:
         base = table.get(("trainer", r["depth"]))
-        if "error" not in r and base is not None:
-            r["ratio_to_trainer"] = r["median_step_s"] / base["median_step_s"]
+        if "error" in r or base is None:
+            continue
+        # Like with like: quiet medians when both had quiet steps, else all-step medians.
+        both_quiet = r.get("n_quiet_steps", 0) > 0 and base.get("n_quiet_steps", 0) > 0
+        key = "median_step_s" if both_quiet or "median_step_all_s" not in r else (
+            "median_step_all_s")
+        r["ratio_to_trainer"] = r[key] / base[key]
+        r["ratio_from"] = key
+        if "median_cpu_s" in r:
+            r["cpu_ratio_to_trainer"] = r["median_cpu_s"] / base["median_cpu_s"]
 
 
 def _describe(r: dict[str, Any]) -> str:
@@ -164,11 +225,17 @@ def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for kind, limit in (("reversible", 1.4), ("memory_efficient", 2.0)):
         r = table.get((kind, mid))
         if r and "ratio_to_trainer" in r:
+            cpu = r.get("cpu_ratio_to_trainer")
             checks.append({"target": f"{harness.TRAINERS[kind]} step time at depth {mid} <= "
                                      f"{limit}x Trainer's",
-                           "value": f"{r['ratio_to_trainer']:.2f}x",
+                           "value": f"{r['ratio_to_trainer']:.2f}x" + (
+                               "" if cpu is None else f" (CPU time {cpu:.2f}x)"),
                            "met": r["ratio_to_trainer"] <= limit})
     return checks
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "n/a" if value is None or math.isnan(value) else pattern.format(value)
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -177,9 +244,13 @@ def markdown(payload: dict[str, Any]) -> str:
     for kind in harness.TRAINERS:
         for r in sorted((r for r in results if r["trainer"] == kind and "error" not in r),
                         key=lambda r: r["depth"]):
-            ratio = r.get("ratio_to_trainer")
-            rows.append([harness.TRAINERS[kind], r["depth"], f"{r['median_step_s']:.3f}",
-                         "n/a" if ratio is None else f"{ratio:.2f}x",
+            mark = "*" if r.get("n_quiet_steps") == 0 else ""
+            rows.append([harness.TRAINERS[kind], r["depth"], f"{r['median_step_s']:.3f}{mark}",
+                         _fmt(r.get("ratio_to_trainer"), "{:.2f}x"),
+                         _fmt(r.get("median_cpu_s"), "{:.2f}"),
+                         _fmt(r.get("cpu_ratio_to_trainer"), "{:.2f}x"),
+                         _fmt(r.get("median_others_cpu_s"), "{:.2f}"),
+                         f"{r.get('n_quiet_steps', '?')}/{len(r['step_times_s'])}",
                          f"{r['tokens_per_s']:,.0f}", f"{r['first_step_s']:.1f}",
                          f"{r['first_step_compile_s']:.1f}", r["n_dispatches_per_step"]])
     rounds = config.get("rounds", 1)
@@ -188,8 +259,15 @@ def markdown(payload: dict[str, Any]) -> str:
              f"{f' in each of {rounds} rounds' if rounds > 1 else ''}; "
              f"{payload['machine']['processor']}, {payload['machine']['cpu_count']} cores.",
              "", harness.markdown_table(
-                 ["trainer", "depth", "median step (s)", "vs Trainer", "tokens/s",
-                  "first step (s)", "of which compiling (s)", "dispatches/step"], rows), ""]
+                 ["trainer", "depth", "median step (s)", "vs Trainer", "CPU s/step",
+                  "vs Trainer (CPU)", "others' CPU s/step", "quiet steps", "tokens/s",
+                  "first step (s)",
+                  "of which compiling (s)", "dispatches/step"], rows), ""]
+    lines += [f"Medians are over the quiet steps (other processes used <= "
+              f"{QUIET_FRACTION:.0%} of a core meanwhile); * marks a configuration without "
+              f"any quiet step (median of all steps). A ratio to Trainer compares quiet "
+              f"medians when both had quiet steps, else the medians of all steps."]
+    lines += ["", *payload["notes"]] if payload.get("notes") else []  # Added by hand.
     lines += [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
               for r in results if "error" in r]
     if payload["targets"]:
@@ -200,32 +278,40 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run(parser: Any, args: Any) -> dict[str, Any]:
+    """Runs every configuration (``--rounds`` times) in worker processes; the payload."""
+    if args.rounds < 1:
+        parser.error(f"--rounds={args.rounds} must be >= 1")
+    machine = harness.machine_info()  # Before the run: its date is the start.
+    configs = harness.configurations(args, args.rounds)
+    print(f"{NAME}: {len(configs)} runs, {harness.settings_line(configs[0])}")
+    results = merge_rounds(harness.run_all(str(Path(__file__).resolve()), configs,
+                                           args.timeout, _describe, args.jobs))
+    return {"benchmark": NAME, "config": harness.model_config(args) | {"rounds": args.rounds},
+            "depths": args.depths, "machine": machine, "results": results}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs every configuration in a worker process and writes JSON, Markdown and PNG."""
+    """Runs every configuration in a worker process and writes JSON, Markdown and PNG.
+
+    With ``--render_only`` it reads the JSON instead, recomputes the medians, ratios and
+    targets from the per-step times in it, and rewrites all three files.
+    """
     parser = harness.make_parser(__doc__.splitlines()[0], steps=5, warmup=2)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every configuration this many times (fresh processes, "
                              "trainers of a depth back to back) and pool the steps")
     args = harness.parse_args(parser, argv)
     out = Path(args.out_dir)
-    if args.render_only:
-        payload = harness.read_json(out / f"{NAME}.json")
-    else:
-        if args.rounds < 1:
-            parser.error(f"--rounds={args.rounds} must be >= 1")
-        configs = harness.configurations(args, args.rounds)
-        print(f"{NAME}: {len(configs)} runs, {harness.settings_line(configs[0])}")
-        results = merge_rounds(harness.run_all(str(Path(__file__).resolve()), configs,
-                                               args.timeout, _describe, args.jobs))
-        add_ratios(results)
-        payload = {"benchmark": NAME,
-                   "config": harness.model_config(args) | {"rounds": args.rounds},
-                   "depths": args.depths, "machine": harness.machine_info(),
-                   "results": results, "targets": targets(results)}
-        harness.write_json(out / f"{NAME}.json", payload)
+    payload = (harness.read_json(out / f"{NAME}.json") if args.render_only
+               else _run(parser, args))
+    add_ratios(payload["results"])
+    payload["targets"] = targets(payload["results"])
+    harness.write_json(out / f"{NAME}.json", payload)
     (out / f"{NAME}.md").write_text(markdown(payload))
     panels = [("median step time", "seconds per step", lambda r: r["median_step_s"]),
-              ("first step (compilation included)", "seconds", lambda r: r["first_step_s"])]
+              ("first step (compilation included)", "seconds", lambda r: r["first_step_s"]),
+              ("compiling in the first step", "seconds", lambda r: r["first_step_compile_s"])]
     harness.plot_by_depth(out / f"{NAME}.png", payload["results"], panels,
                           f"Step time vs depth ({harness.settings_line(payload['config'])})")
     print(markdown(payload))

@@ -48,7 +48,8 @@ def test_targets_use_depth_16_for_ratios_and_the_deepest_for_first_steps():
 def test_rounds_pool_their_steps_and_keep_errors():
     def run(trainer, steps, first, round_):
         return {"trainer": trainer, "depth": 4, "round": round_, "batch_size": 2,
-                "seq_len": 8, "step_times_s": steps, "median_step_s": steps[0],
+                "seq_len": 8, "step_times_s": steps, "cpu_times_s": [2 * t for t in steps],
+                "others_cpu_times_s": [0.0] * len(steps), "median_step_s": steps[0],
                 "first_step_s": first, "first_step_compile_s": first / 2,
                 "n_compiles_after_first_step": 0}
     results = [run("trainer", [1.0, 3.0], 10.0, 0), run("reversible", [2.0], 6.0, 0),
@@ -64,3 +65,32 @@ def test_rounds_pool_their_steps_and_keep_errors():
     assert merged["memory_efficient"]["error"] == "boom"
     step_time.add_ratios(list(merged.values()))
     assert merged["reversible"]["ratio_to_trainer"] == 2.0 / 2.25
+
+
+def test_medians_use_quiet_steps_and_ratios_compare_like_with_like():
+    def result(trainer, walls, others):
+        return {"trainer": trainer, "depth": 8, "batch_size": 2, "seq_len": 8,
+                "step_times_s": walls, "cpu_times_s": [2 * w for w in walls],
+                "others_cpu_times_s": others, "first_step_s": 9.0,
+                "first_step_compile_s": 4.0, "n_dispatches_per_step": 1}
+    # Two quiet steps (others used <= 10% of a core) and one contended step.
+    trainer = result("trainer", [2.0, 2.2, 4.0], [0.1, 0.0, 3.9])
+    reversible = result("reversible", [3.0, 3.2, 6.0], [0.0, 0.2, 5.0])
+    contended = result("memory_efficient", [5.0, 7.0], [4.0, 6.0])
+    results = [trainer, reversible, contended]
+    step_time.add_ratios(results)
+    assert trainer["median_step_s"] == 2.1 and trainer["median_step_all_s"] == 2.2
+    assert trainer["n_quiet_steps"] == 2 and contended["n_quiet_steps"] == 0
+    assert reversible["median_step_s"] == 3.1
+    assert reversible["ratio_to_trainer"] == pytest.approx(3.1 / 2.1)
+    assert reversible["cpu_ratio_to_trainer"] == pytest.approx(3.1 / 2.1)
+    # No quiet step: all-step medians on both sides.
+    assert contended["median_step_s"] == 6.0
+    assert contended["ratio_to_trainer"] == pytest.approx(6.0 / 2.2)
+    assert "6.000*" in step_time.markdown({
+        "results": results, "targets": [], "config": {**trainer, **_SETTINGS},
+        "machine": {"processor": "cpu", "cpu_count": 2}})
+
+
+_SETTINGS = {"d_model": 8, "d_ff": 16, "n_heads": 2, "vocab_size": 16, "dropout": 0.0,
+             "steps": 3, "warmup": 1}
