@@ -100,6 +100,12 @@ class TrainerBase:
         reshaped = devices.reshape_by_device(tuple(batch), self.n_devices)
         return devices.shard_per_device(reshaped, self.mesh)
 
+    def _weight_totals(self, batch: Any) -> jax.Array:
+        """Per-device totals of the batch weights (``[n_devices]`` float32, on the mesh);
+        the loss functions turn them into each device's share of the global loss."""
+        totals = devices.weight_totals_by_device(batch, self.n_devices)
+        return devices.shard_per_device(totals, self.mesh)
+
     def _rng_data(self, rng: jax.Array, n_layers: int | None = None) -> np.ndarray:
         """uint32 key data: ``[n_devices, n_layers, 2]`` (split by device, then by layer),
         or ``[n_devices, 2]`` device keys when ``n_layers`` is None."""

@@ -7,7 +7,7 @@ slots are replicated.
 
 Multi-host: ``n_devices`` counts *this process's* devices. The mesh spans the first
 ``n_devices`` devices of every process (``jax.process_count()`` of them under
-``jax.distributed``), so gradients are averaged over all processes. Each process gives its
+``jax.distributed``), so gradients are combined over all processes. Each process gives its
 own per-device values (its slice of the global batch, ``[n_devices, ...]``), and reads back
 its own; replicated values are read from a local copy.
 """
@@ -93,6 +93,34 @@ def reshape_by_device(x: Any, n_devices: int) -> Any:
         a = a if hasattr(a, "reshape") else np.asarray(a)
         return a.reshape((n_devices, batch // n_devices) + tuple(a.shape[1:]))
     return jax.tree.map(reshape, x)
+
+
+def weight_totals_by_device(batch: Any, n_devices: int) -> np.ndarray:
+    """The total of each device's batch weights: float32 ``[n_devices]``, on the host.
+
+    A batch ``(inputs, targets, weights, ...)`` carries per-position loss weights (a 0/1
+    padding mask, Trax's convention) as its third item; device ``d`` gets rows
+    ``[d * batch // n_devices, (d + 1) * batch // n_devices)`` and its total is the sum of
+    those rows' weights. A batch of fewer than three items has no weights: each device's
+    total is its row count. The trainers weight each device's loss by its total over the
+    global sum (`revtrain.trainers.fbo.loss_share`), so the loss is the weighted mean over
+    the global batch however it is split: ``sum(w * loss) / sum(w)``, the same number as
+    on one device. A weights item broadcast to the targets' shape counts each weight the
+    same number of times on every device, so its ratio of totals is unchanged.
+
+    Args:
+      batch: a tuple of arrays with a leading batch axis divisible by ``n_devices``.
+      n_devices: number of devices (this process's, under ``jax.distributed``).
+
+    Raises:
+      ValueError: as `reshape_by_device`, for a batch that does not split.
+    """
+    items = tuple(batch)
+    if len(items) < 3:
+        rows = np.shape(jax.tree.leaves(reshape_by_device(items, n_devices))[0])[1]
+        return np.full((n_devices,), rows, np.float32)
+    weights = reshape_by_device(np.asarray(items[2]), n_devices)
+    return weights.reshape(n_devices, -1).sum(axis=1, dtype=np.float64).astype(np.float32)
 
 
 def for_n_devices(x: Any, n_devices: int) -> Any:

@@ -1,11 +1,21 @@
 """Per-layer compiled functions of the block trainers: forward, fbo, reverse-and-fbo, loss.
 
-An *fbo* (forward-backward-optimizer) function runs one layer's vjp, averages the weight
+An *fbo* (forward-backward-optimizer) function runs one layer's vjp, combines the weight
 gradients across devices, applies the layer's optimizer update and returns the new weights,
 new optimizer slots, the input cotangents and stats -- so the gradients of the whole model
 are never held at once (Trax's ``ReversibleSerialTrainer`` idea). Every function here is
 ``jax.jit(jax.shard_map(...))`` over the ``batch`` mesh axis: per-device values (activations,
 cotangents, layer state, rngs) have a leading device axis, weights and slots are replicated.
+
+Combining across devices (the data-parallel invariance; see `loss_share`): the loss of a
+step is the weighted mean over the *global* batch, ``sum_d W_d * L_d / sum_d W_d``, where
+``L_d`` is device ``d``'s weighted-mean loss and ``W_d`` the total of its batch weights.
+So the loss layer's cotangent on device ``d`` is its share ``W_d / sum W`` (not 1), every
+cotangent flowing back carries that share, and the weight gradient is the *sum* over
+devices of the per-device gradients (``psum``), never their mean. Weights enter each vjp
+as explicitly per-device values (`varying`), so autodiff does not sum them behind our
+back: inside ``shard_map`` the cotangent of a replicated input is already summed over the
+mesh axis, and a ``pmean`` after it would multiply the gradient by the device count.
 
 Cotangents of integer stack items (token ids, labels) carry no information; they are passed
 as a float32 placeholder of shape ``[n_devices]`` and replaced by ``float0`` zeros inside.
@@ -104,8 +114,46 @@ def _layer_stats(grads: Any, new_weights: Any) -> dict[str, jax.Array]:
             "weights_l2": optax.tree.norm(new_weights)}
 
 
+def varying(tree: Any) -> Any:
+    """Replicated values as per-device ones (``lax.pcast`` to varying over ``batch``).
+
+    Differentiating with respect to the result gives each device's own gradient, which
+    `combine_gradients` then sums; without the cast, autodiff sums it already.
+    """
+    return jax.lax.pcast(tree, BATCH_AXIS, to="varying")
+
+
+def combine_gradients(per_device_grads: Any) -> Any:
+    """The global gradient: the sum over devices of per-device gradients of the shares.
+
+    Each device's gradient is of its share ``W_d / sum W`` of the global loss (see
+    `loss_share`), so the sum is the gradient of the global weighted mean.
+    """
+    return jax.lax.psum(per_device_grads, BATCH_AXIS)
+
+
+def loss_share(weight_total: jax.Array) -> jax.Array:
+    """This device's share ``W_d / sum_d W_d`` of the global loss (0 when ``sum W`` is 0).
+
+    Args:
+      weight_total: float32 scalar, the total of this device's batch weights (from
+        `revtrain.trainers.devices.weight_totals_by_device`).
+
+    Returns:
+      float32 scalar; ``share * L_d`` summed over devices is the loss over the global batch.
+    """
+    total = jax.lax.psum(weight_total, BATCH_AXIS)
+    safe = jnp.where(total > 0, total, 1.0)
+    return jnp.where(total > 0, weight_total / safe, 0.0).astype(jnp.float32)
+
+
+def global_loss(share: jax.Array, loss: jax.Array) -> jax.Array:
+    """``sum_d share_d * L_d``: the weighted-mean loss over the global batch."""
+    return jax.lax.psum(share * loss.astype(jnp.float32), BATCH_AXIS)
+
+
 def _update(optimizer, ct_w, w, slots, lr) -> tuple[Any, Any, dict[str, jax.Array]]:
-    grads = jax.lax.pmean(ct_w, BATCH_AXIS)
+    grads = combine_gradients(ct_w)
     new_w, new_slots = apply_optimizer(optimizer, grads, w, slots, lr)
     return new_w, new_slots, _layer_stats(grads, new_w)
 
@@ -125,7 +173,7 @@ def make_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh) 
     def body(x, w, state, rng, ct_y, slots, lr):
         x, state, ct_y = _squeeze(x), _squeeze(state), _squeeze(ct_y)
         fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _wrap_key(rng[0]))
-        y, vjp_fn, _ = jax.vjp(fn, x, w, has_aux=True)
+        y, vjp_fn, _ = jax.vjp(fn, x, varying(w), has_aux=True)
         ct_x, ct_w = vjp_fn(_ct_for_outputs(y, ct_y))
         new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
         return _unsqueeze(_placeholders(ct_x)), new_w, new_slots, stats
@@ -142,7 +190,7 @@ def make_reverse_and_fbo(layer: Layer, optimizer: optax.GradientTransformation,
     def body(y, ct_y, w, state, new_state, rng, slots, lr):
         y, ct_y = _squeeze(y), _squeeze(ct_y)
         x, (ct_x, ct_w) = layer.reverse_and_grad(
-            y, _ct_for_outputs(y, ct_y), w, _squeeze(state), _squeeze(new_state),
+            y, _ct_for_outputs(y, ct_y), varying(w), _squeeze(state), _squeeze(new_state),
             _wrap_key(rng[0]))
         new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
         return _unsqueeze(x), _unsqueeze(_placeholders(ct_x)), new_w, new_slots, stats
@@ -154,22 +202,28 @@ def make_reverse_and_fbo(layer: Layer, optimizer: optax.GradientTransformation,
 
 def make_loss_fbo(layer: Layer, optimizer: optax.GradientTransformation,
                   mesh: Mesh) -> Callable:
-    """Loss layer: ``(x, w, state, rng, slots, lr) -> (loss, ct_x, new_w, new_slots,
-    new_state, stats)``; ``loss`` is averaged across devices (each device's cotangent is 1,
-    and weight gradients are averaged, as in the data-parallel `Trainer`)."""
-    def body(x, w, state, rng, slots, lr):
+    """Loss layer: ``(x, w, state, rng, weight_total, slots, lr) -> (loss, ct_x, new_w,
+    new_slots, new_state, stats)``.
+
+    ``weight_total`` is per device (``[n_devices]`` float32, the totals of each device's
+    batch weights). The returned ``loss`` is the weighted mean over the global batch, and
+    each device's loss cotangent is its `loss_share`, so every gradient downstream is of
+    the global loss whatever the device count.
+    """
+    def body(x, w, state, rng, weight_total, slots, lr):
         x, state = _squeeze(x), _squeeze(state)
         fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _wrap_key(rng[0]))
-        loss, vjp_fn, new_state = jax.vjp(fn, x, w, has_aux=True)
+        loss, vjp_fn, new_state = jax.vjp(fn, x, varying(w), has_aux=True)
         check_scalar_loss(layer, loss)
-        ct_x, ct_w = vjp_fn(jnp.ones_like(loss))
+        share = loss_share(weight_total[0])
+        ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
         new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
-        loss = jax.lax.pmean(loss, BATCH_AXIS)
-        return (loss, _unsqueeze(_placeholders(ct_x)), new_w, new_slots,
+        return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)), new_w, new_slots,
                 _unsqueeze(new_state), stats)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(DEV, REP, DEV, DEV, REP, REP),
+    return jax.jit(jax.shard_map(body, mesh=mesh,
+                                 in_specs=(DEV, REP, DEV, DEV, DEV, REP, REP),
                                  out_specs=(REP, DEV, REP, REP, DEV, REP)),
-                   donate_argnums=(1, 4))
+                   donate_argnums=(1, 5))
 
 
 class FnCache:

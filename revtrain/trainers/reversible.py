@@ -47,6 +47,12 @@ class ReversibleSerialTrainer(TrainerBase):
     of the first such layer: ``optimizer_fn`` must return equivalent transformations on
     every call.
 
+    Invariance, as in `Trainer`: the loss fbo gives each device's loss the cotangent
+    ``W_d / sum W`` (its share of the global batch weights), so every cotangent flowing
+    back is of the global weighted-mean loss, and each layer's gradient is the sum of the
+    per-device gradients; results do not depend on the device or process count (dropout
+    aside). Layer state is per device, as in `Trainer`.
+
     Args:
       blocks: ``[(std_layer, [rev_layers]), ...]``, from `extract_reversible_blocks`; all
         layers initialised (e.g. with `init_reversible_blocks`).
@@ -152,8 +158,9 @@ class ReversibleSerialTrainer(TrainerBase):
         """Runs one training step block by block; same contract as `Trainer.one_step`.
 
         Returns:
-          ``(loss, stats)``: the scalar float32 loss averaged over batch and devices; stats
-          ``loss``, ``learning_rate`` and ``layer{i}/gradients_l2``,
+          ``(loss, stats)``: the float32 scalar loss, the weighted mean over the global
+          batch (as `Trainer`: independent of the device count); stats ``loss``,
+          ``learning_rate`` and ``layer{i}/gradients_l2`` (of the global gradient),
           ``layer{i}/weights_l2`` for every flat layer ``i``.
 
         Raises:
@@ -164,6 +171,7 @@ class ReversibleSerialTrainer(TrainerBase):
         del step
         lr = self._learning_rate_arg(learning_rate)
         stack = self._shard_batch(batch)
+        weight_totals = self._weight_totals(batch)
         rngs = self._rng_data(rng, len(self.layers))
         n = len(self.layers)
         self._begin_step(list(range(n)) + list(range(n - 2, -1, -1)))
@@ -171,7 +179,7 @@ class ReversibleSerialTrainer(TrainerBase):
         stats: dict[str, Any] = {}
         new_states: list[Any] = [None] * n
         stack, kept_stacks = self._forward(stack, rngs, new_states)
-        loss, ct_stack = self._loss(stack, rngs, lr, new_states, stats)
+        loss, ct_stack = self._loss(stack, weight_totals, rngs, lr, new_states, stats)
         self._backward(stack, ct_stack, kept_stacks, rngs, lr, new_states, stats)
         if self.free_accelerators_on_step:
             delete_arrays((stack, ct_stack, kept_stacks))
@@ -208,7 +216,8 @@ class ReversibleSerialTrainer(TrainerBase):
                 stack = outputs_onto_stack(y, stack, layer.n_in)
         return self._end_forward(stack), kept_stacks
 
-    def _loss(self, stack, rngs, lr, new_states, stats) -> tuple[jax.Array, Any]:
+    def _loss(self, stack, weight_totals, rngs, lr, new_states,
+              stats) -> tuple[jax.Array, Any]:
         i = len(self.layers) - 1
         layer = self.layers[i]
         stack = self._device_stack(stack)
@@ -220,7 +229,8 @@ class ReversibleSerialTrainer(TrainerBase):
         self._before_layer(i)
         fn = self._fns.get("loss_fbo", layer)
         w, slots = self._device_weights_and_slots(i)
-        args = (stack, w, self._device_state(self._states[i]), self._rng(rngs, i), slots, lr)
+        args = (stack, w, self._device_state(self._states[i]), self._rng(rngs, i),
+                weight_totals, slots, lr)
         self._record(f"loss/layer{i}", fn, args)
         loss, ct, new_w, new_slots, new_state, layer_stats = fn(*args)
         self._keep_weights_and_slots(i, new_w, new_slots)

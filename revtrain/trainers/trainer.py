@@ -11,8 +11,16 @@ import optax
 from revtrain.layers.base import Layer
 from revtrain.trainers import devices
 from revtrain.trainers.base import OptimizerFn, TrainerBase, stats_with_learning_rate
-from revtrain.trainers.devices import BATCH_AXIS
-from revtrain.trainers.fbo import DEV, REP, apply_optimizer, check_scalar_loss
+from revtrain.trainers.fbo import (
+    DEV,
+    REP,
+    apply_optimizer,
+    check_scalar_loss,
+    combine_gradients,
+    global_loss,
+    loss_share,
+    varying,
+)
 
 
 class Trainer(TrainerBase):
@@ -21,10 +29,18 @@ class Trainer(TrainerBase):
     The whole model runs under ``jax.grad`` (all activations of a step are stored), inside
     ``jax.shard_map`` over the ``batch`` mesh axis: each device gets ``batch // n_devices``
     examples and its own rng (``split(rng, n_devices)[d]``; the rng itself for one device),
-    gradients and the loss are averaged across devices, and one optimizer update is applied
-    to replicated weights. Weight and slot buffers are donated. Layer state (e.g. BatchNorm
-    statistics) is kept per device; `state` and the layer objects show device 0's, as Trax's
-    trainer does. This is the baseline the reversible trainers must agree with.
+    and one optimizer update is applied to replicated weights. Weight and slot buffers are
+    donated. This is the baseline the reversible trainers must agree with.
+
+    Invariance: the loss is the weighted mean over the *global* batch, ``sum(w * loss) /
+    sum(w)`` with ``w`` the batch's third item (each device's mean loss weighted by its
+    share of the total weight, `revtrain.trainers.fbo.loss_share`), and the gradient is
+    the sum over devices of the gradients of those shares -- so losses, gradients and
+    updated weights do not depend on how many devices or processes the batch is split
+    over (dropout aside: each device draws its own masks, as in Trax). Layer state (e.g.
+    BatchNorm statistics) is per device, as in Trax: each device's state is computed from
+    its own rows (so batch statistics *do* depend on the split), and `state` and the layer
+    objects show device 0's.
 
     Args:
       model_with_loss: an initialised layer mapping the batch ``(inputs, targets, weights)``
@@ -54,20 +70,22 @@ class Trainer(TrainerBase):
     def _make_update(self):
         model, optimizer = self._model, self._optimizer
 
-        def body(batch, weights, state, rng, slots, lr):
+        def body(batch, weights, state, rng, weight_total, slots, lr):
             self.n_traces += 1
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
             rng = jax.random.wrap_key_data(rng[0])
+            share = loss_share(weight_total[0])
 
             def loss_fn(w):
                 loss, new_state = model.pure_fn(batch, w, state, rng)
                 check_scalar_loss(model, loss)
-                return loss, new_state
+                return share * loss.astype(jnp.float32), (loss, new_state)
 
-            (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
-            grads = jax.lax.pmean(grads, BATCH_AXIS)
+            (_, (loss, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                varying(weights))
+            grads = combine_gradients(grads)
             new_weights, new_slots = apply_optimizer(optimizer, grads, weights, slots, lr)
-            stats = {"loss": jax.lax.pmean(loss, BATCH_AXIS),
+            stats = {"loss": global_loss(share, loss),
                      "gradients_l2": optax.tree.norm(grads),
                      "weights_l2": optax.tree.norm(new_weights)}
             if lr is not None:
@@ -76,9 +94,9 @@ class Trainer(TrainerBase):
             return new_weights, new_state, new_slots, stats
 
         mapped = jax.shard_map(body, mesh=self.mesh,
-                               in_specs=(DEV, REP, DEV, DEV, REP, REP),
+                               in_specs=(DEV, REP, DEV, DEV, DEV, REP, REP),
                                out_specs=(REP, DEV, REP, REP))
-        return jax.jit(mapped, donate_argnums=(1, 2, 4))
+        return jax.jit(mapped, donate_argnums=(1, 2, 5))
 
     def one_step(self, batch: Any, rng: jax.Array, step: int = 0,
                  learning_rate: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -92,8 +110,9 @@ class Trainer(TrainerBase):
           learning_rate: sets the optimizer's learning rate for this and later steps.
 
         Returns:
-          ``(loss, stats)``: scalar float32 loss averaged over the batch and devices; stats
-          ``loss``, ``gradients_l2``, ``weights_l2`` and ``learning_rate``.
+          ``(loss, stats)``: the float32 scalar loss, the weighted mean over the global
+          batch; stats ``loss``, ``gradients_l2`` (L2 norm of the global gradient),
+          ``weights_l2`` and ``learning_rate``.
 
         Raises:
           ValueError: for a batch not divisible by ``n_devices`` or a learning rate the
@@ -102,8 +121,9 @@ class Trainer(TrainerBase):
         del step
         lr = self._learning_rate_arg(learning_rate)
         sharded = self._shard_batch(batch)
+        totals = self._weight_totals(batch)
         rng_data = self._rng_data(rng)
-        args = (sharded, self._weights, self._state, rng_data, self._slots, lr)
+        args = (sharded, self._weights, self._state, rng_data, totals, self._slots, lr)
         self._record("train_step", self._update, args)
         self._weights, self._state, self._slots, stats = self._update(*args)
         if learning_rate is not None:

@@ -50,7 +50,10 @@ def test_weights_and_slots_live_in_host_memory_between_steps(batch):
     before = {id(a) for a in jax.live_arrays()}
     met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=2)
     for step in range(2):
-        met.one_step(batch, jax.random.key(step))
+        _, stats = met.one_step(batch, jax.random.key(step))
+        # Dispatch is asynchronous: wait for the step's last functions (every layer's stats
+        # come from its fbo), which hold their inputs (e.g. rng slices) until they finish.
+        jax.block_until_ready(stats)
         host = jax.tree.leaves((met._w_on_host, met._slots_on_host, met._states))
         assert all(isinstance(leaf, np.ndarray) for leaf in host)
         shapes = _weight_buffers(met)
