@@ -3,7 +3,9 @@
 Checks the multi-host plumbing of the loop and CLI: `jax.distributed.initialize` from
 flags, each process reading its own half of the global batch, the
 `sync_global_devices` barriers around checkpoint saves, eval sums combined across
-processes, and only process 0 writing metrics and config.gin.
+processes, and only process 0 writing metrics and config.gin. And the invariance: two
+processes of two devices each train exactly what one process of four devices and one
+device train on the same global batches (losses, gradient norms, checkpointed weights).
 """
 import os
 import re
@@ -11,19 +13,41 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from revtrain.training import read_metrics
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
-BINDINGS = [
-    "ReversibleTransformerLM.d_model=16", "ReversibleTransformerLM.d_ff=32",
-    "ReversibleTransformerLM.n_layers=1", "ReversibleTransformerLM.n_heads=2",
-    "CopyTask.batch_size=4", "CopyTask.length=4", "train.steps=6", "train.eval_every=3",
-    "train.checkpoint_every=3", "train.log_every=3", "train.eval_steps=2",
-    "train.progress=False",
-]
+# A self-contained copy-task run with plain SGD at a constant rate and no dropout, so a
+# gradient scaled by the process or device count would show in the weights directly.
+CONFIG = """
+train.model = @ReversibleTransformerLM
+ReversibleTransformerLM.vocab_size = 32
+ReversibleTransformerLM.d_model = 16
+ReversibleTransformerLM.d_ff = 32
+ReversibleTransformerLM.n_layers = 1
+ReversibleTransformerLM.n_heads = 2
+ReversibleTransformerLM.max_len = 64
+ReversibleTransformerLM.dropout = 0.0
+train.inputs = @CopyTask
+CopyTask.vocab_size = 32
+CopyTask.length = 4
+CopyTask.batch_size = 8
+CopyTask.seed = 0
+train.trainer_class = @ReversibleSerialTrainer
+train.loss = @CrossEntropyLoss
+train.optimizer = @optimizer_fn
+optimizer_fn.name = 'sgd'
+optimizer_fn.clip_gradient_norm = 1.0
+train.learning_rate = 0.5
+train.steps = 6
+train.eval_every = 3
+train.checkpoint_every = 3
+train.log_every = 3
+train.eval_steps = 2
+train.progress = False
+"""
 
 
 def _free_port() -> int:
@@ -32,25 +56,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start(config: str, out: str, devices_per_process: int, extra_args=(), bindings=()):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
+               JAX_NUM_CPU_DEVICES=str(devices_per_process))
+    argv = [sys.executable, "-c", "from revtrain.cli import run_train; run_train()",
+            f"--config_file={config}", f"--output_dir={out}", *extra_args]
+    argv += [f"--gin_bindings={b}" for b in bindings]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("multihost"))
+def runs(tmp_path_factory):
+    """``{name: (output_dir, [(returncode, stdout, stderr), ...])}`` of three runs of the
+    same global batches: 2 processes x 2 devices, 1 process x 4 devices, 1 x 1."""
+    root = tmp_path_factory.mktemp("multihost")
+    config = str(root / "sgd_copy.gin")
+    with open(config, "w") as f:
+        f.write(CONFIG)
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-    procs = []
-    for process_id in range(2):
-        argv = [sys.executable, "-c", "from revtrain.cli import run_train; run_train()",
-                f"--config_file={os.path.join(CONFIGS, 'copy_task.gin')}",
-                f"--output_dir={out}", f"--coordinator_address=localhost:{port}",
-                "--num_processes=2", f"--process_id={process_id}"]
-        argv += [f"--gin_bindings={b}" for b in BINDINGS]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))
-    results = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=240)
-        results.append((proc.returncode, stdout, stderr))
-    return out, results
+    procs = {"2x2": [_start(config, str(root / "2x2"), 2,
+                            [f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                             f"--process_id={i}"]) for i in range(2)],
+             "1x4": [_start(config, str(root / "1x4"), 4, bindings=["train.n_devices=4"])],
+             "1x1": [_start(config, str(root / "1x1"), 4, bindings=["train.n_devices=1"])]}
+    results = {}
+    for name, group in procs.items():
+        outputs = [p.communicate(timeout=300) for p in group]
+        results[name] = (str(root / name), [(p.returncode, out, err) for p, (out, err)
+                                            in zip(group, outputs, strict=True)])
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_process_run(runs):
+    return runs["2x2"]
 
 
 def test_both_processes_finish_and_agree_on_eval(two_process_run):
@@ -80,3 +120,30 @@ def test_processes_train_one_model(two_process_run):
     grads = [re.findall(r"step 3 train: .*gradients_l2 (\S+)", stderr)
              for _, _, stderr in results]
     assert norms[0] == norms[1] and grads[0] == grads[1]
+
+
+def _checkpoint(out: str, step: int) -> dict:
+    """The flat ``{path: array}`` checkpoint of ``step``, read with orbax directly."""
+    path = os.path.join(out, "checkpoints", str(step), "default")
+    return ocp.StandardCheckpointer().restore(path)
+
+
+@pytest.mark.parametrize("reference", ["1x4", "1x1"])
+def test_two_processes_train_what_one_process_trains(runs, reference):
+    for name in ("2x2", reference):
+        for status, _, stderr in runs[name][1]:
+            assert status == 0, f"{name}: {stderr[-2000:]}"
+    (out, _), (ref_out, _) = runs["2x2"], runs[reference]
+    for split in ("train", "eval"):
+        records, expected = read_metrics(out, split), read_metrics(ref_out, split)
+        assert [r["step"] for r in records] == [r["step"] for r in expected] == [3, 6]
+        for got, want in zip(records, expected, strict=True):
+            for key in ("loss", "gradients_l2", "weights_l2", "accuracy"):
+                if key in want:
+                    assert got[key] == pytest.approx(want[key], rel=1e-5), (split, key)
+    got, want = _checkpoint(out, 6), _checkpoint(ref_out, 6)
+    weights = sorted(k for k in want if k.startswith("weights/"))
+    assert weights and sorted(k for k in got if k.startswith("weights/")) == weights
+    for key in weights:
+        np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-5,
+                                   atol=1e-5, err_msg=key)
