@@ -227,8 +227,8 @@ def make_batch(config: dict[str, Any]) -> tuple:
 def build(config: dict[str, Any]) -> tuple[Any, tuple]:
     """Builds the initialised model, and the configured trainer on it; returns it and a batch.
 
-    Weights and state are moved to host memory before the trainer is built, so the only
-    device buffers afterwards are the trainer's own.
+    Weights and state are copied to host memory and the layers' init keys dropped before
+    the trainer is built, so the only device buffers afterwards are the trainer's own.
     """
     import jax
     import numpy as np
@@ -247,9 +247,14 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
     signature = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
     tl.init_reversible_blocks(blocks, loss, signature, jax.random.key(config["seed"]))
     flat = tl.blocks_to_layers(blocks, loss)
-    for layer in flat:
-        layer.weights = jax.tree.map(np.asarray, layer.weights)
-        layer.state = jax.tree.map(np.asarray, layer.state)
+    for layer in flat:  # Copies (np.array): a CPU view would keep the device buffer alive.
+        layer.weights = jax.tree.map(np.array, layer.weights)
+        layer.state = jax.tree.map(np.array, layer.state)
+    pending = list(flat)
+    while pending:  # The layers' own init keys are device arrays too; trainers never use them.
+        layer = pending.pop()
+        layer.rng = None
+        pending.extend(layer.sublayers)
 
     def optimizer_fn():
         return optax.inject_hyperparams(optax.adam)(learning_rate=1e-4)

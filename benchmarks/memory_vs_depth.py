@@ -42,46 +42,39 @@ NAME = "memory_vs_depth"
 # ------------------------------------------------------------------------------------------
 # Worker side.
 
-def _device_bytes(tree: Any, device: Any) -> int:
-    """Bytes of the live device buffers of ``tree``'s jax arrays held on ``device``."""
-    import jax
-    buffers = {}
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            for shard in leaf.addressable_shards:
-                if shard.device == device:
-                    buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
-    return sum(buffers.values())
+class _SplitObserver:
+    """A trainer observer: notes the ledger's entry and the trainer's resident weights+slots
+    bytes (`device_footprint`) at the peak, and counts dispatches.
 
-
-def _resident_weights_and_slots(trainer: Any) -> Any:
-    """The trainer's weight and slot arrays that are on the device now.
-
-    Looks inside the trainers (private attributes): `Trainer` and `ReversibleSerialTrainer`
-    keep every layer's on the device; `MemoryEfficientTrainer` only the layers fetched for
-    the current window and results not yet copied back.
+    It must come after the ledger in ``trainer.observers``, so the ledger's newest entry is
+    the one of the current dispatch.
     """
-    from revtrain.trainers import MemoryEfficientTrainer
-    if isinstance(trainer, MemoryEfficientTrainer):
-        return list(trainer._resident.values()), [p[1:] for p in trainer._pending]
-    return trainer._weights, trainer._slots
 
-
-class _SplitRecorder:
-    """Forwards each record to the ledger and notes the weights+slots bytes at the peak."""
-
-    def __init__(self, ledger: Any, trainer: Any, device: Any):
-        self.ledger, self.trainer, self.device = ledger, trainer, device
+    def __init__(self, ledger: Any, trainer: Any):
+        self.ledger, self.trainer = ledger, trainer
         self.peak: tuple[Any, int] | None = None
         self.n_dispatches = 0
 
-    def record(self, label: str, fn: Any = None, args: tuple = ()) -> Any:
-        entry = self.ledger.record(label, fn, args)
-        self.n_dispatches += fn is not None
+    def _note(self) -> None:
+        entry = self.ledger.entries[-1]
         if self.peak is None or entry.total_bytes > self.peak[0].total_bytes:
-            resident = _device_bytes(_resident_weights_and_slots(self.trainer), self.device)
-            self.peak = (entry, resident)
-        return entry
+            self.peak = (entry, self.trainer.device_footprint().total_bytes)
+
+    def on_dispatch(self, label: str, fn: Any, args: tuple) -> None:
+        del label, fn, args
+        self.n_dispatches += 1
+        self._note()
+
+    def on_phase(self, label: str) -> None:
+        del label
+        self._note()
+
+
+def _ledger(trainer: Any) -> Any:
+    """The `MemoryLedger` that `track_peak` added to the trainer's observers, or None."""
+    from revtrain import memory
+    found = [o for o in trainer.observers if isinstance(o, memory.MemoryLedger)]
+    return found[-1] if found else None
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:
@@ -98,16 +91,18 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         jax.block_until_ready(trainer.one_step(batch, jax.random.key(step)))
     warmup_s = time.perf_counter() - start
     with memory.track_peak(trainer, device=device) as report:
-        resident_at_entry = _device_bytes(_resident_weights_and_slots(trainer), device)
-        recorder = None
-        if trainer.memory_ledger is not None:  # The CPU ledger: split its peak.
-            recorder = trainer.memory_ledger = _SplitRecorder(trainer.memory_ledger, trainer,
-                                                              device)
+        resident_at_entry = trainer.device_footprint().total_bytes
+        recorder, ledger = None, _ledger(trainer)
+        if ledger is not None:  # The CPU ledger: split its peak.
+            recorder = _SplitObserver(ledger, trainer)
+            trainer.observers.append(recorder)
         losses = []
         for step in range(config["warmup"], config["warmup"] + config["steps"]):
             loss, stats = trainer.one_step(batch, jax.random.key(step))
             jax.block_until_ready(stats)
             losses.append(float(loss))
+        if recorder is not None:
+            trainer.observers.remove(recorder)
     resident = _resident_at_peak(report, recorder, resident_at_entry)
     result = {"method": report.method, "peak_bytes": report.peak_bytes,
               "weights_and_slots_bytes": resident,
@@ -126,7 +121,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _resident_at_peak(report: Any, recorder: _SplitRecorder | None, at_entry: int) -> int:
+def _resident_at_peak(report: Any, recorder: _SplitObserver | None, at_entry: int) -> int:
     """Weights+slots bytes on the device at the reported peak.
 
     With allocator statistics (GPU/TPU) there is no peak entry: the trainer's weights and

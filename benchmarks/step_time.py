@@ -56,14 +56,14 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
 # Worker side.
 
 class _DispatchCounter:
-    """Stands in for a memory ledger to count a trainer's compiled-function dispatches."""
+    """A trainer observer that counts compiled-function dispatches."""
 
     def __init__(self):
         self.n_dispatches = 0
 
-    def record(self, label: str, fn: Any = None, args: tuple = ()) -> None:
-        del label, args
-        self.n_dispatches += fn is not None
+    def on_dispatch(self, label: str, fn: Any, args: tuple) -> None:
+        del label, fn, args
+        self.n_dispatches += 1
 
 
 def _busy_cpu_seconds() -> float | None:
@@ -107,9 +107,10 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     trainer, batch = harness.build(config)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        counter = trainer.memory_ledger = _DispatchCounter()
+        counter = _DispatchCounter()
+        trainer.observers.append(counter)
         first = _timed_step(trainer, batch, 0)
-        trainer.memory_ledger = None
+        trainer.observers.remove(counter)
         first_compile_s = sum(d for _, d in compile_events)
         n_first_compiles = sum(e == COMPILE_EVENTS[-1] for e, _ in compile_events)
         compile_events.clear()

@@ -21,9 +21,10 @@ Every figure here is in **bytes** and every report names the method that produce
 On CPU "device memory" is host RAM, so reports also carry the process's peak resident set
 size (``ru_maxrss``, also since process start) and its current RSS (psutil).
 
-Trainers cooperate through one attribute: when ``trainer.memory_ledger`` is a ledger, the
-trainer calls ``ledger.record(label, fn, args)`` just before dispatching each jitted
-function and ``ledger.record(label)`` at phase boundaries (see `track_peak`).
+Trainers are watched through their public observer list: a `MemoryLedger` is an observer
+(``trainer.observers``), so the trainer calls ``ledger.on_dispatch(label, fn, args)`` just
+before dispatching each jitted function and ``ledger.on_phase(label)`` at phase boundaries
+(see `track_peak`).
 """
 
 from __future__ import annotations
@@ -304,6 +305,14 @@ class MemoryLedger:
             self.peak_entry = entry
         return entry
 
+    def on_dispatch(self, label: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Trainer observer hook (`revtrain.trainers.Observer`): `record` ``fn``'s dispatch."""
+        self.record(label, fn, args)
+
+    def on_phase(self, label: str) -> None:
+        """Trainer observer hook: `record` a phase boundary (no function)."""
+        self.record(label)
+
 
 @dataclasses.dataclass
 class MemoryReport:
@@ -360,13 +369,13 @@ def track_peak(trainer: Any = None, device: jax.Device | None = None,
 
     With ``memory_stats`` (GPU/TPU) the report gives ``peak_bytes_in_use``, which counts
     from process start and cannot be reset: run each configuration in a fresh process.
-    Otherwise (CPU) a `MemoryLedger` is set as ``trainer.memory_ledger`` for the block (the
-    previous value is restored on exit, also on error) and its peak is reported; without a
-    trainer only the live bytes at entry and exit are compared (``'ledger_endpoints'``).
+    Otherwise (CPU) a `MemoryLedger` is added to ``trainer.observers`` for the block
+    (removed on exit, also on error) and its peak is reported; without a trainer only the
+    live bytes at entry and exit are compared (``'ledger_endpoints'``).
 
     Args:
-        trainer: an object with a ``memory_ledger`` attribute that records its dispatches
-            (any revtrain trainer), or None.
+        trainer: an object with an ``observers`` list whose members it tells of its
+            dispatches (any revtrain trainer), or None.
         device: the `jax.Device` to measure; default the first local device.
         method: ``'memory_stats'``, ``'ledger'`` or None to choose by backend.
 
@@ -394,19 +403,18 @@ def track_peak(trainer: Any = None, device: jax.Device | None = None,
 
 @contextlib.contextmanager
 def _ledger_installed(trainer: Any, device: jax.Device) -> Iterator[MemoryLedger]:
-    """Yields a ledger that recorded 'enter', set as ``trainer.memory_ledger`` if given.
+    """Yields a ledger that recorded 'enter', in ``trainer.observers`` if a trainer is given.
 
-    The trainer's previous ledger is restored on exit (also on error); 'exit' is recorded
+    The ledger is removed from the observers on exit (also on error); 'exit' is recorded
     after a block that completes.
     """
     ledger = MemoryLedger(device)
     ledger.record("enter")
-    previous = None if trainer is None else trainer.memory_ledger
     if trainer is not None:
-        trainer.memory_ledger = ledger
+        trainer.observers.append(ledger)
     try:
         yield ledger
     finally:
         if trainer is not None:
-            trainer.memory_ledger = previous
+            trainer.observers.remove(ledger)
     ledger.record("exit")

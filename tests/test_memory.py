@@ -163,27 +163,28 @@ def test_ledger_rejects_a_function_without_lower():
 
 
 class FakeTrainer:
-    """Mimics a trainer's ledger hook: records each dispatch when a ledger is set."""
+    """Mimics a trainer's observer list: tells each observer of each dispatch."""
 
     def __init__(self):
-        self.memory_ledger = None
+        self.observers = []
         self.fn = jax.jit(_outer_sort)
 
     def one_step(self, x):
-        if self.memory_ledger is not None:
-            self.memory_ledger.record("outer_sort", self.fn, (x,))
+        for observer in self.observers:
+            observer.on_dispatch("outer_sort", self.fn, (x,))
         return self.fn(x)
 
 
-def test_track_peak_installs_and_restores_ledger_on_cpu():
+def test_track_peak_adds_and_removes_its_ledger_on_cpu():
     trainer = FakeTrainer()
-    sentinel = object()
-    trainer.memory_ledger = sentinel
+    other = memory.MemoryLedger()
+    trainer.observers.append(other)
     x = jnp.ones(1024)
     with memory.track_peak(trainer) as report:
-        assert isinstance(trainer.memory_ledger, memory.MemoryLedger)
+        assert len(trainer.observers) == 2
+        assert isinstance(trainer.observers[1], memory.MemoryLedger)
         float(trainer.one_step(x))
-    assert trainer.memory_ledger is sentinel
+    assert trainer.observers == [other]
     assert report.method == "ledger"
     assert report.peak_bytes >= 4 * MIB
     assert report.peak_label == "outer_sort"
@@ -193,11 +194,11 @@ def test_track_peak_installs_and_restores_ledger_on_cpu():
     assert "outer_sort" in report.summary()
 
 
-def test_track_peak_restores_ledger_after_error():
+def test_track_peak_removes_its_ledger_after_error():
     trainer = FakeTrainer()
     with pytest.raises(RuntimeError), memory.track_peak(trainer):
         raise RuntimeError("boom")
-    assert trainer.memory_ledger is None
+    assert trainer.observers == []
 
 
 def test_track_peak_without_trainer_measures_endpoints():

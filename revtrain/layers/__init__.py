@@ -16,6 +16,7 @@ from revtrain.layers.blocks import (
     blocks_to_layers,
     extract_reversible_blocks,
     init_reversible_blocks,
+    nest_flat_values,
     reconstruction_error,
 )
 from revtrain.layers.combinators import (
@@ -79,5 +80,5 @@ __all__ = [
     "Remat",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
     "ReversibleSerial", "ReversibleSwap", "blocks_to_layers", "extract_reversible_blocks",
-    "init_reversible_blocks", "reconstruction_error",
+    "init_reversible_blocks", "nest_flat_values", "reconstruction_error",
 ]

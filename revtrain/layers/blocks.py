@@ -110,6 +110,51 @@ def blocks_to_layers(blocks: Sequence[Block], loss_layer: Layer) -> list[Layer]:
     return flat
 
 
+def nest_flat_values(layer: Layer, flat_layers: Sequence[Layer],
+                     flat_values: Sequence[Any]) -> Any:
+    """``layer``'s weights (or state) tree, built from per-flat-layer values.
+
+    The inverse of flattening: trainers hold one value per flat layer (``flat_layers =
+    blocks_to_layers(*extract_reversible_blocks([model, loss]))``); this returns the tree
+    ``model.weights`` would have if each flat layer held its value -- without reading or
+    writing any layer object, so evaluation and decoding can use a trainer's values
+    directly. A layer with sublayers has the tuple of its sublayers' trees, as
+    `Layer.weights` does.
+
+    Args:
+      layer: the model (or any layer whose leaf layers all occur in ``flat_layers``).
+      flat_layers: the flat layers, in the trainer's order.
+      flat_values: one tree per flat layer (e.g. ``trainer.train_state.weights``).
+
+    Raises:
+      ValueError: when the counts differ or a leaf layer of ``layer`` is in no flat layer.
+    """
+    if len(flat_layers) != len(flat_values):
+        raise ValueError(f"got {len(flat_values)} values for {len(flat_layers)} flat layers; "
+                         f"pass one value per flat layer")
+    by_id: dict[int, Any] = {}
+
+    def register(flat: Layer, value: Any) -> None:
+        by_id[id(flat)] = value
+        if flat.sublayers and isinstance(value, (tuple, list)) and len(value) == len(
+                flat.sublayers):
+            for sub, sub_value in zip(flat.sublayers, value, strict=True):
+                register(sub, sub_value)
+
+    for flat, value in zip(flat_layers, flat_values, strict=True):
+        register(flat, value)
+
+    def nest(sub: Layer) -> Any:
+        if id(sub) in by_id:
+            return by_id[id(sub)]
+        if not sub.sublayers:
+            raise ValueError(f"layer {sub.name} (created at {sub.caller}) is in none of the "
+                             f"flat layers; pass the flat layers of this model")
+        return tuple(nest(s) for s in sub.sublayers)
+
+    return nest(layer)
+
+
 def init_reversible_blocks(blocks: Sequence[Block], loss_layer: Layer, input_signature: Any,
                            rng: jax.Array) -> tuple[Weights, State]:
     """Initialises every layer of the blocks; the same as ``Serial(*flat).init``.

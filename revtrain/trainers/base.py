@@ -1,4 +1,5 @@
-"""What every trainer shares: optimizer set-up, the learning rate, batches, write-back.
+"""What every trainer shares: optimizer set-up, the learning rate, batches, observers, and
+the ownership of the training values (`TrainState`).
 
 The three trainers differ in where weights live and how gradients are computed; this
 module holds the parts that must not differ between them, so they stay equivalent.
@@ -14,9 +15,10 @@ import jax
 import numpy as np
 import optax
 
-from revtrain.layers.base import Layer, _Deferred
+from revtrain.layers.base import Layer
 from revtrain.trainers import devices
 from revtrain.trainers.fbo import has_injectable_learning_rate, learning_rate_of
+from revtrain.trainers.protocols import DeviceFootprint, Observer, TrainState
 
 OptimizerFn = Callable[[], optax.GradientTransformation]
 
@@ -33,15 +35,18 @@ def _check_each_layer_once(layers: Sequence[Layer]) -> None:
 
 
 class TrainerBase:
-    """Shared machinery; subclasses implement `one_step` and the weight/slot storage.
+    """Shared machinery; subclasses implement `one_step` and where the values live.
+
+    A trainer owns its values: `train_state` gives host copies, `restore` replaces them
+    (after structure checks), and layer objects change only through `sync_to`.
 
     Attributes:
-      n_devices: number of devices the batch is split over.
+      n_devices: number of devices (per process) the batch is split over.
       mesh: the one-axis (``batch``) mesh.
       learning_rate: the current injectable learning rate (float), or None when the
         optimizer has none.
-      memory_ledger: optional `revtrain.memory.MemoryLedger`; when set, every dispatch of a
-        compiled function is recorded with it (used by the benchmarks).
+      observers: `revtrain.trainers.protocols.Observer` objects told of every dispatch of
+        a compiled function and of each phase of a step (e.g. `revtrain.memory`'s ledger).
     """
 
     def __init__(self, layers: Sequence[Layer], optimizer_fn: OptimizerFn,
@@ -59,9 +64,108 @@ class TrainerBase:
         self.n_devices = devices.resolve_n_devices(n_devices)
         self.mesh = devices.make_mesh(self.n_devices)
         self._optimizer_fn = optimizer_fn
-        self.memory_ledger = None
+        self.observers: list[Observer] = []
         self._copy_batch = False
-        self._host_cache: dict[Any, Any] = {}
+
+    # ----------------------------------------------------------------------------------
+    # The training values.
+
+    @property
+    def train_state(self) -> TrainState:
+        """Host (numpy) copies of the weights, state and optimizer slots."""
+        raise NotImplementedError
+
+    def restore(self, train_state: TrainState) -> None:
+        """Replaces the trainer's values by ``train_state`` (host trees).
+
+        Raises:
+          ValueError: naming the first path whose structure, shape or dtype differs from
+            the trainer's own (nothing is changed then).
+        """
+        raise NotImplementedError
+
+    def device_footprint(self) -> DeviceFootprint:
+        """Bytes of weights and slots resident on the mesh's first device now."""
+        raise NotImplementedError
+
+    @property
+    def weights(self) -> Any:
+        """Host copy of the weights (``train_state.weights``)."""
+        return self.train_state.weights
+
+    @property
+    def state(self) -> Any:
+        """Host copy of device 0's layer state (``train_state.state``)."""
+        return self.train_state.state
+
+    @property
+    def slots(self) -> Any:
+        """Host copy of the optimizer slots (``train_state.slots``)."""
+        return self.train_state.slots
+
+    def _checked(self, train_state: Any) -> TrainState:
+        """``train_state`` as a `TrainState` after checking it against the current one."""
+        if not isinstance(train_state, tuple) or len(train_state) != 3:
+            raise TypeError(f"restore takes a TrainState(weights, state, slots); got "
+                            f"{type(train_state).__name__}")
+        train_state = TrainState(*train_state)
+        current = self.train_state
+        for name in TrainState._fields:
+            devices.check_same_structure(getattr(train_state, name), getattr(current, name),
+                                         name)
+        return train_state
+
+    def sync_to(self, layers: Layer | Sequence[Layer] | None = None) -> None:
+        """Writes the trainer's current weights and state into layer objects.
+
+        Layer objects are never changed behind the caller's back (as flax NNX's
+        ``update``): call this to see the trained values in ``layer.weights``.
+
+        Args:
+          layers: the layers whose values ``train_state`` holds, in its order: a block
+            trainer's flat layers, or `Trainer`'s ``model_with_loss`` (the default: the
+            layers the trainer was built from).
+
+        Raises:
+          ValueError: when the layers do not match the trainer's values.
+        """
+        layers = self._own_layers() if layers is None else layers
+        layers = [layers] if isinstance(layers, Layer) else list(layers)
+        values = self.train_state
+        weights, state = self._per_layer(values.weights), self._per_layer(values.state)
+        if len(layers) != len(weights):
+            raise ValueError(f"sync_to got {len(layers)} layers for {len(weights)} entries "
+                             f"of the trainer's values; pass the layers the trainer was "
+                             f"built from, in order")
+        for layer, w, s in zip(layers, weights, state, strict=True):
+            devices.check_same_structure(w, layer.weights, f"weights of {layer.name}")
+            devices.check_same_structure(s, layer.state, f"state of {layer.name}")
+        for layer, w, s in zip(layers, weights, state, strict=True):
+            layer.weights, layer.state = w, s
+
+    def _own_layers(self) -> list[Layer]:
+        raise NotImplementedError
+
+    def _per_layer(self, tree: Any) -> list[Any]:
+        """``tree`` as one entry per layer of `_own_layers`."""
+        raise NotImplementedError
+
+    def trace_counts(self) -> dict[str, int]:
+        """``{function: times traced}`` of every compiled function (equinox's counter);
+        after the first step these stay fixed unless something recompiles."""
+        raise NotImplementedError
+
+    def _notify_dispatch(self, label: str, fn: Callable, args: tuple) -> None:
+        for observer in self.observers:
+            on_dispatch = getattr(observer, "on_dispatch", None)
+            if on_dispatch is not None:
+                on_dispatch(label, fn, args)
+
+    def _notify_phase(self, label: str) -> None:
+        for observer in self.observers:
+            on_phase = getattr(observer, "on_phase", None)
+            if on_phase is not None:
+                on_phase(label)
 
     # ----------------------------------------------------------------------------------
     # Learning rate.
@@ -115,27 +219,6 @@ class TrainerBase:
             return devices.per_device_keys(rng, self.n_devices, *where)
         return devices.per_device_rngs(rng, self.n_devices, n_layers, *where)
 
-    def _record(self, label: str, fn: Callable | None = None, args: tuple = ()) -> None:
-        if self.memory_ledger is not None:
-            self.memory_ledger.record(label, fn, args)
-
-    # ----------------------------------------------------------------------------------
-    # Writing new values back into the layer objects (lazily).
-
-    def _cached_host(self, key: Any, fetch: Callable[[], Any]) -> Any:
-        if key not in self._host_cache:
-            self._host_cache[key] = fetch()
-        return self._host_cache[key]
-
-    def _write_back(self, layer: Layer, key: Any, weights_fetch: Callable[[], Any],
-                    state_fetch: Callable[[], Any]) -> None:
-        """Makes ``layer.weights``/``layer.state`` read this trainer's values on first use."""
-        layer.weights = _Deferred(lambda: self._cached_host(("w", key), weights_fetch))
-        layer.state = _Deferred(lambda: self._cached_host(("s", key), state_fetch))
-
-    def _new_step(self) -> None:
-        self._host_cache = {}
-
 
 def as_key(rng: Any) -> jax.Array:
     """A typed PRNG key from a key or raw uint32 key data (``jax.random.PRNGKey``).
@@ -151,10 +234,3 @@ def as_key(rng: Any) -> jax.Array:
     if data.dtype != np.uint32 or data.shape != (2,):
         raise TypeError(f"rng={rng!r} is not a PRNG key; pass jax.random.key(seed)")
     return jax.random.wrap_key_data(data)
-
-
-def stats_with_learning_rate(stats: dict[str, Any], learning_rate: Any) -> dict[str, Any]:
-    """Adds ``learning_rate`` to ``stats`` when the optimizer has one."""
-    if learning_rate is not None:
-        stats["learning_rate"] = learning_rate
-    return stats

@@ -20,9 +20,12 @@ mesh axis, and a ``pmean`` after it would multiply the gradient by the device co
 Cotangents of integer stack items (token ids, labels) carry no information; they are passed
 as a float32 placeholder of shape ``[n_devices]`` and replaced by ``float0`` zeros inside.
 
-`FnCache` compiles each kind of function once per *layer structure* (`Layer.structure_key`),
-so identical layers of a deep model share one executable and nothing recompiles after the
-first step.
+Arguments are grouped (`revtrain.trainers.protocols`): ``dev`` (per-device values), the
+layer's weights or donated `Params`, and ``rep`` (replicated values); the step's keys of
+all layers travel as one ``[n_devices, n_layers, *key]`` array and each function picks its
+layer's row by index. `FnCache` compiles each kind of function once per *layer structure*
+(`Layer.structure_key`), so identical layers of a deep model share one executable and
+nothing recompiles after the first step.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +43,13 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.layers.base import Layer
 from revtrain.trainers.devices import BATCH_AXIS
+from revtrain.trainers.protocols import (
+    FboFn,
+    ForwardFn,
+    LossFboFn,
+    Params,
+    ReverseFboFn,
+)
 
 DEV = P(BATCH_AXIS)
 REP = P()
@@ -46,12 +57,12 @@ REP = P()
 
 def has_injectable_learning_rate(slots: Any) -> bool:
     """True when ``slots`` holds an ``optax.inject_hyperparams`` ``learning_rate``."""
-    return bool(optax.tree_utils.tree_get_all_with_path(slots, "learning_rate"))
+    return bool(optax.tree.get_all_with_path(slots, "learning_rate"))
 
 
 def learning_rate_of(slots: Any) -> float | None:
     """The ``learning_rate`` stored in optimizer slots, or None when there is none."""
-    found = optax.tree_utils.tree_get_all_with_path(slots, "learning_rate")
+    found = optax.tree.get_all_with_path(slots, "learning_rate")
     return float(np.asarray(found[0][1])) if found else None
 
 
@@ -59,8 +70,8 @@ def apply_optimizer(optimizer: optax.GradientTransformation, grads: Any, weights
                     slots: Any, learning_rate: jax.Array | None) -> tuple[Any, Any]:
     """One optimizer update; sets the injectable learning rate first when one is given."""
     if learning_rate is not None:
-        old = optax.tree_utils.tree_get_all_with_path(slots, "learning_rate")[0][1]
-        slots = optax.tree_utils.tree_set(slots, learning_rate=jnp.asarray(
+        old = optax.tree.get_all_with_path(slots, "learning_rate")[0][1]
+        slots = optax.tree.set(slots, learning_rate=jnp.asarray(
             learning_rate, dtype=jnp.asarray(old).dtype))
     updates, new_slots = optimizer.update(grads, slots, weights)
     return optax.apply_updates(weights, updates), new_slots
@@ -105,8 +116,9 @@ def _placeholders(ct: Any) -> Any:
     return ct
 
 
-def _wrap_key(key_data: jax.Array) -> jax.Array:
-    return jax.random.wrap_key_data(key_data)
+def _layer_key(rngs: jax.Array, index: jax.Array) -> jax.Array:
+    """This device's key of flat layer ``index`` from ``[1, n_layers, *key]`` key data."""
+    return jax.random.wrap_key_data(rngs[0, index])
 
 
 def _layer_stats(grads: Any, new_weights: Any) -> dict[str, jax.Array]:
@@ -152,104 +164,129 @@ def global_loss(share: jax.Array, loss: jax.Array) -> jax.Array:
     return jax.lax.psum(share * loss.astype(jnp.float32), BATCH_AXIS)
 
 
-def _update(optimizer, ct_w, w, slots, lr) -> tuple[Any, Any, dict[str, jax.Array]]:
+def _update(optimizer, ct_w, params: Params, lr) -> tuple[Params, dict[str, jax.Array]]:
     grads = combine_gradients(ct_w)
-    new_w, new_slots = apply_optimizer(optimizer, grads, w, slots, lr)
-    return new_w, new_slots, _layer_stats(grads, new_w)
+    new_w, new_slots = apply_optimizer(optimizer, grads, params.weights, params.slots, lr)
+    return Params(new_w, new_slots), _layer_stats(grads, new_w)
 
 
-def make_forward(layer: Layer, mesh: Mesh) -> Callable:
-    """``(x, w, state, rng) -> (y, new_state)`` for per-device ``x``, ``state``, ``rng``."""
-    def body(x, w, state, rng):
-        y, new_state = layer.pure_fn(_squeeze(x), w, _squeeze(state), _wrap_key(rng[0]))
+def _compile(body: Callable, mesh: Mesh, out_specs: tuple, donate: bool) -> tuple[
+        Callable, Callable]:
+    """``jit(shard_map(body))`` over ``(dev, params_or_weights, rep)`` with fixed specs
+    (per-device, replicated, replicated), ``params`` donated by name when ``donate``.
+
+    Returns the jitted function and the traced body (wrapped by equinox's trace counter,
+    so `equinox.debug.get_num_traces` on it counts compilations).
+    """
+    counted = eqx.debug.assert_max_traces(body, max_traces=None)
+    mapped = jax.shard_map(counted, mesh=mesh, in_specs=(DEV, REP, REP),
+                           out_specs=out_specs)
+    if donate:
+        def call(dev, params, rep):
+            return mapped(dev, params, rep)
+        return jax.jit(call, donate_argnames=("params",)), counted
+
+    def call_forward(dev, weights, rep):
+        return mapped(dev, weights, rep)
+    return jax.jit(call_forward), counted
+
+
+def make_forward(layer: Layer, mesh: Mesh) -> tuple[ForwardFn, Callable]:
+    """A `ForwardFn` for ``layer`` (and its trace-counted body)."""
+    def body(dev, weights, rep):
+        rng = _layer_key(dev["rngs"], rep["index"])
+        y, new_state = layer.pure_fn(_squeeze(dev["x"]), weights, _squeeze(dev["state"]), rng)
         return _unsqueeze(y), _unsqueeze(new_state)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(DEV, REP, DEV, DEV),
-                                 out_specs=(DEV, DEV)))
+    return _compile(body, mesh, (DEV, DEV), donate=False)
 
 
-def make_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh) -> Callable:
-    """Standard layer: ``(x, w, state, rng, ct_y, slots, lr) -> (ct_x, new_w, new_slots,
-    stats)``; recomputes the forward pass from the stored input ``x``."""
-    def body(x, w, state, rng, ct_y, slots, lr):
-        x, state, ct_y = _squeeze(x), _squeeze(state), _squeeze(ct_y)
-        fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _wrap_key(rng[0]))
-        y, vjp_fn, _ = jax.vjp(fn, x, varying(w), has_aux=True)
+def make_fbo(layer: Layer, optimizer: optax.GradientTransformation,
+             mesh: Mesh) -> tuple[FboFn, Callable]:
+    """An `FboFn` for a standard layer: recomputes the forward pass from the stored input."""
+    def body(dev, params, rep):
+        x, state, ct_y = _squeeze(dev["x"]), _squeeze(dev["state"]), _squeeze(dev["ct_y"])
+        rng = _layer_key(dev["rngs"], rep["index"])
+        fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
+        y, vjp_fn, _ = jax.vjp(fn, x, varying(params.weights), has_aux=True)
         ct_x, ct_w = vjp_fn(_ct_for_outputs(y, ct_y))
-        new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
-        return _unsqueeze(_placeholders(ct_x)), new_w, new_slots, stats
-    return jax.jit(jax.shard_map(body, mesh=mesh,
-                                 in_specs=(DEV, REP, DEV, DEV, DEV, REP, REP),
-                                 out_specs=(DEV, REP, REP, REP)),
-                   donate_argnums=(1, 5))
+        new_params, stats = _update(optimizer, ct_w, params, rep["lr"])
+        return _unsqueeze(_placeholders(ct_x)), new_params, stats
+    return _compile(body, mesh, (DEV, REP, REP), donate=True)
 
 
 def make_reverse_and_fbo(layer: Layer, optimizer: optax.GradientTransformation,
-                         mesh: Mesh) -> Callable:
-    """Reversible layer: ``(y, ct_y, w, state, new_state, rng, slots, lr) -> (x, ct_x,
-    new_w, new_slots, stats)``; reconstructs the input from the output (no stored x)."""
-    def body(y, ct_y, w, state, new_state, rng, slots, lr):
-        y, ct_y = _squeeze(y), _squeeze(ct_y)
+                         mesh: Mesh) -> tuple[ReverseFboFn, Callable]:
+    """A `ReverseFboFn`: reconstructs the input from the output (no stored input)."""
+    def body(dev, params, rep):
+        y, ct_y = _squeeze(dev["y"]), _squeeze(dev["ct_y"])
+        rng = _layer_key(dev["rngs"], rep["index"])
         x, (ct_x, ct_w) = layer.reverse_and_grad(
-            y, _ct_for_outputs(y, ct_y), varying(w), _squeeze(state), _squeeze(new_state),
-            _wrap_key(rng[0]))
-        new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
-        return _unsqueeze(x), _unsqueeze(_placeholders(ct_x)), new_w, new_slots, stats
-    return jax.jit(jax.shard_map(body, mesh=mesh,
-                                 in_specs=(DEV, DEV, REP, DEV, DEV, DEV, REP, REP),
-                                 out_specs=(DEV, DEV, REP, REP, REP)),
-                   donate_argnums=(2, 6))
+            y, _ct_for_outputs(y, ct_y), varying(params.weights), _squeeze(dev["state"]),
+            _squeeze(dev["new_state"]), rng)
+        new_params, stats = _update(optimizer, ct_w, params, rep["lr"])
+        return _unsqueeze(x), _unsqueeze(_placeholders(ct_x)), new_params, stats
+    return _compile(body, mesh, (DEV, DEV, REP, REP), donate=True)
 
 
 def make_loss_fbo(layer: Layer, optimizer: optax.GradientTransformation,
-                  mesh: Mesh) -> Callable:
-    """Loss layer: ``(x, w, state, rng, weight_total, slots, lr) -> (loss, ct_x, new_w,
-    new_slots, new_state, stats)``.
-
-    ``weight_total`` is per device (``[n_devices]`` float32, the totals of each device's
-    batch weights). The returned ``loss`` is the weighted mean over the global batch, and
-    each device's loss cotangent is its `loss_share`, so every gradient downstream is of
-    the global loss whatever the device count.
-    """
-    def body(x, w, state, rng, weight_total, slots, lr):
-        x, state = _squeeze(x), _squeeze(state)
-        fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _wrap_key(rng[0]))
-        loss, vjp_fn, new_state = jax.vjp(fn, x, varying(w), has_aux=True)
+                  mesh: Mesh) -> tuple[LossFboFn, Callable]:
+    """A `LossFboFn`: each device's loss cotangent is its `loss_share`, so every gradient
+    downstream is of the loss over the global batch, whatever the device count."""
+    def body(dev, params, rep):
+        x, state = _squeeze(dev["x"]), _squeeze(dev["state"])
+        rng = _layer_key(dev["rngs"], rep["index"])
+        fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
+        loss, vjp_fn, new_state = jax.vjp(fn, x, varying(params.weights), has_aux=True)
         check_scalar_loss(layer, loss)
-        share = loss_share(weight_total[0])
+        share = loss_share(dev["weight_total"][0])
         ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
-        new_w, new_slots, stats = _update(optimizer, ct_w, w, slots, lr)
-        return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)), new_w, new_slots,
+        new_params, stats = _update(optimizer, ct_w, params, rep["lr"])
+        return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)), new_params,
                 _unsqueeze(new_state), stats)
-    return jax.jit(jax.shard_map(body, mesh=mesh,
-                                 in_specs=(DEV, REP, DEV, DEV, DEV, REP, REP),
-                                 out_specs=(REP, DEV, REP, REP, DEV, REP)),
-                   donate_argnums=(1, 5))
+    return _compile(body, mesh, (REP, DEV, REP, DEV, REP), donate=True)
+
+
+FORWARD, LOSS, REVERSE, FBO = "forward", "loss", "reverse", "fbo"
 
 
 class FnCache:
     """Compiled per-layer functions, one per (kind, layer structure, optimizer).
 
-    Two layers with equal `Layer.structure_key` compute the same function of their
-    arguments, so they share one jitted function (and one executable per input shape).
-    The cache belongs to one trainer (no module-level state).
+    Two layers with equal, non-None `Layer.structure_key` compute the same function of
+    their arguments, so they share one jitted function (and one executable per input
+    shape). A layer whose key is None (its identity cannot be proven, e.g. a class defined
+    inside a function, or an ``Fn`` of a lambda) gets functions of its own: a cache key
+    must cover everything the cached function depends on, or the cache must not share.
+    The cache belongs to one trainer (no module-level state) and keeps the layers it
+    keyed by identity alive, so their ids are never reused.
     """
 
-    _MAKERS = {"forward": make_forward, "fbo": make_fbo,
-               "reverse_and_fbo": make_reverse_and_fbo, "loss_fbo": make_loss_fbo}
+    _MAKERS = {FORWARD: make_forward, FBO: make_fbo, REVERSE: make_reverse_and_fbo,
+               LOSS: make_loss_fbo}
 
     def __init__(self, mesh: Mesh, optimizer: optax.GradientTransformation):
         self._mesh = mesh
         self._optimizer = optimizer
-        self._fns: dict[Any, Callable] = {}
-        self.n_built = 0
+        self._fns: dict[Any, tuple[Callable, Callable, Layer]] = {}
 
     def get(self, kind: str, layer: Layer) -> Callable:
         """Returns the jitted ``kind`` function for ``layer`` (built on first use)."""
-        key = (kind, layer.structure_key)
+        key = layer.structure_key
+        key = (kind, ("object", id(layer)) if key is None else key)
         if key not in self._fns:
             maker = self._MAKERS[kind]
-            args = (layer, self._mesh) if kind == "forward" else (
+            args = (layer, self._mesh) if kind == FORWARD else (
                 layer, self._optimizer, self._mesh)
-            self._fns[key] = maker(*args)
-            self.n_built += 1
-        return self._fns[key]
+            fn, counted = maker(*args)
+            self._fns[key] = (fn, counted, layer)
+        return self._fns[key][0]
+
+    @property
+    def n_built(self) -> int:
+        """How many distinct functions were built."""
+        return len(self._fns)
+
+    def trace_counts(self) -> dict[str, int]:
+        """``{'kind/layer_name#k': times traced}`` for every built function."""
+        return {f"{kind}/{layer.name}#{k}": eqx.debug.get_num_traces(counted)
+                for k, ((kind, _), (_, counted, layer)) in enumerate(self._fns.items())}

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 
 from revtrain.layers.base import Layer
 from revtrain.trainers import devices
-from revtrain.trainers.base import OptimizerFn, TrainerBase, stats_with_learning_rate
+from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.fbo import (
     DEV,
     REP,
@@ -21,6 +22,7 @@ from revtrain.trainers.fbo import (
     loss_share,
     varying,
 )
+from revtrain.trainers.protocols import DeviceFootprint, TrainState
 
 
 class Trainer(TrainerBase):
@@ -58,20 +60,21 @@ class Trainer(TrainerBase):
         super().__init__([model_with_loss], optimizer_fn, n_devices)
         self._model = model_with_loss
         self._optimizer = optimizer_fn()
-        self._weights = devices.replicate(model_with_loss.weights, self.mesh)
+        weights = model_with_loss.weights
+        self._put(TrainState(weights, model_with_loss.state, self._optimizer.init(weights)))
+        self._update, self._counted = self._make_update()
+
+    def _put(self, values: TrainState) -> None:
+        self._weights = devices.replicate(values.weights, self.mesh)
         self._state = devices.shard_per_device(
-            devices.for_n_devices(model_with_loss.state, self.n_devices), self.mesh)
-        self._slots = devices.replicate(self._optimizer.init(model_with_loss.weights),
-                                        self.mesh)
-        self._init_learning_rate(self._slots)
-        self._update = self._make_update()
-        self.n_traces = 0
+            devices.for_n_devices(values.state, self.n_devices), self.mesh)
+        self._slots = devices.replicate(values.slots, self.mesh)
+        self._init_learning_rate(values.slots)
 
     def _make_update(self):
         model, optimizer = self._model, self._optimizer
 
         def body(batch, weights, state, rng, weight_total, slots, lr):
-            self.n_traces += 1
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
             rng = jax.random.wrap_key_data(rng[0])
             share = loss_share(weight_total[0])
@@ -93,10 +96,14 @@ class Trainer(TrainerBase):
             new_state = jax.tree.map(lambda a: a[None], new_state)
             return new_weights, new_state, new_slots, stats
 
-        mapped = jax.shard_map(body, mesh=self.mesh,
+        counted = eqx.debug.assert_max_traces(body, max_traces=None)
+        mapped = jax.shard_map(counted, mesh=self.mesh,
                                in_specs=(DEV, REP, DEV, DEV, DEV, REP, REP),
                                out_specs=(REP, DEV, REP, REP))
-        return jax.jit(mapped, donate_argnums=(1, 2, 5))
+
+        def update(batch, weights, state, rng, weight_total, slots, lr):
+            return mapped(batch, weights, state, rng, weight_total, slots, lr)
+        return jax.jit(update, donate_argnames=("weights", "state", "slots")), counted
 
     def one_step(self, batch: Any, rng: jax.Array, step: int = 0,
                  learning_rate: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -124,48 +131,45 @@ class Trainer(TrainerBase):
         totals = self._weight_totals(batch)
         rng_data = self._rng_data(rng)
         args = (sharded, self._weights, self._state, rng_data, totals, self._slots, lr)
-        self._record("train_step", self._update, args)
+        self._notify_phase("step_start")
+        if self.observers:
+            self._notify_dispatch("train_step", self._update, args)
         self._weights, self._state, self._slots, stats = self._update(*args)
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
-        self._new_step()
-        self._write_back(self._model, "model", lambda: devices.unreplicate(self._weights),
-                         lambda: devices.first_device_slice(self._state))
-        return stats["loss"], stats_with_learning_rate(dict(stats), stats.get("learning_rate"))
+        self._notify_phase("step_end")
+        return stats["loss"], dict(stats)
 
     # ----------------------------------------------------------------------------------
-    # Weights, state and slots as host values (what checkpoints store).
+    # The training values.
 
     @property
-    def weights(self) -> Any:
-        """Host copy of all weights (the structure of ``model_with_loss.weights``)."""
-        return devices.unreplicate(self._weights)
+    def train_state(self) -> TrainState:
+        """Host copies: ``model_with_loss``'s weights and (device 0's) state trees, and one
+        optimizer state for the whole model."""
+        return TrainState(devices.unreplicate(self._weights),
+                          devices.first_device_slice(self._state),
+                          devices.unreplicate(self._slots))
 
-    @weights.setter
-    def weights(self, weights: Any) -> None:
-        devices.check_same_structure(weights, self._weights, "weights")
-        self._weights = devices.replicate(weights, self.mesh)
-        self._model.weights = weights
+    def restore(self, train_state: TrainState) -> None:
+        self._put(self._checked(train_state))
 
-    @property
-    def state(self) -> Any:
-        """Host copy of device 0's layer state (the structure of ``model_with_loss.state``)."""
-        return devices.first_device_slice(self._state)
+    def device_footprint(self) -> DeviceFootprint:
+        device = self.mesh.devices.flat[0]
+        return DeviceFootprint(_device_bytes(self._weights, device),
+                               _device_bytes(self._slots, device),
+                               len(self._model.sublayers) or 1)
 
-    @state.setter
-    def state(self, state: Any) -> None:
-        devices.check_same_structure(state, self.state, "state")
-        self._state = devices.shard_per_device(devices.for_n_devices(state, self.n_devices),
-                                               self.mesh)
-        self._model.state = state
+    def trace_counts(self) -> dict[str, int]:
+        return {"train_step": eqx.debug.get_num_traces(self._counted)}
 
-    @property
-    def slots(self) -> Any:
-        """Host copy of the optimizer state (one optax state for the whole model)."""
-        return devices.unreplicate(self._slots)
+    def _own_layers(self) -> list[Layer]:
+        return [self._model]
 
-    @slots.setter
-    def slots(self, slots: Any) -> None:
-        devices.check_same_structure(slots, self._slots, "slots")
-        self._slots = devices.replicate(slots, self.mesh)
-        self._init_learning_rate(self._slots)
+    def _per_layer(self, tree: Any) -> list[Any]:
+        return [tree]
+
+
+def _device_bytes(tree: Any, device: jax.Device) -> int:
+    return sum(s.data.nbytes for leaf in jax.tree.leaves(tree)
+               for s in leaf.addressable_shards if s.device == device)

@@ -38,8 +38,15 @@ import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from revtrain.data.inputs import Inputs
-from revtrain.layers import Accuracy, Layer, Serial, WeightedCategoryCrossEntropy, signature_of
-from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
+from revtrain.layers import (
+    Accuracy,
+    Layer,
+    Serial,
+    WeightedCategoryCrossEntropy,
+    nest_flat_values,
+    signature_of,
+)
+from revtrain.trainers import Trainer, TrainState, blocks_to_layers, extract_reversible_blocks
 from revtrain.training.checkpoints import Checkpointer
 from revtrain.training.evaluation import BYTE_VOCAB_SIZE, Evaluator, bits_per_byte
 from revtrain.training.interrupts import StopOnSignals
@@ -111,7 +118,9 @@ class Loop:
     Attributes:
       step: the number of steps taken (restored from the checkpoint).
       trainer: the trainer.
-      model: the training model (its layer objects hold the trained weights).
+      model: the training model. Its layer objects keep their initial values: the
+        trainer owns the trained ones (``trainer.train_state``; `model_values` gives them
+        in the model's structure; ``trainer.sync_to()`` writes them into the layers).
       interrupted_by: the signal number that stopped the last `run`, or None.
       last_eval_metrics: the metrics of the last evaluation ({} before any).
       restored_step: the step of the checkpoint restored on construction, or None.
@@ -150,6 +159,8 @@ class Loop:
         self._batch_signature = self._init_model(init_rng)
         self.trainer = build_trainer(trainer_class, self.model, self._loss, optimizer_fn,
                                      n_devices, **dict(trainer_kwargs or {}))
+        self._flat_layers = blocks_to_layers(*extract_reversible_blocks([self.model,
+                                                                         self._loss]))
         byte_lm = getattr(self.inputs, "vocab_size", None) == BYTE_VOCAB_SIZE
         self._byte_lm = byte_lm
         self._evaluator = Evaluator(model(mode="eval"),
@@ -176,17 +187,16 @@ class Loop:
         return signature
 
     def _checkpoint_tree(self) -> dict[str, Any]:
-        return {"weights": self.trainer.weights, "state": self.trainer.state,
-                "slots": self.trainer.slots, "step": np.asarray(self.step, np.int64),
+        values = self.trainer.train_state
+        return {"weights": values.weights, "state": values.state, "slots": values.slots,
+                "step": np.asarray(self.step, np.int64),
                 "rng": np.asarray(jax.random.key_data(self._rng))}
 
     def _restore(self) -> None:
         if self._checkpointer is None or self._checkpointer.latest_step() is None:
             return
         tree = self._checkpointer.restore(self._checkpoint_tree())
-        self.trainer.weights = tree["weights"]
-        self.trainer.state = tree["state"]
-        self.trainer.slots = tree["slots"]
+        self.trainer.restore(TrainState(tree["weights"], tree["state"], tree["slots"]))
         self.step = int(tree["step"])
         self._rng = jax.random.wrap_key_data(tree["rng"])
         self.restored_step = self.step
@@ -284,17 +294,28 @@ class Loop:
           ``{'loss', 'accuracy'}`` (plus ``'bits_per_byte'`` for byte LMs) as floats.
         """
         batches = itertools.islice(self.inputs.eval_stream(), max(self.eval_steps, 1))
-        metrics = self._evaluator.evaluate(self.model.weights, self.model.state, batches)
+        weights, state = self.model_values()
+        metrics = self._evaluator.evaluate(weights, state, batches)
         self.last_eval_metrics = metrics
         self._last_eval_step = self.step
         if write:
             self._write("eval", metrics)
         return metrics
 
+    def model_values(self) -> tuple[Any, Any]:
+        """The trainer's current ``(weights, state)`` in the model's tree structure.
+
+        Read from the trainer (`TrainState`), never from the layer objects, which keep
+        their initial values unless ``trainer.sync_to()`` is called.
+        """
+        values = self.trainer.train_state
+        return (nest_flat_values(self.model, self._flat_layers, values.weights),
+                nest_flat_values(self.model, self._flat_layers, values.state))
+
     def eval_model(self) -> Layer:
-        """The eval-mode model holding the current weights and state."""
+        """The eval-mode model (the evaluator's own object) holding the current values."""
         model = self._evaluator.eval_model
-        model.weights, model.state = self.model.weights, self.model.state
+        model.weights, model.state = self.model_values()
         return model
 
     @property

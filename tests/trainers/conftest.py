@@ -68,3 +68,18 @@ def adam():
 @pytest.fixture
 def batch():
     return make_batch()
+
+
+STEPS = 3
+LR_OVERRIDE = {1: 3e-3}  # step -> learning_rate passed to one_step
+
+
+def run_steps(trainer, batch, steps=STEPS):
+    """Runs ``steps`` steps (a learning-rate override on step 1); returns the losses."""
+    losses = []
+    for step in range(steps):
+        loss, stats = trainer.one_step(batch, jax.random.key(100 + step), step=step,
+                                       learning_rate=LR_OVERRIDE.get(step))
+        assert float(stats["loss"]) == pytest.approx(float(loss))
+        losses.append(float(loss))
+    return losses

@@ -139,7 +139,7 @@ def plain_trainers():
     trainers = {}
     for n in DEVICE_COUNTS:
         trainer = _build("Trainer", n)
-        trainers[n] = (trainer, trainer.weights, trainer.slots)
+        trainers[n] = (trainer, trainer.train_state)
     return trainers
 
 
@@ -151,8 +151,8 @@ def test_any_mask_and_batch_give_the_same_step_on_1_2_and_4_devices(plain_traine
     inputs, targets, _ = _batch("full", seed)
     mask = np.asarray(mask_bits, np.float32).reshape(BATCH, LENGTH)
     results = {}
-    for n, (trainer, weights, slots) in plain_trainers.items():
-        trainer.weights, trainer.slots = weights, slots
+    for n, (trainer, initial) in plain_trainers.items():
+        trainer.restore(initial)
         loss, stats = trainer.one_step((inputs, targets, mask), jax.random.key(seed))
         results[n] = (float(loss), float(stats["gradients_l2"]), trainer.weights)
     for n in DEVICE_COUNTS[1:]:

@@ -9,13 +9,20 @@ import pytest
 from revtrain import layers as tl
 from revtrain import memory
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
-from tests.trainers.conftest import adam, flat_weights, initialised_blocks, make_batch, signature
-from tests.trainers.test_trainers import _run
+from tests.trainers.conftest import (
+    adam,
+    flat_weights,
+    initialised_blocks,
+    make_batch,
+    run_steps,
+    signature,
+)
 from tests.tree_utils import assert_trees_close
 
 
 def _weight_buffers(trainer):
-    leaves = jax.tree.leaves((trainer._w_on_host, trainer._slots_on_host))
+    values = trainer.train_state
+    leaves = jax.tree.leaves((values.weights, values.slots))
     return {(leaf.shape, leaf.dtype) for leaf in leaves if leaf.size > 1}
 
 
@@ -26,7 +33,7 @@ def test_matches_trainer(kind, n_devices, batch):
     met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=n_devices)
     blocks2, loss2 = initialised_blocks(kind, batch, weights=w0, seed=1)
     plain = Trainer(tl.Serial(tl.blocks_to_layers(blocks2, loss2)), adam, n_devices=n_devices)
-    np.testing.assert_allclose(_run(met, batch), _run(plain, batch), rtol=1e-5)
+    np.testing.assert_allclose(run_steps(met, batch), run_steps(plain, batch), rtol=1e-5)
     assert_trees_close(met.weights, plain.weights, rtol=1e-5, atol=1e-5)
     assert_trees_close(flat_weights(blocks, loss), flat_weights(blocks2, loss2),
                        rtol=1e-5, atol=1e-5)
@@ -37,7 +44,7 @@ def test_matches_reversible_serial_trainer_exactly(batch):
     w0 = flat_weights(blocks, loss)
     met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=2, n_async_layers=2)
     rev = ReversibleSerialTrainer(*initialised_blocks("two", batch, weights=w0), adam, 2)
-    np.testing.assert_array_equal(_run(met, batch), _run(rev, batch))
+    np.testing.assert_array_equal(run_steps(met, batch), run_steps(rev, batch))
     assert_trees_close(met.weights, rev.weights, rtol=0, atol=0)
     assert_trees_close(met.slots, rev.slots, rtol=0, atol=0)
 
@@ -54,8 +61,8 @@ def test_weights_and_slots_live_in_host_memory_between_steps(batch):
         # Dispatch is asynchronous: wait for the step's last functions (every layer's stats
         # come from its fbo), which hold their inputs (e.g. rng slices) until they finish.
         jax.block_until_ready(stats)
-        host = jax.tree.leaves((met._w_on_host, met._slots_on_host, met._states))
-        assert all(isinstance(leaf, np.ndarray) for leaf in host)
+        assert met.device_footprint() == (0, 0, 0)
+        assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(met.train_state))
         shapes = _weight_buffers(met)
         new = [a for a in jax.live_arrays() if id(a) not in before]
         on_device = {(a.shape, a.dtype) for a in new if a.size > 1}
@@ -71,6 +78,8 @@ def test_at_most_one_plus_n_async_layers_on_device(n_async_layers, batch):
                                  n_async_layers=n_async_layers)
     met.one_step(batch, jax.random.key(0))
     assert met.max_resident_layers == min(1 + n_async_layers, len(met.layers))
+    # Between steps (free_accelerators_on_step) no weights or slots stay on the device.
+    assert met.device_footprint() == (0, 0, 0)
 
 
 def test_logs_host_rss_and_device_bytes(batch):
@@ -104,7 +113,8 @@ def test_deep_model_trains_with_device_memory_near_one_layer():
     slow_adam = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-4)
     met = MemoryEfficientTrainer(blocks, loss, slow_adam, n_devices=1, n_async_layers=1)
     layer_bytes = 3 * (d * d + d) * 4  # weights + two Adam slots of one Dense(d)
-    total_bytes = sum(a.nbytes for a in jax.tree.leaves((met._w_on_host, met._slots_on_host)))
+    values = met.train_state
+    total_bytes = sum(a.nbytes for a in jax.tree.leaves((values.weights, values.slots)))
     limit = total_bytes // 4
     assert total_bytes > 12 * layer_bytes
     losses = []

@@ -5,22 +5,16 @@ import optax
 import pytest
 
 from revtrain import layers as tl
-from revtrain.trainers import ReversibleSerialTrainer, Trainer
-from tests.trainers.conftest import adam, flat_weights, initialised_blocks, make_batch
+from revtrain import trainers
+from revtrain.trainers import ReversibleSerialTrainer, Trainer, TrainState
+from tests.trainers.conftest import (
+    adam,
+    flat_weights,
+    initialised_blocks,
+    make_batch,
+    run_steps,
+)
 from tests.tree_utils import assert_trees_close
-
-STEPS = 3
-LR_OVERRIDE = {1: 3e-3}  # step -> learning_rate passed to one_step
-
-
-def _run(trainer, batch, steps=STEPS):
-    losses = []
-    for step in range(steps):
-        loss, stats = trainer.one_step(batch, jax.random.key(100 + step), step=step,
-                                       learning_rate=LR_OVERRIDE.get(step))
-        assert float(stats["loss"]) == pytest.approx(float(loss))
-        losses.append(float(loss))
-    return losses
 
 
 def _pair(kind, n_devices, batch):
@@ -36,25 +30,46 @@ def _pair(kind, n_devices, batch):
     ("one", 1), ("one", 2), ("one", 4), ("two", 1), ("two", 4), ("empty", 1), ("empty", 2)])
 def test_reversible_trainer_matches_trainer(kind, n_devices, batch):
     rev, plain, (blocks, loss), (blocks2, loss2) = _pair(kind, n_devices, batch)
-    rev_losses = _run(rev, batch)
-    plain_losses = _run(plain, batch)
+    rev_losses = run_steps(rev, batch)
+    plain_losses = run_steps(plain, batch)
     np.testing.assert_allclose(rev_losses, plain_losses, rtol=1e-5)
     assert rev_losses[-1] < rev_losses[0]
     assert_trees_close(rev.weights, plain.weights, rtol=1e-5, atol=1e-5)
-    # The layer objects show the new weights too.
+    # After sync_to the layer objects show the new weights too.
+    rev.sync_to()
+    plain.sync_to()
     assert_trees_close(flat_weights(blocks, loss), flat_weights(blocks2, loss2),
                        rtol=1e-5, atol=1e-5)
     assert rev.learning_rate == pytest.approx(3e-3) == plain.learning_rate
 
 
-def test_weights_move_and_layers_show_them(batch):
+@pytest.mark.parametrize("trainer_name", ["Trainer", "ReversibleSerialTrainer",
+                                          "MemoryEfficientTrainer"])
+def test_layer_objects_change_only_on_sync_to(trainer_name, batch):
     blocks, loss = initialised_blocks("one", batch)
     w0 = flat_weights(blocks, loss)
-    trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=2)
+    if trainer_name == "Trainer":
+        trainer = Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), adam, n_devices=2)
+    else:
+        trainer = getattr(trainers, trainer_name)(blocks, loss, adam, n_devices=2)
     trainer.one_step(batch, jax.random.key(0))
     embedding = blocks[0][0].sublayers[0]
-    assert not np.allclose(np.asarray(embedding.weights), w0[0][0])
-    np.testing.assert_array_equal(np.asarray(embedding.weights), trainer.weights[0][0])
+    np.testing.assert_array_equal(np.asarray(embedding.weights), w0[0][0])
+    assert not np.allclose(trainer.train_state.weights[0][0], w0[0][0])
+    trainer.sync_to()
+    np.testing.assert_array_equal(np.asarray(embedding.weights),
+                                  trainer.train_state.weights[0][0])
+    assert_trees_close(flat_weights(blocks, loss), trainer.weights, rtol=0, atol=0)
+
+
+def test_sync_to_rejects_layers_that_do_not_match(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
+    with pytest.raises(ValueError, match=r"sync_to got 1 layers for \d+ entries"):
+        trainer.sync_to([loss])
+    other, other_loss = initialised_blocks("two", batch)
+    with pytest.raises(ValueError, match=r"structure mismatch"):
+        trainer.sync_to(tl.blocks_to_layers(other, other_loss)[:len(trainer.layers)])
 
 
 def test_stats_keys(batch):
@@ -75,53 +90,71 @@ def test_no_recompilation_after_the_first_step(batch):
     blocks, loss = initialised_blocks("two", batch)
     rev = ReversibleSerialTrainer(blocks, loss, adam, n_devices=2)
     plain = Trainer(tl.Serial(tl.blocks_to_layers(*initialised_blocks("two", batch))), adam, 2)
-    _run(rev, batch, steps=1)
-    _run(plain, batch, steps=1)
-    n_fns = rev._fns.n_built
-    # Identical layers share compiled functions: fewer functions than layers.
-    assert n_fns < len(rev.layers)
+    run_steps(rev, batch, steps=1)
+    run_steps(plain, batch, steps=1)
+    counts = rev.trace_counts()
+    # Identical layers share compiled functions: fewer functions than layers, each traced
+    # once.
+    assert len(counts) < len(rev.layers) and set(counts.values()) == {1}
+    assert plain.trace_counts() == {"train_step": 1}
     traces = []
     listener = lambda event, duration, **kwargs: traces.append(event) if event in (
         "/jax/core/compile/jaxpr_trace_duration",
         "/jax/core/compile/backend_compile_duration") else None
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        _run(rev, make_batch(seed=1), steps=3)
-        _run(plain, make_batch(seed=1), steps=3)
+        run_steps(rev, make_batch(seed=1), steps=3)
+        run_steps(plain, make_batch(seed=1), steps=3)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert rev._fns.n_built == n_fns
-    assert plain.n_traces == 1
+    assert rev.trace_counts() == counts
+    assert plain.trace_counts() == {"train_step": 1}
     assert traces == []
 
 
-def test_slots_round_trip_is_exact(batch):
+def test_train_state_round_trip_is_exact(batch):
     blocks, loss = initialised_blocks("one", batch)
     trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=2)
     trainer.one_step(batch, jax.random.key(0))
-    slots = trainer.slots
-    trainer.slots = slots
-    assert_trees_close(trainer.slots, slots, rtol=0, atol=0)
+    values = trainer.train_state
+    assert isinstance(values, TrainState)
+    trainer.restore(values)
+    assert_trees_close(trainer.train_state, values, rtol=0, atol=0)
     plain = Trainer(tl.Serial(tl.blocks_to_layers(*initialised_blocks("one", batch))), adam, 2)
     plain.one_step(batch, jax.random.key(0))
-    plain_slots = plain.slots
-    plain.slots = plain_slots
-    assert_trees_close(plain.slots, plain_slots, rtol=0, atol=0)
+    plain_values = plain.train_state
+    plain.restore(plain_values)
+    assert_trees_close(plain.train_state, plain_values, rtol=0, atol=0)
 
 
-def test_setting_slots_with_the_wrong_structure_names_the_path(batch):
+def test_restore_then_step_equals_an_uninterruptedrun_steps(batch):
+    blocks, loss = initialised_blocks("one", batch)
+    straight = ReversibleSerialTrainer(blocks, loss, adam, n_devices=2)
+    straight.one_step(batch, jax.random.key(0))
+    saved = straight.train_state
+    straight.one_step(batch, jax.random.key(1))
+    resumed = ReversibleSerialTrainer(*initialised_blocks("one", batch, seed=5), adam, 2)
+    resumed.restore(saved)
+    resumed.one_step(batch, jax.random.key(1))
+    assert_trees_close(resumed.train_state, straight.train_state, rtol=0, atol=0)
+
+
+def test_restoring_the_wrong_structure_names_the_path_and_changes_nothing(batch):
     blocks, loss = initialised_blocks("one", batch)
     trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
-    slots = list(trainer.slots)
+    before = trainer.train_state
+    slots = list(before.slots)
     slots[1] = slots[0]
     with pytest.raises(ValueError, match=r"slots structure mismatch at slots\[1\]"):
-        trainer.slots = slots
+        trainer.restore(before._replace(slots=tuple(slots)))
+    assert_trees_close(trainer.train_state, before, rtol=0, atol=0)
 
 
-def test_trainer_built_from_trained_layers_continues_from_them(batch):
+def test_trainer_built_from_synced_layers_continues_from_them(batch):
     blocks, loss = initialised_blocks("one", batch)
     first = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
     first.one_step(batch, jax.random.key(0))
+    first.sync_to()
     second = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
     assert_trees_close(second.weights, first.weights, rtol=0, atol=0)
 

@@ -148,4 +148,4 @@ def test_loop_steps_do_not_recompile_the_trainer():
     schedule = lambda step: 1e-3 / (step + 1)  # A new rate every step must not retrace.
     with _loop(None, trainers.Trainer, learning_rate=schedule, eval_steps=0) as loop:
         loop.run(5)
-    assert loop.trainer.n_traces == 1
+    assert loop.trainer.trace_counts() == {"train_step": 1}

@@ -1,0 +1,251 @@
+"""`BlockTrainer`: one step of block-wise training, driven by a schedule built once.
+
+Activation memory does not grow with depth: the forward pass keeps only each block's input
+stack and the layers' states; the backward pass reconstructs every reversible layer's input
+from its output (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020) and updates each
+layer with its own fused forward-backward-optimizer function as soon as its gradient is
+known (Trax's ``ReversibleSerialTrainer`` design). Where values live is a `ParamStore`;
+`ReversibleSerialTrainer` and `MemoryEfficientTrainer` are this class with a
+`DeviceStore` and a `HostStore`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from revtrain.layers.base import Layer, inputs_from_stack, outputs_onto_stack
+from revtrain.layers.blocks import blocks_to_layers
+from revtrain.layers.reversible import ReversibleLayer
+from revtrain.trainers import devices
+from revtrain.trainers.base import OptimizerFn, TrainerBase
+from revtrain.trainers.fbo import FBO, FORWARD, LOSS, FnCache
+from revtrain.trainers.protocols import DeviceFootprint, ParamStore, TrainState
+from revtrain.trainers.schedule import Op, build_schedule
+from revtrain.trainers.stores import delete_arrays
+
+Block = tuple[Layer, Sequence[ReversibleLayer]]
+StoreFactory = Callable[[jax.sharding.Mesh, int, TrainState, tuple[Op, ...]], ParamStore]
+
+
+def _as_items(stack: Any) -> tuple:
+    return tuple(stack) if isinstance(stack, tuple) else (stack,)
+
+
+class BlockTrainer(TrainerBase):
+    """Trains ``blocks`` then ``loss_layer`` layer by layer, reversing reversible layers.
+
+    The model is the flat layer list ``[std_0, *rev_0, std_1, *rev_1, ..., loss_layer]``
+    (see `revtrain.layers.blocks_to_layers`); layer ``i`` gets the rng
+    ``split(split(rng, n_devices)[d], n_layers)[i]`` on device ``d`` (``split(rng,
+    n_layers)[i]`` for one device), exactly what ``Serial(*layers)`` does with the device
+    key, so this trainer and `Trainer` on ``Serial(*layers)`` agree, dropout included.
+
+    One step runs the schedule (`revtrain.trainers.schedule`): forward through each block,
+    keeping only the block's input stack and the layers' states; the loss layer's fbo;
+    then backward through the blocks in reverse: each reversible layer's reverse-and-fbo
+    reconstructs its input from its output, each standard layer's fbo recomputes it from
+    the stored block input. Each layer has its own optimizer state (``optimizer_fn()`` is
+    called once per layer). Compiled functions are resolved once, at construction, and
+    shared between layers with equal non-None `Layer.structure_key` (using the
+    transformation of the first such layer: ``optimizer_fn`` must return equivalent
+    transformations on every call).
+
+    Invariance, as in `Trainer`: the loss fbo gives each device's loss the cotangent
+    ``W_d / sum W`` (its share of the global batch weights), so every cotangent flowing
+    back is of the global weighted-mean loss, and each layer's gradient is the sum of the
+    per-device gradients; results do not depend on the device or process count (dropout
+    aside). Layer state is per device, as in `Trainer`.
+
+    Args:
+      blocks: ``[(std_layer, [rev_layers]), ...]``, from `extract_reversible_blocks`; all
+        layers initialised (e.g. with `init_reversible_blocks`).
+      loss_layer: maps the final stack to a scalar loss; consumes every stack item.
+      optimizer_fn: returns an optax ``GradientTransformation``.
+      make_store: ``(mesh, n_devices, initial TrainState, schedule) -> ParamStore``.
+      n_devices: devices to use (default: all local devices).
+      free_accelerators_on_step: delete this trainer's transient device buffers (the
+        batch, block inputs, final activations and cotangents) at the end of each step;
+        the batch is then copied through host memory, so a caller's arrays are never
+        deleted.
+
+    Raises:
+      TypeError: for a block member that is not a `ReversibleLayer`.
+      ValueError: for uninitialised layers or an impossible ``n_devices``.
+    """
+
+    def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
+                 make_store: StoreFactory, n_devices: int | None = None,
+                 free_accelerators_on_step: bool = False):
+        blocks = [(std, list(revs)) for std, revs in blocks]
+        for _std, revs in blocks:
+            for layer in revs:
+                if not isinstance(layer, ReversibleLayer):
+                    raise TypeError(f"block member {layer.name} (created at {layer.caller}) "
+                                    f"is not a ReversibleLayer; put it in the block's "
+                                    f"standard layer")
+        self.layers = blocks_to_layers(blocks, loss_layer)
+        super().__init__(self.layers, optimizer_fn, n_devices)
+        self.free_accelerators_on_step = free_accelerators_on_step
+        self._copy_batch = free_accelerators_on_step
+        self._schedule = build_schedule([len(revs) for _, revs in blocks])
+        optimizers = [optimizer_fn() for _ in self.layers]
+        initial = TrainState(
+            tuple(layer.weights for layer in self.layers),
+            tuple(layer.state for layer in self.layers),
+            tuple(opt.init(w) for opt, w in zip(optimizers, (layer.weights for layer in
+                                                                self.layers), strict=True)))
+        self._init_learning_rate(initial.slots[-1])
+        self._store = make_store(self.mesh, self.n_devices, initial, self._schedule)
+        self._cache = FnCache(self.mesh, optimizers[0])
+        self._fns = tuple(self._cache.get(op.kind, self.layers[op.layer])
+                          for op in self._schedule)
+        loss_at = next(k for k, op in enumerate(self._schedule) if op.kind == LOSS)
+        self._phase_starts = {loss_at: "loss_start", loss_at + 1: "backward_start"}
+        replicated = devices.replicated(self.mesh)
+        self._indices = tuple(jax.device_put(np.int32(i), replicated)
+                              for i in range(len(self.layers)))
+
+    # ----------------------------------------------------------------------------------
+    # The training values.
+
+    @property
+    def train_state(self) -> TrainState:
+        """Host copies: one entry per flat layer in each of weights, state, slots."""
+        return self._store.train_state()
+
+    def restore(self, train_state: TrainState) -> None:
+        train_state = self._checked(train_state)
+        self._store.restore(train_state)
+        self._init_learning_rate(train_state.slots[-1])
+
+    def device_footprint(self) -> DeviceFootprint:
+        return self._store.device_footprint()
+
+    def trace_counts(self) -> dict[str, int]:
+        return self._cache.trace_counts()
+
+    def _own_layers(self) -> list[Layer]:
+        return list(self.layers)
+
+    def _per_layer(self, tree: Any) -> list[Any]:
+        return list(tree)
+
+    # ----------------------------------------------------------------------------------
+    # One step.
+
+    def one_step(self, batch: Any, rng: jax.Array, step: int = 0,
+                 learning_rate: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Runs one training step block by block; same contract as `Trainer.one_step`.
+
+        ``step`` is accepted for Trax parity (its trainers take it) and not used: the
+        learning-rate schedule lives in the training loop.
+
+        Returns:
+          ``(loss, stats)``: the float32 scalar loss, the weighted mean over the global
+          batch (as `Trainer`: independent of the device count); stats ``loss``,
+          ``learning_rate`` and ``layer{i}/gradients_l2`` (of the global gradient),
+          ``layer{i}/weights_l2`` for every flat layer ``i``.
+
+        Raises:
+          ValueError: for a batch not divisible by ``n_devices``, a learning rate the
+            optimizer cannot take, or a stack that does not match the loss layer's inputs;
+            the weights are unchanged after any of these.
+        """
+        del step
+        lr = self._learning_rate_arg(learning_rate)
+        stack = self._shard_batch(batch)
+        common = {"rngs": devices.shard_per_device(self._rng_data(rng, len(self.layers)),
+                                                   self.mesh),
+                  "weight_total": self._weight_totals(batch)}
+        lr_rep = None if lr is None else jax.device_put(lr, devices.replicated(self.mesh))
+        store = self._store
+        store.begin_step()
+        self._notify_phase("step_start")
+        kept: dict[int, Any] = {}
+        stats: dict[str, Any] = {}
+        ct = loss = None
+        for position, op in enumerate(self._schedule):
+            if op.kind == LOSS:
+                stack = store.end_forward(stack)
+            if position in self._phase_starts:
+                self._notify_phase(self._phase_starts[position])
+            store.prepare(position)
+            fn, layer = self._fns[position], self.layers[op.layer]
+            rep = {"index": self._indices[op.layer], "lr": lr_rep}
+            if op.kind == FORWARD:
+                if op.starts_block:
+                    kept[op.block] = store.stash(stack)
+                stack = self._forward(op, fn, layer, stack, common, rep)
+            elif op.kind == LOSS:
+                loss, stack, ct = self._loss(op, fn, layer, stack, common, rep, stats)
+            elif op.kind == FBO:
+                stack = store.unstash(kept.pop(op.block))
+                ct = self._std_backward(op, fn, layer, stack, ct, common, rep, stats)
+            else:
+                stack, ct = self._reverse(op, fn, layer, stack, ct, common, rep, stats)
+        if self.free_accelerators_on_step:
+            delete_arrays((stack, ct, kept))
+        store.finish_step()
+        if learning_rate is not None:
+            self.learning_rate = float(learning_rate)
+        self._notify_phase("step_end")
+        stats = {"loss": loss, **stats}
+        if lr is not None:
+            stats["learning_rate"] = np.float32(lr)
+        return loss, stats
+
+    def _dispatch(self, op: Op, fn: Callable, *args: Any) -> Any:
+        if self.observers:
+            self._notify_dispatch(op.label, fn, args)
+        return fn(*args)
+
+    def _forward(self, op, fn, layer, stack, common, rep) -> Any:
+        dev = {"x": inputs_from_stack(stack, layer.n_in),
+               "state": self._store.state(op.layer), "rngs": common["rngs"]}
+        y, new_state = self._dispatch(op, fn, dev, self._store.weights(op.layer), rep)
+        self._store.keep_state(op.layer, new_state)
+        return outputs_onto_stack(y, stack, layer.n_in)
+
+    def _loss(self, op, fn, layer, stack, common, rep, stats) -> tuple:
+        stack = self._store.unstash(stack)
+        n_items = len(_as_items(stack))
+        if n_items != layer.n_in:
+            raise ValueError(f"the loss layer {layer.name} takes {layer.n_in} stack items but "
+                             f"the model leaves {n_items}; make the loss layer consume the "
+                             f"whole stack")
+        dev = {"x": stack, "state": self._store.state(op.layer), **common}
+        loss, ct, params, new_state, layer_stats = self._dispatch(
+            op, fn, dev, self._store.params(op.layer), rep)
+        self._store.keep_params(op.layer, params)
+        self._store.keep_state(op.layer, new_state)
+        _add_layer_stats(stats, op.layer, layer_stats)
+        return loss, stack, ct
+
+    def _reverse(self, op, fn, layer, stack, ct, common, rep, stats) -> tuple[Any, Any]:
+        store = self._store
+        dev = {"y": inputs_from_stack(stack, layer.n_out),
+               "ct_y": inputs_from_stack(ct, layer.n_out), "state": store.state(op.layer),
+               "new_state": store.new_state(op.layer), "rngs": common["rngs"]}
+        x, ct_x, params, layer_stats = self._dispatch(op, fn, dev, store.params(op.layer), rep)
+        store.keep_params(op.layer, params)
+        _add_layer_stats(stats, op.layer, layer_stats)
+        return (outputs_onto_stack(x, stack, layer.n_out),
+                outputs_onto_stack(ct_x, ct, layer.n_out))
+
+    def _std_backward(self, op, fn, layer, stack, ct, common, rep, stats) -> Any:
+        store = self._store
+        dev = {"x": inputs_from_stack(stack, layer.n_in), "state": store.state(op.layer),
+               "rngs": common["rngs"], "ct_y": inputs_from_stack(ct, layer.n_out)}
+        ct_x, params, layer_stats = self._dispatch(op, fn, dev, store.params(op.layer), rep)
+        store.keep_params(op.layer, params)
+        _add_layer_stats(stats, op.layer, layer_stats)
+        return outputs_onto_stack(ct_x, ct, layer.n_out)
+
+
+def _add_layer_stats(stats: dict, i: int, layer_stats: dict) -> None:
+    for name, value in layer_stats.items():
+        stats[f"layer{i}/{name}"] = value

@@ -1,0 +1,257 @@
+"""`ParamStore` implementations: where a block trainer's values live during a step.
+
+* `DeviceStore` -- every layer's weights and slots replicated on the mesh, layer states
+  per device, block inputs kept on the devices (`ReversibleSerialTrainer`).
+* `HostStore` -- weights, slots and states in host memory (numpy) between uses; a layer's
+  values are put on the devices just before its op, the next ``n_async_layers`` layers'
+  are prefetched (``jax.device_put`` is asynchronous), new values are copied back with
+  ``copy_to_host_async`` and their device buffers released before the next op, and block
+  inputs wait on the host (`MemoryEfficientTrainer`, after Trax's
+  ``trainer.MemoryEfficientTrainer``).
+
+See `revtrain.trainers.protocols.ParamStore` for the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from revtrain.trainers import devices
+from revtrain.trainers.fbo import FORWARD
+from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
+from revtrain.trainers.schedule import Op
+
+
+def delete_arrays(tree: Any) -> None:
+    """Frees the device buffers of the jax arrays in ``tree`` (trainer-owned ones only)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
+def _first_device_bytes(tree: Any, device: jax.Device) -> int:
+    """Bytes of ``tree``'s live jax-array shards on ``device``."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+    return total
+
+
+class DeviceStore:
+    """All values on the devices: weights and slots replicated, states per device.
+
+    Args:
+      mesh: the trainer's one-axis ``batch`` mesh.
+      n_devices: devices per process.
+      train_state: the initial values (host trees, one entry per flat layer).
+    """
+
+    def __init__(self, mesh: Mesh, n_devices: int, train_state: TrainState):
+        self._mesh, self._n_devices = mesh, n_devices
+        self.restore(train_state)
+
+    def restore(self, train_state: TrainState) -> None:
+        self._weights = [devices.replicate(w, self._mesh) for w in train_state.weights]
+        self._slots = [devices.replicate(s, self._mesh) for s in train_state.slots]
+        self._states = [self._per_device(s) for s in train_state.state]
+        self._new_states: list[Any] = [None] * len(self._states)
+
+    def _per_device(self, state: Any) -> Any:
+        return devices.shard_per_device(devices.for_n_devices(state, self._n_devices),
+                                        self._mesh)
+
+    def begin_step(self) -> None:
+        self._new_states = [None] * len(self._states)
+
+    def prepare(self, position: int) -> None:
+        del position
+
+    def weights(self, i: int) -> Any:
+        return self._weights[i]
+
+    def params(self, i: int) -> Params:
+        return Params(self._weights[i], self._slots[i])
+
+    def keep_params(self, i: int, params: Params) -> None:
+        self._weights[i], self._slots[i] = params
+
+    def state(self, i: int) -> Any:
+        return self._states[i]
+
+    def new_state(self, i: int) -> Any:
+        return self._new_states[i]
+
+    def keep_state(self, i: int, new_state: Any) -> None:
+        self._new_states[i] = new_state
+
+    def stash(self, stack: Any) -> Any:
+        return stack
+
+    def unstash(self, kept: Any) -> Any:
+        return kept
+
+    def end_forward(self, stack: Any) -> Any:
+        return stack
+
+    def finish_step(self) -> None:
+        self._states = self._new_states
+
+    def train_state(self) -> TrainState:
+        return TrainState(tuple(devices.unreplicate(w) for w in self._weights),
+                          tuple(devices.first_device_slice(s) for s in self._states),
+                          tuple(devices.unreplicate(s) for s in self._slots))
+
+    def device_footprint(self) -> DeviceFootprint:
+        device = self._mesh.devices.flat[0]
+        return DeviceFootprint(_first_device_bytes(self._weights, device),
+                               _first_device_bytes(self._slots, device),
+                               sum(1 for w in self._weights if jax.tree.leaves(w)))
+
+
+class HostStore:
+    """Values in host memory; a window of ``1 + n_async_layers`` layers on the devices.
+
+    Args:
+      mesh: the trainer's mesh.
+      n_devices: devices per process.
+      train_state: the initial values (host trees, one entry per flat layer).
+      schedule: the trainer's ops; `prepare` looks ahead in it.
+      n_async_layers: how many upcoming layers' weights (and, for backward ops, slots)
+        to prefetch.
+      free_accelerators_on_step: after the forward pass and at the end of the step,
+        delete every device buffer this store holds; the final activations wait on the
+        host for the loss op.
+
+    Attributes:
+      max_resident_layers: the most layers whose weights were on the devices at once
+        during the last step (current + prefetched + results not yet copied back).
+    """
+
+    def __init__(self, mesh: Mesh, n_devices: int, train_state: TrainState,
+                 schedule: Sequence[Op], n_async_layers: int,
+                 free_accelerators_on_step: bool):
+        self._mesh, self._n_devices = mesh, n_devices
+        self._schedule = tuple(schedule)
+        self._n_async = n_async_layers
+        self._free = free_accelerators_on_step
+        self._resident: dict[int, list] = {}
+        self._pending: list[tuple[int, Params]] = []
+        self.max_resident_layers = 0
+        self.restore(train_state)
+
+    def restore(self, train_state: TrainState) -> None:
+        self._free_resident()
+        self._weights = [devices.on_cpu(w) for w in train_state.weights]
+        self._slots = [devices.on_cpu(s) for s in train_state.slots]
+        self._states = [devices.on_cpu(devices.for_n_devices(s, self._n_devices))
+                        for s in train_state.state]
+        self._new_states: list[Any] = [None] * len(self._states)
+
+    # ----------------------------------------------------------------------------------
+    # The prefetch window.
+
+    def _fetch(self, i: int, with_slots: bool) -> list:
+        entry = self._resident.get(i)
+        if entry is None:
+            entry = self._resident[i] = [devices.replicate(self._weights[i], self._mesh), None]
+        if with_slots and entry[1] is None:
+            entry[1] = devices.replicate(self._slots[i], self._mesh)
+        return entry
+
+    def _resolve_pending(self) -> None:
+        for i, params in self._pending:
+            self._weights[i], self._slots[i] = devices.unreplicate(tuple(params))
+            delete_arrays(params)
+        self._pending = []
+
+    def _free_resident(self) -> None:
+        for entry in self._resident.values():
+            delete_arrays(entry)
+        self._resident = {}
+
+    def begin_step(self) -> None:
+        self._new_states = [None] * len(self._states)
+        self.max_resident_layers = 0
+
+    def prepare(self, position: int) -> None:
+        self._resolve_pending()
+        window = self._schedule[position:position + 1 + self._n_async]
+        wanted = {op.layer for op in window}
+        for i in [i for i in self._resident if i not in wanted]:
+            delete_arrays(self._resident.pop(i))
+        for op in window:
+            self._fetch(op.layer, with_slots=op.kind != FORWARD)
+        self.max_resident_layers = max(self.max_resident_layers, len(self._resident))
+
+    # ----------------------------------------------------------------------------------
+    # Values of one op.
+
+    def weights(self, i: int) -> Any:
+        return self._fetch(i, with_slots=False)[0]
+
+    def params(self, i: int) -> Params:
+        weights, slots = self._fetch(i, with_slots=True)
+        return Params(weights, slots)
+
+    def keep_params(self, i: int, params: Params) -> None:
+        self._resident.pop(i, None)  # Donated: the old buffers are gone.
+        for leaf in jax.tree.leaves(params):
+            leaf.copy_to_host_async()
+        self._pending.append((i, params))
+
+    def state(self, i: int) -> Any:
+        return devices.shard_per_device(self._states[i], self._mesh)
+
+    def new_state(self, i: int) -> Any:
+        return devices.shard_per_device(self._new_states[i], self._mesh)
+
+    def keep_state(self, i: int, new_state: Any) -> None:
+        self._new_states[i] = devices.local_rows(new_state)
+        delete_arrays(new_state)
+
+    def stash(self, stack: Any) -> Any:
+        return devices.local_rows(stack)
+
+    def unstash(self, kept: Any) -> Any:
+        if all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(kept)):
+            return devices.shard_per_device(kept, self._mesh)
+        return kept
+
+    def end_forward(self, stack: Any) -> Any:
+        if not self._free:
+            return stack
+        host = devices.local_rows(stack)
+        delete_arrays(stack)
+        self._free_resident()
+        return host
+
+    def finish_step(self) -> None:
+        self._resolve_pending()
+        if self._free:
+            self._free_resident()
+        self._states = self._new_states
+
+    # ----------------------------------------------------------------------------------
+    # Host values and the device account.
+
+    def train_state(self) -> TrainState:
+        self._resolve_pending()
+        return TrainState(tuple(self._weights),
+                          tuple(jax.tree.map(lambda a: np.asarray(a)[0], s)
+                                for s in self._states),
+                          tuple(self._slots))
+
+    def device_footprint(self) -> DeviceFootprint:
+        device = self._mesh.devices.flat[0]
+        weights = [e[0] for e in self._resident.values()] + [p.weights for _, p in
+                                                             self._pending]
+        slots = [e[1] for e in self._resident.values()] + [p.slots for _, p in self._pending]
+        layers = set(self._resident) | {i for i, _ in self._pending}
+        return DeviceFootprint(_first_device_bytes(weights, device),
+                               _first_device_bytes(slots, device), len(layers))
