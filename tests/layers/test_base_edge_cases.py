@@ -69,9 +69,9 @@ def test_weightless_layers_may_be_reused_and_run():
 
 def test_leaf_given_two_items_is_a_clear_layer_error_in_init_and_pure_fn():
     layer = Dense(3)
-    with pytest.raises(LayerError, match=r"Dense.init .*Dense takes 1 inputs but got 2"):
+    with pytest.raises(LayerError, match=r"Dense.init .*Dense expects 1 inputs but got 2"):
         layer.init((X, X))
     layer.init(X)
-    with pytest.raises(LayerError, match=r"Dense.pure_fn .*Dense takes 1 inputs but got 2"):
+    with pytest.raises(LayerError, match=r"Dense.pure_fn .*Dense expects 1 inputs but got 2"):
         layer.pure_fn((X, X), layer.weights, layer.state, None)
     assert layer(jnp.asarray(X)).shape == (2, 3)

@@ -110,5 +110,6 @@ def test_wrong_weights_structure_names_the_fix():
     x = _inputs()
     remat = Remat(_half_residual())
     remat.init(_signature(x))
-    with pytest.raises(Exception, match="1-tuple"):
+    with pytest.raises(Exception, match=r"Remat expects 1 weights .* but got 2; pass the "
+                                        r"tuple of its sublayers' weights"):
         remat.pure_fn(x, remat.weights[0], remat.state, None)

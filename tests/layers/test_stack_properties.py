@@ -173,10 +173,10 @@ def test_items_below_pass_through_and_wrong_counts_fail(spec, extra):
     _assert_lists_close(new_stack, run_model(spec, list(stack)))
     assert len(new_stack) == n_out + extra
     # Feeding more (or fewer) items than n_in is an error that says expected vs got.
-    with pytest.raises(LayerError, match=f"takes {n_in} inputs but got {n_in + extra}"):
+    with pytest.raises(LayerError, match=f"expects {n_in} inputs but got {n_in + extra}"):
         layer(tuple(stack))
     if n_in >= 2:
-        with pytest.raises(LayerError, match=f"takes {n_in} inputs but got {n_in - 1}"):
+        with pytest.raises(LayerError, match=f"expects {n_in} inputs but got {n_in - 1}"):
             layer(tuple(stack[:n_in - 1]))
 
 
