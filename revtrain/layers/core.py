@@ -29,11 +29,36 @@ Initializer = jax.nn.initializers.Initializer
 
 MODES = ("train", "eval", "predict")
 
-# Default initialisers (as Trax's): immutable functions, shared safely.
-GLOROT_UNIFORM = jax.nn.initializers.glorot_uniform()
-TINY_NORMAL = jax.nn.initializers.normal(1e-6)
-EMBEDDING_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_out", "uniform", in_axis=-2,
-                                                      out_axis=-1)
+_GLOROT_UNIFORM = jax.nn.initializers.glorot_uniform()
+_TINY_NORMAL = jax.nn.initializers.normal(1e-6)
+_EMBEDDING_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_out", "uniform", in_axis=-2,
+                                                       out_axis=-1)
+
+
+# The default initialisers (as Trax's) are module-level named functions, not the closures
+# jax.nn.initializers returns: a layer's structure key can then name them, so default-built
+# layers share compiled programs (revtrain.layers.identity keys a closure argument as None).
+def glorot_uniform_init(key: jax.Array, shape: Sequence[int],
+                        dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Glorot (Xavier) uniform ``[..., fan_in, fan_out]`` weights; `Dense`/`Conv` kernels."""
+    return _GLOROT_UNIFORM(key, shape, dtype)
+
+
+def tiny_normal_init(key: jax.Array, shape: Sequence[int],
+                     dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Normal weights with standard deviation 1e-6; the default biases, as Trax's."""
+    return _TINY_NORMAL(key, shape, dtype)
+
+
+def embedding_init(key: jax.Array, shape: Sequence[int],
+                   dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Uniform ``[vocab_size, d_feature]`` table, variance ``1 / d_feature`` (Trax's)."""
+    return _EMBEDDING_INIT(key, shape, dtype)
+
+
+GLOROT_UNIFORM = glorot_uniform_init
+TINY_NORMAL = tiny_normal_init
+EMBEDDING_INIT = embedding_init
 
 
 def check_mode(mode: str, layer_name: str) -> str:

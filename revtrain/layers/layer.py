@@ -17,6 +17,7 @@ References: Trax's ``trax.layers.base.Layer``, whose API names revtrain keeps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,7 +110,8 @@ class Layer:
 
     Every layer records the arguments it was constructed with; `structure_key` is a hashable
     summary of them, so two layers built with equal arguments are known to compute the same
-    function (trainers use this to compile one function for many identical layers).
+    function (trainers use this to compile one function for many identical layers). The
+    arguments must not change after construction: the key is computed once and kept.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -156,12 +158,21 @@ class Layer:
         """``file:line`` where this layer object was created."""
         return self._caller
 
-    @property
+    @functools.cached_property
     def structure_key(self) -> Any:
-        """Hashable key equal for layers built by the same class with equal arguments.
+        """Hashable key equal for layers of one class built with equal arguments, or None.
 
-        Arguments are bound to the constructor's signature with defaults filled in, so
-        ``Concatenate()`` and ``Concatenate(axis=-1)`` have the same key.
+        Trainers share one compiled program between layers whose keys are equal and not
+        None; None means "never share": the layer's identity cannot be proven (its class
+        is defined inside a function, an argument is a lambda, closure, bound method or an
+        unhashable object, or a sublayer's key is None). Arguments are bound to the
+        constructor's signature with defaults filled in, so ``Concatenate()`` and
+        ``Concatenate(axis=-1)`` have the same key. Computed on first access and cached
+        (constructor arguments never change). The full rule is in
+        `revtrain.layers.identity`.
+
+        Returns:
+          ``(module, qualname, args, kwargs)`` with every argument frozen, or None.
         """
         return structure_key_of(self)
 

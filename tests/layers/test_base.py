@@ -11,7 +11,6 @@ from tree_utils import assert_trees_close
 from revtrain.layers import (
     EMPTY,
     Add,
-    Concatenate,
     Drop,
     Dup,
     Fn,
@@ -280,50 +279,6 @@ def test_deferred_value_of_wrong_length_names_sizes_on_read():
     model.weights = base._Deferred(lambda: ((), (), ()))
     with pytest.raises(ValueError, match=r"tuple of 2 items .*got 3"):
         _ = model.weights
-
-
-# --------------------------------------------------------------------------------------
-# structure_key.
-
-
-def _double(x):
-    return 2 * x
-
-
-def _triple(x):
-    return 3 * x
-
-
-def test_structure_key_follows_constructor_args():
-    assert Concatenate(axis=1).structure_key == Concatenate(axis=1).structure_key
-    assert Concatenate(axis=1).structure_key != Concatenate(axis=-1).structure_key
-    assert Concatenate(n_items=3).structure_key != Concatenate().structure_key
-    # Defaults are filled in: equal arguments however they are spelled.
-    assert Concatenate().structure_key == Concatenate(2, axis=-1).structure_key
-    assert Fn("F", _double).structure_key == Fn("F", _double, 1).structure_key
-    assert Fn("F", _double).structure_key != Fn("F", _triple).structure_key
-    assert Fn("F", _double).structure_key != Fn("G", _double).structure_key
-    assert Select([0, 1]).structure_key != Select([1, 0]).structure_key
-    assert Linear(3).structure_key != Linear(4).structure_key
-    assert Linear(3).structure_key != Concatenate(3).structure_key
-
-
-def test_structure_key_of_combinators_uses_sublayer_keys():
-    a = Serial(Linear(3), Fn("F", _double), Dup())
-    b = Serial(Linear(3), Fn("F", _double), Dup())
-    c = Serial(Linear(3), Fn("F", _triple), Dup())
-    assert a.structure_key == b.structure_key != c.structure_key
-    assert len({a.structure_key, b.structure_key, c.structure_key}) == 2  # hashable
-
-
-def test_structure_key_compares_arrays_by_value():
-    class Scale(Layer):
-        def __init__(self, factors):
-            super().__init__()
-            self._factors = factors
-
-    assert Scale(np.array([1.0, 2.0])).structure_key == Scale(np.array([1.0, 2.0])).structure_key
-    assert Scale(np.array([1.0, 2.0])).structure_key != Scale(np.array([1.0, 3.0])).structure_key
 
 
 # --------------------------------------------------------------------------------------

@@ -98,6 +98,7 @@ def test_policy_saving_dots_keeps_values_and_changes_the_structure_key():
     assert_trees_close(g_remat, (g_plain,))
     assert remat.structure_key != Remat(_half_residual()).structure_key
     assert Remat(_half_residual()).structure_key == Remat(_half_residual()).structure_key
+    assert remat.structure_key is not None
 
 
 def test_is_not_reversible_and_rejects_non_layers():

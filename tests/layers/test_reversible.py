@@ -132,7 +132,7 @@ def test_half_residual_weights_are_compute_then_attention():
     plain = ReversibleHalfResidual(Dense(D))
     _init(plain, _x())
     assert plain.weights[1] == ()
-    assert plain.structure_key == ReversibleHalfResidual(Dense(D)).structure_key
+    assert plain.structure_key == ReversibleHalfResidual(Dense(D)).structure_key is not None
 
 
 def test_half_residual_rejects_layers_leaving_two_items():

@@ -108,3 +108,12 @@ def test_eval_mode_uses_moving_statistics():
     assert not np.allclose(train(images), evaluate(images), atol=1e-3)
     again = evaluate(images)
     assert_trees_close(evaluate(images), again)  # eval does not change the state
+
+
+def test_every_layer_has_a_structure_key_so_trainers_share_compiled_blocks():
+    def layers(layer):
+        yield layer
+        for sub in layer.sublayers:
+            yield from layers(sub)
+
+    assert [layer.name for layer in layers(_revnet()) if layer.structure_key is None] == []

@@ -239,3 +239,18 @@ def test_bfloat16_compute_with_float32_streams_reconstructs_far_better_than_bf16
                                                                 jax.random.key(5))))
     print(f"16-layer LM, bf16 compute: median reconstruction error {medians}")
     assert medians["float32"] < 1e-5 and medians["bfloat16"] > 1e-3
+
+
+@pytest.mark.parametrize("cls", [ReversibleTransformerLM, TransformerLM])
+def test_every_layer_has_a_structure_key_so_trainers_share_compiled_blocks(cls):
+    def layers(layer):
+        yield layer
+        for sub in layer.sublayers:
+            yield from layers(sub)
+
+    model = _lm(cls, compute_dtype=jnp.bfloat16)
+    assert [layer.name for layer in layers(model) if layer.structure_key is None] == []
+    if cls is ReversibleTransformerLM:  # the half-residuals of both layers are alike
+        (stack,) = [layer for layer in model.sublayers if isinstance(layer, ReversibleSerial)]
+        keys = {sub.structure_key for sub in stack.sublayers}
+        assert len(keys) == 3  # attention half, feed-forward half, swap
