@@ -1,12 +1,4 @@
-"""Property tests: random combinator trees agree with a plain-Python model of the stack.
-
-A *spec* describes a layer tree: ``("dup",)``, ``("swap",)``, ``("drop",)``, ``("none",)``,
-``("select", indices, n_in)``, ``("fn", name)`` or ``(kind, [child specs])`` for kind in
-``serial``, ``list`` (a plain Python list inside a combinator), ``branch``, ``parallel``.
-`build` turns a spec into revtrain layers; `run_model` runs it on a Python list (top of
-stack first) without revtrain, and `model_arity` finds how many items it needs by trying
-ever larger stacks, so the reference does not share the library's arity arithmetic.
-"""
+"""Tests for revtrain.layers.stack: the stack helpers and the arity checks."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,6 +18,91 @@ from revtrain.layers import (
     inputs_from_stack,
     outputs_onto_stack,
 )
+from revtrain.layers.stack import check_n_items, check_per_sublayer
+
+# --------------------------------------------------------------------------------------
+# Stack helpers.
+
+
+@pytest.mark.parametrize("stack, n, expected", [
+    (("a", "b", "c"), 1, "a"),
+    (("a", "b", "c"), 2, ("a", "b")),
+    (("a", "b", "c"), 3, ("a", "b", "c")),
+    (("a", "b", "c"), 0, ()),
+    (["a", "b"], 2, ("a", "b")),
+])
+def test_inputs_from_stack(stack, n, expected):
+    assert inputs_from_stack(stack, n) == expected
+
+
+def test_inputs_from_a_bare_item_stack():
+    x = np.ones(3)
+    assert inputs_from_stack(x, 1) is x
+    assert inputs_from_stack(x, 0) == ()
+
+
+@pytest.mark.parametrize("outputs, stack, n, expected", [
+    ("y", ("a", "b", "c"), 1, ("y", "b", "c")),
+    (("y", "z"), ("a", "b", "c"), 1, ("y", "z", "b", "c")),
+    ("y", ("a", "b"), 2, "y"),
+    ((), ("a", "b"), 1, "b"),
+    ((), ("a", "b"), 2, ()),
+    ("y", ("a", "b"), 0, ("y", "a", "b")),
+    (("y", "z"), (), 0, ("y", "z")),
+])
+def test_outputs_onto_stack(outputs, stack, n, expected):
+    assert outputs_onto_stack(outputs, stack, n) == expected
+
+
+@pytest.mark.parametrize("helper", [inputs_from_stack,
+                                    lambda s, n: outputs_onto_stack("y", s, n)])
+def test_stack_shorter_than_n_names_both_sizes(helper):
+    with pytest.raises(ValueError, match="stack has 2 items but 3 are needed"):
+        helper(("a", "b"), 3)
+    with pytest.raises(ValueError, match="stack has 1 items but 2 are needed"):
+        helper(np.ones(2), 2)
+
+
+# --------------------------------------------------------------------------------------
+# check_n_items, check_per_sublayer.
+
+
+@pytest.mark.parametrize("items, n, got", [
+    (np.ones(2), 2, "1"), ((1, 2, 3), 2, "3"), ([], 1, "0"), ((), 1, "0"),
+])
+def test_check_n_items_names_layer_expected_and_got(items, n, got):
+    layer = Dup()
+    check_n_items(layer, (1,) * n, n)
+    with pytest.raises(ValueError, match=rf"^Dup expects {n} inputs but got {got}$"):
+        check_n_items(layer, items, n)
+
+
+def test_check_n_items_defaults_to_n_in_and_names_what_it_counts():
+    check_n_items(Swap(), (1, 2))
+    with pytest.raises(ValueError, match=r"^Swap expects 2 output items but got 1; fix it$"):
+        check_n_items(Swap(), 1, 2, "output items", fix="fix it")
+
+
+def test_check_per_sublayer_wants_a_tuple_per_sublayer():
+    layer = Serial(Dup(), Drop())
+    check_per_sublayer(layer, weights=((), ()), state=[(), ()])
+    with pytest.raises(ValueError, match=r"^Serial expects 2 state \(one per sublayer\) but got 3; "
+                                         r"pass the tuple of its sublayers' state$"):
+        check_per_sublayer(layer, weights=((), ()), state=((), (), ()))
+    # A bare tree is not one item per sublayer, even for one sublayer.
+    with pytest.raises(ValueError, match=r"expects 1 weights .* but got a ndarray, not a tuple"):
+        check_per_sublayer(Serial(Dup()), weights=np.ones(2))
+
+
+# --------------------------------------------------------------------------------------
+# Property tests: random combinator trees agree with a plain-Python model of the stack.
+#
+# A *spec* describes a layer tree: ``("dup",)``, ``("swap",)``, ``("drop",)``, ``("none",)``,
+# ``("select", indices, n_in)``, ``("fn", name)`` or ``(kind, [child specs])`` for kind in
+# ``serial``, ``list`` (a plain Python list inside a combinator), ``branch``, ``parallel``.
+# `build` turns a spec into revtrain layers; `run_model` runs it on a Python list (top of
+# stack first) without revtrain, and `model_arity` finds how many items it needs by trying
+# ever larger stacks, so the reference does not share the library's arity arithmetic.
 
 
 def _add(a, b):
@@ -147,11 +224,15 @@ LEAVES = st.one_of(
     _select(),
     st.sampled_from(sorted(FUNCTIONS)).map(lambda name: ("fn", name)),
 )
+
+
 TREES = st.recursive(
     LEAVES,
     lambda children: st.tuples(st.sampled_from(["serial", "list", "branch", "parallel"]),
                                st.lists(children, max_size=3)),
     max_leaves=10)
+
+
 SERIALS = st.lists(TREES, max_size=6).map(lambda children: ("serial", children))
 
 
