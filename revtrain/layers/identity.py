@@ -22,7 +22,7 @@ frozen into a hashable value. Identity cannot be proven, and the key is None, wh
 
 Module-level named functions (``jax.nn.relu``, ``jnp.tanh``) are keyed by module and
 qualname; arrays by shape, dtype and bytes; hashable values (numbers, strings, enums) by
-themselves.
+their type and value (``2``, ``2.0`` and ``True`` are equal in Python but not as keys).
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def _freeze(value: Any) -> Hashable:
         hash(value)
     except TypeError:
         raise _Unprovable(type(value).__name__) from None
-    return value
+    # With its type: 2 == 2.0 == True, but x * 2 and x * 2.0 differ for integer x.
+    return (type(value).__module__, type(value).__qualname__, value)
 
 
 def _function_path(f: Any) -> tuple[str, str]:

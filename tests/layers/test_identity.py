@@ -155,6 +155,14 @@ def test_module_level_functions_and_their_partials_are_keyed_by_name():
     assert two.structure_key != Fn("f", functools.partial(_multiply, 3.0)).structure_key
 
 
+def test_equal_values_of_different_types_have_different_keys():
+    # x * 2 keeps an int32 x int32; x * 2.0 makes it float32.
+    keys = {Takes(2).structure_key, Takes(2.0).structure_key, Takes(True).structure_key,
+            Takes(np.float32(2)).structure_key}
+    assert len(keys) == 4 and None not in keys
+    assert Takes((1, 2.0)).structure_key != Takes((1.0, 2)).structure_key
+
+
 def test_an_unhashable_argument_that_is_not_a_container_has_no_key():
     # Keyed by id() it could match a later object that reuses the id after collection.
     assert Takes({1, 2}).structure_key is None
