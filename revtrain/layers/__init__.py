@@ -1,17 +1,7 @@
 """revtrain.layers: Trax-style layers and combinators that pass data on a stack."""
 
+from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh
 from revtrain.layers.attention import CausalAttention, dot_product_attention
-from revtrain.layers.base import (
-    EMPTY,
-    Fn,
-    Layer,
-    LayerError,
-    PureLayer,
-    ShapeDtype,
-    inputs_from_stack,
-    outputs_onto_stack,
-    signature_of,
-)
 from revtrain.layers.blocks import (
     blocks_to_layers,
     extract_reversible_blocks,
@@ -39,16 +29,12 @@ from revtrain.layers.core import (
     Dropout,
     Embedding,
     Flatten,
-    Gelu,
-    LogSoftmax,
     Mean,
     PositionalEncoding,
-    Relu,
     ShiftRight,
-    Sigmoid,
-    Softmax,
-    Tanh,
 )
+from revtrain.layers.fn import Fn, PureLayer
+from revtrain.layers.layer import EMPTY, Layer
 from revtrain.layers.metrics import (
     Accuracy,
     CrossEntropyLoss,
@@ -66,6 +52,8 @@ from revtrain.layers.reversible import (
     ReversibleSerial,
     ReversibleSwap,
 )
+from revtrain.layers.signatures import LayerError, ShapeDtype, signature_of
+from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
 
 __all__ = [
     "EMPTY", "Fn", "Layer", "LayerError", "PureLayer", "ShapeDtype", "inputs_from_stack",

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revtrain.layers.base import Layer
 from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, check_mode, check_rate
 from revtrain.layers.core import dropout as apply_dropout
+from revtrain.layers.layer import Layer
 
 
 def causal_mask(length: int) -> jax.Array:

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revtrain.layers.base import Layer, State, Weights, inputs_from_stack, outputs_onto_stack
 from revtrain.layers.combinators import Select, Serial, split_rng
+from revtrain.layers.layer import Layer, State, Weights
 from revtrain.layers.reversible import ReversibleLayer, ReversibleSerial
+from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
 
 Block = tuple[Layer, list[ReversibleLayer]]
 

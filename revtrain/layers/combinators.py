@@ -17,10 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from revtrain.layers.base import (
-    Layer,
+from revtrain.layers.layer import Layer
+from revtrain.layers.stack import (
     _as_tuple,
+    _bare,
     check_n_items,
+    check_per_sublayer,
     inputs_from_stack,
     outputs_onto_stack,
 )
@@ -47,16 +49,6 @@ def split_rng(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
     if rng is None or n == 0:
         return [None] * n
     return list(jax.random.split(rng, n))
-
-
-def _check_per_sublayer(layer: Layer, weights: Any, state: Any) -> None:
-    """Raises ValueError unless ``weights`` and ``state`` hold one item per sublayer."""
-    n = len(layer.sublayers)
-    for kind, tree in (("weights", weights), ("state", state)):
-        if not isinstance(tree, (tuple, list)) or len(tree) != n:
-            got = len(tree) if isinstance(tree, (tuple, list)) else type(tree).__name__
-            raise ValueError(f"{layer.name} {kind} must be a tuple of {n} items (one per "
-                             f"sublayer); got {got}; pass {layer.name}.{kind}")
 
 
 def _serial_arity(layers: Sequence[Layer]) -> tuple[int, int]:
@@ -86,7 +78,7 @@ class Serial(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        _check_per_sublayer(self, weights, state)
+        check_per_sublayer(self, weights=weights, state=state)
         stack = x
         new_states = []
         for layer, w, s, r in zip(self.sublayers, weights, state,
@@ -140,7 +132,7 @@ class _SideBySide(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        _check_per_sublayer(self, weights, state)
+        check_per_sublayer(self, weights=weights, state=state)
         outputs, new_states = [], []
         for layer, xs, w, s, r in zip(self.sublayers, self._inputs_per_sublayer(x), weights,
                                       state, split_rng(rng, len(self.sublayers)), strict=True):
@@ -324,11 +316,6 @@ class Split(Layer):
                              f"{self._n_items} equal parts; use a size divisible by "
                              f"{self._n_items}")
         return _bare(jnp.split(x, self._n_items, axis=self._axis)), state
-
-
-def _bare(items: Sequence[Any]) -> Any:
-    items = tuple(items)
-    return items[0] if len(items) == 1 else items
 
 
 __all__ = ["Serial", "Parallel", "Branch", "Residual", "Select", "Dup", "Swap", "Drop", "Add",

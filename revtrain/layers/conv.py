@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revtrain.layers.base import Layer
 from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, Initializer
+from revtrain.layers.layer import Layer
+from revtrain.layers.signatures import float_dtype
 
 Padding = str | Sequence[tuple[int, int]]
 
@@ -111,7 +112,7 @@ class Conv(Layer):
         if x.shape[-1] != w.shape[-2]:
             raise ValueError(f"Conv expects {w.shape[-2]} input channels (as at init) but "
                              f"received {x.shape[-1]}; feed [..., {w.shape[-2]}] or re-init")
-        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else w.dtype
+        dtype = float_dtype(x, w.dtype)
         y = jax.lax.conv_general_dilated(
             x.astype(dtype), w.astype(dtype), window_strides=self._strides,
             padding=self._padding, dimension_numbers=_DIMENSION_NUMBERS[n])

@@ -1,4 +1,4 @@
-"""Core layers: `Dense`, `Embedding`, `Dropout`, activations, positional encoding, reshapes.
+"""Core layers: `Dense`, `Embedding`, `Dropout`, positional encoding, reshapes.
 
 Every layer here is a leaf `Layer` with plain constructor arguments. Weights are float32;
 layers compute in the dtype of their input (a bfloat16 activation gives a bfloat16 output),
@@ -22,17 +22,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revtrain.layers.base import Layer
+from revtrain.layers.layer import Layer
+from revtrain.layers.signatures import float_dtype
 
 Initializer = jax.nn.initializers.Initializer
 
 MODES = ("train", "eval", "predict")
 
-# Default initialisers (as Trax's): immutable functions, shared safely.
-GLOROT_UNIFORM = jax.nn.initializers.glorot_uniform()
-TINY_NORMAL = jax.nn.initializers.normal(1e-6)
-EMBEDDING_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_out", "uniform", in_axis=-2,
-                                                      out_axis=-1)
+_GLOROT_UNIFORM = jax.nn.initializers.glorot_uniform()
+_TINY_NORMAL = jax.nn.initializers.normal(1e-6)
+_EMBEDDING_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_out", "uniform", in_axis=-2,
+                                                       out_axis=-1)
+
+
+# The default initialisers (as Trax's) are module-level named functions, not the closures
+# jax.nn.initializers returns: a layer's structure key can then name them, so default-built
+# layers share compiled programs (revtrain.layers.identity keys a closure argument as None).
+def glorot_uniform_init(key: jax.Array, shape: Sequence[int],
+                        dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Glorot (Xavier) uniform ``[..., fan_in, fan_out]`` weights; `Dense`/`Conv` kernels."""
+    return _GLOROT_UNIFORM(key, shape, dtype)
+
+
+def tiny_normal_init(key: jax.Array, shape: Sequence[int],
+                     dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Normal weights with standard deviation 1e-6; the default biases, as Trax's."""
+    return _TINY_NORMAL(key, shape, dtype)
+
+
+def embedding_init(key: jax.Array, shape: Sequence[int],
+                   dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Uniform ``[vocab_size, d_feature]`` table, variance ``1 / d_feature`` (Trax's)."""
+    return _EMBEDDING_INIT(key, shape, dtype)
+
+
+GLOROT_UNIFORM = glorot_uniform_init
+TINY_NORMAL = tiny_normal_init
+EMBEDDING_INIT = embedding_init
 
 
 def check_mode(mode: str, layer_name: str) -> str:
@@ -86,11 +112,6 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None,
     return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
 
-def _compute_dtype(x: jax.Array, weight: jax.Array) -> jnp.dtype:
-    """The input's dtype if it is a float type, else the weight's (float32)."""
-    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else weight.dtype
-
-
 class Dense(Layer):
     """A fully-connected layer: ``[..., d_in] -> [..., n_units]``, ``y = x @ w + b``.
 
@@ -120,7 +141,7 @@ class Dense(Layer):
             raise ValueError(f"Dense expects inputs with last axis d_in={w.shape[0]} (as at "
                              f"init) but received d_in={x.shape[-1] if x.ndim else None}; "
                              f"feed [..., {w.shape[0]}] or re-init the layer")
-        dtype = _compute_dtype(x, w)
+        dtype = float_dtype(x, w.dtype)
         y = jnp.dot(x.astype(dtype), w.astype(dtype))
         if self._use_bias:
             y = y + weights[1].astype(dtype)
@@ -197,90 +218,6 @@ class Dropout(Layer):
         if self._mode != "train":
             return x, state
         return dropout(x, self._rate, rng, self._shared_axes), state
-
-
-class _Activation(Layer):
-    """A weightless element-wise (or per-axis) function of one input."""
-
-    def __init__(self):
-        super().__init__(n_in=1, n_out=1)
-
-    def apply(self, x: jax.Array) -> jax.Array:
-        raise NotImplementedError
-
-    def forward_with_state(self, x, weights, state, rng):
-        return self.apply(x), state
-
-
-class Relu(_Activation):
-    """``max(x, 0)`` element-wise."""
-
-    def apply(self, x):
-        return jax.nn.relu(x)
-
-
-class Gelu(_Activation):
-    """Gaussian error linear unit (Hendrycks & Gimpel, 2016).
-
-    Args:
-      approximate: use the tanh approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715
-        x^3)))`` as Trax's ``Gelu`` does (default); False gives the exact ``x Phi(x)``.
-    """
-
-    def __init__(self, approximate: bool = True):
-        super().__init__()
-        self._approximate = approximate
-
-    def apply(self, x):
-        return jax.nn.gelu(x, approximate=self._approximate)
-
-
-class Tanh(_Activation):
-    """``tanh(x)`` element-wise."""
-
-    def apply(self, x):
-        return jnp.tanh(x)
-
-
-class Sigmoid(_Activation):
-    """``1 / (1 + exp(-x))`` element-wise."""
-
-    def apply(self, x):
-        return jax.nn.sigmoid(x)
-
-
-def _float_dtype(x: jax.Array) -> jnp.dtype:
-    """``x.dtype`` for float inputs, float32 for integer or bool ones."""
-    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32)
-
-
-class LogSoftmax(_Activation):
-    """``x - logsumexp(x, axis)``: log-probabilities from logits.
-
-    Computed in at least float32 (bfloat16 logits are upcast) and returned in ``x.dtype``
-    (float32 for integer inputs).
-    """
-
-    def __init__(self, axis: int = -1):
-        super().__init__()
-        self._axis = axis
-
-    def apply(self, x):
-        return jax.nn.log_softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
-                                  axis=self._axis).astype(_float_dtype(x))
-
-
-class Softmax(_Activation):
-    """``exp(x) / sum(exp(x), axis)``; computed in at least float32, returned in ``x.dtype``
-    (float32 for integer inputs)."""
-
-    def __init__(self, axis: int = -1):
-        super().__init__()
-        self._axis = axis
-
-    def apply(self, x):
-        return jax.nn.softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
-                              axis=self._axis).astype(_float_dtype(x))
 
 
 def sinusoidal_encoding(length: int, d_feature: int) -> np.ndarray:

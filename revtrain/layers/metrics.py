@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from revtrain.layers.base import Layer, check_n_items
+from revtrain.layers.layer import Layer
+from revtrain.layers.stack import check_n_items
 
 
 def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:

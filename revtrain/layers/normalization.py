@@ -17,17 +17,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from revtrain.layers.base import Layer
 from revtrain.layers.core import check_mode
-
-
-def _stats_dtype(x: jax.Array) -> jnp.dtype:
-    return jnp.promote_types(x.dtype, jnp.float32)
-
-
-def _output_dtype(x: jax.Array) -> jnp.dtype:
-    """The input's dtype if it is a float type, else float32 (normalised ids are floats)."""
-    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32)
+from revtrain.layers.layer import Layer
+from revtrain.layers.signatures import float_dtype
 
 
 class LayerNorm(Layer):
@@ -50,11 +42,11 @@ class LayerNorm(Layer):
         if x.shape[-1:] != scale.shape:
             raise ValueError(f"LayerNorm was initialised for last axis {scale.shape[0]} but "
                              f"received {x.shape[-1] if x.ndim else None}; re-init the layer")
-        xf = x.astype(_stats_dtype(x))
+        xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self._epsilon)
-        return (y * scale + bias).astype(_output_dtype(x)), state
+        return (y * scale + bias).astype(float_dtype(x)), state
 
     def init_weights_and_state(self, input_signature, rng):
         if not input_signature.shape:
@@ -121,7 +113,7 @@ class BatchNorm(Layer):
                              f"gives {self._stats_shape(x.shape)}; re-init the layer")
         # Shape that broadcasts a stats_shape array against x.
         bshape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
-        xf = x.astype(_stats_dtype(x))
+        xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         if self._mode == "train":
             mean = jnp.mean(xf, axis=axes)
             var = jnp.mean(jnp.square(xf - mean.reshape(bshape)), axis=axes)
@@ -137,7 +129,7 @@ class BatchNorm(Layer):
             y = y * scale_w.reshape(bshape)
         if self._center:
             y = y + bias_w.reshape(bshape)
-        return y.astype(_output_dtype(x)), state
+        return y.astype(float_dtype(x)), state
 
     def init_weights_and_state(self, input_signature, rng):
         shape = self._stats_shape(input_signature.shape)

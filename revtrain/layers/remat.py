@@ -19,7 +19,8 @@ from typing import Any
 
 import jax
 
-from revtrain.layers.base import Layer
+from revtrain.layers.layer import Layer
+from revtrain.layers.stack import check_per_sublayer
 
 
 class Remat(Layer):
@@ -60,8 +61,8 @@ class Remat(Layer):
     def forward_with_state(self, x: Any, weights: Any, state: Any,
                            rng: jax.Array | None) -> tuple[Any, Any]:
         (layer,) = self.sublayers
-        (layer_weights,) = _one(self, weights, "weights")
-        (layer_state,) = _one(self, state, "state")
+        check_per_sublayer(self, weights=weights, state=state)
+        (layer_weights,), (layer_state,) = weights, state
         remat_fn = jax.checkpoint(layer.pure_fn, policy=self._policy)
         y, new_state = remat_fn(x, layer_weights, layer_state, rng)
         return y, (new_state,)
@@ -71,15 +72,6 @@ class Remat(Layer):
         (layer,) = self.sublayers
         weights, state = layer.init(input_signature, rng=rng)
         return (weights,), (state,)
-
-
-def _one(layer: Layer, tree: Any, kind: str) -> tuple[Any]:
-    """Checks that ``tree`` is a 1-tuple (one entry for the one sublayer) and returns it."""
-    if not isinstance(tree, (tuple, list)) or len(tree) != 1:
-        got = len(tree) if isinstance(tree, (tuple, list)) else type(tree).__name__
-        raise ValueError(f"{layer.name} {kind} must be a 1-tuple (the wrapped layer's "
-                         f"{kind}); got {got}; pass {layer.name}.{kind}")
-    return tuple(tree)
 
 
 __all__ = ["Remat"]

@@ -36,22 +36,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from revtrain.layers.base import (
-    Layer,
-    LayerError,
-    State,
-    Weights,
-    _error_signature,
-    check_n_items,
-    inputs_from_stack,
-    outputs_onto_stack,
-)
 from revtrain.layers.combinators import (
     Select,
     Serial,
     _flatten_layers,
     init_in_series,
     split_rng,
+)
+from revtrain.layers.layer import Layer, State, Weights
+from revtrain.layers.signatures import LayerError, _error_signature
+from revtrain.layers.stack import (
+    _as_tuple,
+    _bare,
+    check_n_items,
+    check_per_sublayer,
+    inputs_from_stack,
+    outputs_onto_stack,
 )
 
 
@@ -65,24 +65,6 @@ def _run_serially(layers: Sequence[Layer], stack: Any, weights: Weights, state: 
         stack = outputs_onto_stack(y, stack, layer.n_in)
         new_states.append(new_s)
     return stack, tuple(new_states)
-
-
-def _check_stack(layer: Layer, items: Any, what: str) -> None:
-    """Raises ValueError unless ``items`` (an output or its cotangent) has ``n_out`` items."""
-    got = len(items) if isinstance(items, (tuple, list)) else 1
-    if got != layer.n_out:
-        raise ValueError(f"{what} must hold {layer.n_out} stack items (one per output of "
-                         f"{layer.name}); got {got}")
-
-
-def _check_per_sublayer(layer: Layer, **trees: Any) -> None:
-    """Raises ValueError unless each tree holds one item per sublayer (names the tree)."""
-    n = len(layer.sublayers)
-    for kind, tree in trees.items():
-        if not isinstance(tree, (tuple, list)) or len(tree) != n:
-            got = len(tree) if isinstance(tree, (tuple, list)) else type(tree).__name__
-            raise ValueError(f"{layer.name} {kind} must be a tuple of {n} items (one per "
-                             f"sublayer); got {got}; pass the {kind} of the forward pass")
 
 
 def _raising_layer_errors(method: Callable) -> Callable:
@@ -187,20 +169,19 @@ class ReversibleSelect(ReversibleLayer):
 
     def _permute(self, x: Any, order: tuple[int, ...]) -> Any:
         check_n_items(self, x)
-        items = x if isinstance(x, tuple) else (x,)
-        out = tuple(items[i] for i in order)
-        return out[0] if len(out) == 1 else out
+        items = _as_tuple(x)
+        return _bare(items[i] for i in order)
 
     def forward_with_state(self, x, weights, state, rng):
         return self._permute(x, self._indices), state
 
     def reverse(self, output, weights, state, new_state, rng):
-        _check_stack(self, output, "output")
+        check_n_items(self, output, self.n_out, "output items")
         return self._permute(output, self._inverse)
 
     def reverse_and_grad(self, output, ct, weights, state, new_state, rng):
-        _check_stack(self, output, "output")
-        _check_stack(self, ct, "ct")
+        check_n_items(self, output, self.n_out, "output items")
+        check_n_items(self, ct, self.n_out, "ct items")
         return (self._permute(output, self._inverse),
                 (self._permute(ct, self._inverse), _zeros_like(weights)))
 
@@ -230,20 +211,18 @@ class ReversibleReshape(ReversibleLayer):
 
     def _reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
         check_n_items(self, x)
-        items = x if isinstance(x, tuple) else (x,)
-        out = tuple(jnp.reshape(a, (a.shape[0],) + shape) for a in items)
-        return out[0] if len(out) == 1 else out
+        return _bare(jnp.reshape(a, (a.shape[0],) + shape) for a in _as_tuple(x))
 
     def forward_with_state(self, x, weights, state, rng):
         return self._reshape(x, self._shapes[0]), state
 
     def reverse(self, output, weights, state, new_state, rng):
-        _check_stack(self, output, "output")
+        check_n_items(self, output, self.n_out, "output items")
         return self._reshape(output, self._shapes[1])
 
     def reverse_and_grad(self, output, ct, weights, state, new_state, rng):
-        _check_stack(self, output, "output")
-        _check_stack(self, ct, "ct")
+        check_n_items(self, output, self.n_out, "output items")
+        check_n_items(self, ct, self.n_out, "ct items")
         return (self._reshape(output, self._shapes[1]),
                 (self._reshape(ct, self._shapes[1]), _zeros_like(weights)))
 
@@ -298,8 +277,7 @@ class ReversibleHalfResidual(ReversibleLayer):
     def _split(self, x: Any) -> tuple[jax.Array, Any, tuple]:
         check_n_items(self, x)
         ctx_items = tuple(x[1:])
-        ctx = ctx_items[0] if len(ctx_items) == 1 else ctx_items
-        return x[0], ctx, ctx_items
+        return x[0], _bare(ctx_items), ctx_items
 
     def forward_with_state(self, x, weights, state, rng):
         acc, ctx, ctx_items = self._split(x)
@@ -307,19 +285,19 @@ class ReversibleHalfResidual(ReversibleLayer):
         return (acc + residual.astype(acc.dtype),) + ctx_items, new_state
 
     def _reverse_state(self, weights: Weights, state: State, new_state: State) -> State:
-        _check_per_sublayer(self, weights=weights, state=state, new_state=new_state)
+        check_per_sublayer(self, weights=weights, state=state, new_state=new_state)
         return (state[0], new_state[1])
 
     def reverse(self, output, weights, state, new_state, rng):
-        _check_stack(self, output, "output")
+        check_n_items(self, output, self.n_out, "output items")
         acc, ctx, ctx_items = self._split(output)
         residual, _ = self._residual(ctx, weights,
                                      self._reverse_state(weights, state, new_state), rng)
         return (acc - residual.astype(acc.dtype),) + ctx_items
 
     def reverse_and_grad(self, output, ct, weights, state, new_state, rng):
-        _check_stack(self, output, "output")
-        _check_stack(self, ct, "ct")
+        check_n_items(self, output, self.n_out, "output items")
+        check_n_items(self, ct, self.n_out, "ct items")
         acc, ctx, ctx_items = self._split(output)
         ct_acc, ct_ctx = ct[0], tuple(ct[1:])
         run_state = self._reverse_state(weights, state, new_state)
@@ -380,13 +358,13 @@ class ReversibleSerial(ReversibleLayer):
 
     def _backwards(self, weights: Weights, state: State, new_state: State,
                    rng: jax.Array | None) -> list:
-        _check_per_sublayer(self, weights=weights, state=state, new_state=new_state)
+        check_per_sublayer(self, weights=weights, state=state, new_state=new_state)
         n = len(self.sublayers)
         return list(zip(self.sublayers, range(n), state, new_state,
                         split_rng(rng, n), strict=True))[::-1]
 
     def reverse(self, output, weights, state, new_state, rng):
-        _check_stack(self, output, "output")
+        check_n_items(self, output, self.n_out, "output items")
         stack = output
         for layer, i, s, new_s, r in self._backwards(weights, state, new_state, rng):
             y = inputs_from_stack(stack, layer.n_out)
@@ -395,8 +373,8 @@ class ReversibleSerial(ReversibleLayer):
         return stack
 
     def reverse_and_grad(self, output, ct, weights, state, new_state, rng):
-        _check_stack(self, output, "output")
-        _check_stack(self, ct, "ct")
+        check_n_items(self, output, self.n_out, "output items")
+        check_n_items(self, ct, self.n_out, "ct items")
         stack, ct_stack = output, ct
         weights_ct = [None] * len(self.sublayers)
         for layer, i, s, new_s, r in self._backwards(weights, state, new_state, rng):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from tree_utils import assert_trees_close
 
+from revtrain import layers as tl
 from revtrain.layers import (
     Add,
     Branch,
@@ -208,3 +209,26 @@ def test_reconstruction_error_on_lm_with_log_softmax_loss_layer():
     errors = reconstruction_error(model, batch, jax.random.key(4))
     assert len(errors) == 8 and max(errors) < 1e-5
     assert isinstance(errors[0], float)
+
+
+# --------------------------------------------------------------------------------------
+# Edge cases.
+
+
+def test_reconstruction_error_of_a_reversible_serial_needs_no_loss_layer():
+    model = tl.ReversibleSerial(tl.ReversibleHalfResidual(tl.Dense(4), tl.Dropout(0.3)),
+                                tl.ReversibleSwap(), tl.ReversibleHalfResidual(tl.Dense(4)))
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = tuple(jax.random.normal(k, (2, 4)) for k in keys)
+    model.init(x, rng=jax.random.key(1))
+    errors = tl.reconstruction_error(model, x, jax.random.key(2))
+    assert len(errors) == 3
+    assert all(0.0 <= e < 1e-5 for e in errors)
+    assert errors[0] > 0.0  # float32 drift of the first half-residual is measured
+    # As a one-element list of layers too.
+    assert tl.reconstruction_error([model], x, jax.random.key(2)) == errors
+
+
+def test_reconstruction_error_of_nothing_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"got no layers"):
+        tl.reconstruction_error([], jnp.ones(2), jax.random.key(0))

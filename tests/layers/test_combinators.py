@@ -340,14 +340,14 @@ def test_residual_values_and_weights():
 
 
 @pytest.mark.parametrize("layer, x, message", [
-    (Serial(Add()), A, "Serial takes 2 inputs but got 1"),
-    (Serial(Add()), (A, B, C), "Serial takes 2 inputs but got 3"),
-    (Serial(Dup()), (A, B), "Serial takes 1 inputs but got 2"),
-    (Parallel(None, Add()), (A, B), "Parallel takes 3 inputs but got 2"),
-    (Branch(Add(), None), (A, B, C), "Branch takes 2 inputs but got 3"),
-    (Select([1]), A, r"Select\[1\] takes 2 inputs but got 1"),
-    (Swap(), (A, B, C), "Swap takes 2 inputs but got 3"),
-    (Concatenate(n_items=3), (A, B), "Concatenate takes 3 inputs but got 2"),
+    (Serial(Add()), A, "Serial expects 2 inputs but got 1"),
+    (Serial(Add()), (A, B, C), "Serial expects 2 inputs but got 3"),
+    (Serial(Dup()), (A, B), "Serial expects 1 inputs but got 2"),
+    (Parallel(None, Add()), (A, B), "Parallel expects 3 inputs but got 2"),
+    (Branch(Add(), None), (A, B, C), "Branch expects 2 inputs but got 3"),
+    (Select([1]), A, r"Select\[1\] expects 2 inputs but got 1"),
+    (Swap(), (A, B, C), "Swap expects 2 inputs but got 3"),
+    (Concatenate(n_items=3), (A, B), "Concatenate expects 3 inputs but got 2"),
 ])
 def test_wrong_number_of_stack_items_says_expected_and_got(layer, x, message):
     with pytest.raises(LayerError, match=message):
@@ -355,9 +355,9 @@ def test_wrong_number_of_stack_items_says_expected_and_got(layer, x, message):
 
 
 def test_wrong_number_of_signature_items_in_init():
-    with pytest.raises(LayerError, match="Serial takes 2 inputs but got 1"):
+    with pytest.raises(LayerError, match="Serial expects 2 inputs but got 1"):
         Serial(Linear(2), Add()).init(SDS((2, 3), jnp.float32))
-    with pytest.raises(LayerError, match="Parallel takes 2 inputs but got 1"):
+    with pytest.raises(LayerError, match="Parallel expects 2 inputs but got 1"):
         Parallel(Linear(2), Linear(2)).init(SDS((2, 3), jnp.float32))
 
 
@@ -367,9 +367,9 @@ def test_wrong_number_of_signature_items_in_init():
 def test_wrong_length_weights_in_pure_fn_is_an_error(make):
     layer = make()
     x = A if layer.n_in == 1 else (A, B)
-    with pytest.raises(LayerError, match=r"weights must be a tuple of 2 items .*got 0"):
+    with pytest.raises(LayerError, match=r"expects 2 weights \(one per sublayer\) but got 0"):
         layer.pure_fn(x, (), ((), ()), None)
-    with pytest.raises(LayerError, match=r"state must be a tuple of 2 items .*got 3"):
+    with pytest.raises(LayerError, match=r"expects 2 state \(one per sublayer\) but got 3"):
         layer.pure_fn(x, ((), ()), ((), (), ()), None)
 
 

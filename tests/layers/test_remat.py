@@ -98,6 +98,7 @@ def test_policy_saving_dots_keeps_values_and_changes_the_structure_key():
     assert_trees_close(g_remat, (g_plain,))
     assert remat.structure_key != Remat(_half_residual()).structure_key
     assert Remat(_half_residual()).structure_key == Remat(_half_residual()).structure_key
+    assert remat.structure_key is not None
 
 
 def test_is_not_reversible_and_rejects_non_layers():
@@ -110,5 +111,6 @@ def test_wrong_weights_structure_names_the_fix():
     x = _inputs()
     remat = Remat(_half_residual())
     remat.init(_signature(x))
-    with pytest.raises(Exception, match="1-tuple"):
+    with pytest.raises(Exception, match=r"Remat expects 1 weights .* but got 2; pass the "
+                                        r"tuple of its sublayers' weights"):
         remat.pure_fn(x, remat.weights[0], remat.state, None)

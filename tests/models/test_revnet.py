@@ -108,3 +108,28 @@ def test_eval_mode_uses_moving_statistics():
     assert not np.allclose(train(images), evaluate(images), atol=1e-3)
     again = evaluate(images)
     assert_trees_close(evaluate(images), again)  # eval does not change the state
+
+
+def test_every_layer_has_a_structure_key_so_trainers_share_compiled_blocks():
+    def layers(layer):
+        yield layer
+        for sub in layer.sublayers:
+            yield from layers(sub)
+
+    assert [layer.name for layer in layers(_revnet()) if layer.structure_key is None] == []
+
+
+# --------------------------------------------------------------------------------------
+# Edge cases.
+
+
+def test_negative_block_count_is_rejected():
+    with pytest.raises(ValueError, match=r"n_blocks_per_stage=\(1, -1\) must be >= 0"):
+        RevNet(widths=(4, 8), n_blocks_per_stage=(1, -1))
+
+
+def test_uint8_images_give_the_same_log_probs_as_float_images():
+    model = RevNet(n_classes=3, widths=(4,), n_blocks_per_stage=(1,), mode="eval")
+    pixels = (np.arange(48) * 7 % 256).astype(np.uint8).reshape(1, 4, 4, 3)
+    model.init(pixels, rng=jax.random.key(0))
+    np.testing.assert_allclose(model(pixels), model(pixels.astype(np.float32)), rtol=1e-5)

@@ -1,12 +1,4 @@
-"""Property tests: random combinator trees agree with a plain-Python model of the stack.
-
-A *spec* describes a layer tree: ``("dup",)``, ``("swap",)``, ``("drop",)``, ``("none",)``,
-``("select", indices, n_in)``, ``("fn", name)`` or ``(kind, [child specs])`` for kind in
-``serial``, ``list`` (a plain Python list inside a combinator), ``branch``, ``parallel``.
-`build` turns a spec into revtrain layers; `run_model` runs it on a Python list (top of
-stack first) without revtrain, and `model_arity` finds how many items it needs by trying
-ever larger stacks, so the reference does not share the library's arity arithmetic.
-"""
+"""Tests for revtrain.layers.stack: the stack helpers and the arity checks."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,15 +18,126 @@ from revtrain.layers import (
     inputs_from_stack,
     outputs_onto_stack,
 )
+from revtrain.layers.stack import check_n_items, check_per_sublayer
 
-# name -> (function, n_in, n_out); the same functions run in the model and in `Fn`.
+# --------------------------------------------------------------------------------------
+# Stack helpers.
+
+
+@pytest.mark.parametrize("stack, n, expected", [
+    (("a", "b", "c"), 1, "a"),
+    (("a", "b", "c"), 2, ("a", "b")),
+    (("a", "b", "c"), 3, ("a", "b", "c")),
+    (("a", "b", "c"), 0, ()),
+    (["a", "b"], 2, ("a", "b")),
+])
+def test_inputs_from_stack(stack, n, expected):
+    assert inputs_from_stack(stack, n) == expected
+
+
+def test_inputs_from_a_bare_item_stack():
+    x = np.ones(3)
+    assert inputs_from_stack(x, 1) is x
+    assert inputs_from_stack(x, 0) == ()
+
+
+@pytest.mark.parametrize("outputs, stack, n, expected", [
+    ("y", ("a", "b", "c"), 1, ("y", "b", "c")),
+    (("y", "z"), ("a", "b", "c"), 1, ("y", "z", "b", "c")),
+    ("y", ("a", "b"), 2, "y"),
+    ((), ("a", "b"), 1, "b"),
+    ((), ("a", "b"), 2, ()),
+    ("y", ("a", "b"), 0, ("y", "a", "b")),
+    (("y", "z"), (), 0, ("y", "z")),
+])
+def test_outputs_onto_stack(outputs, stack, n, expected):
+    assert outputs_onto_stack(outputs, stack, n) == expected
+
+
+@pytest.mark.parametrize("helper", [inputs_from_stack,
+                                    lambda s, n: outputs_onto_stack("y", s, n)])
+def test_stack_shorter_than_n_names_both_sizes(helper):
+    with pytest.raises(ValueError, match="stack has 2 items but 3 are needed"):
+        helper(("a", "b"), 3)
+    with pytest.raises(ValueError, match="stack has 1 items but 2 are needed"):
+        helper(np.ones(2), 2)
+
+
+# --------------------------------------------------------------------------------------
+# check_n_items, check_per_sublayer.
+
+
+@pytest.mark.parametrize("items, n, got", [
+    (np.ones(2), 2, "1"), ((1, 2, 3), 2, "3"), ([], 1, "0"), ((), 1, "0"),
+])
+def test_check_n_items_names_layer_expected_and_got(items, n, got):
+    layer = Dup()
+    check_n_items(layer, (1,) * n, n)
+    with pytest.raises(ValueError, match=rf"^Dup expects {n} inputs but got {got}$"):
+        check_n_items(layer, items, n)
+
+
+def test_check_n_items_defaults_to_n_in_and_names_what_it_counts():
+    check_n_items(Swap(), (1, 2))
+    with pytest.raises(ValueError, match=r"^Swap expects 2 output items but got 1; fix it$"):
+        check_n_items(Swap(), 1, 2, "output items", fix="fix it")
+
+
+def test_check_per_sublayer_wants_a_tuple_per_sublayer():
+    layer = Serial(Dup(), Drop())
+    check_per_sublayer(layer, weights=((), ()), state=[(), ()])
+    with pytest.raises(ValueError, match=r"^Serial expects 2 state \(one per sublayer\) but got 3; "
+                                         r"pass the tuple of its sublayers' state$"):
+        check_per_sublayer(layer, weights=((), ()), state=((), (), ()))
+    # A bare tree is not one item per sublayer, even for one sublayer.
+    with pytest.raises(ValueError, match=r"expects 1 weights .* but got a ndarray, not a tuple"):
+        check_per_sublayer(Serial(Dup()), weights=np.ones(2))
+
+
+# --------------------------------------------------------------------------------------
+# Property tests: random combinator trees agree with a plain-Python model of the stack.
+#
+# A *spec* describes a layer tree: ``("dup",)``, ``("swap",)``, ``("drop",)``, ``("none",)``,
+# ``("select", indices, n_in)``, ``("fn", name)`` or ``(kind, [child specs])`` for kind in
+# ``serial``, ``list`` (a plain Python list inside a combinator), ``branch``, ``parallel``.
+# `build` turns a spec into revtrain layers; `run_model` runs it on a Python list (top of
+# stack first) without revtrain, and `model_arity` finds how many items it needs by trying
+# ever larger stacks, so the reference does not share the library's arity arithmetic.
+
+
+def _add(a, b):
+    return a + b
+
+
+def _sub(a, b):
+    return a - b
+
+
+def _neg(a):
+    return -a
+
+
+def _fork(a):
+    return a, 3 * a
+
+
+def _const():
+    return jnp.full((2, 3), 0.5, jnp.float32)
+
+
+def _sum3(a, b, c):
+    return a + 2 * b + 4 * c
+
+
+# name -> (function, n_in, n_out); the same functions run in the model and in `Fn`. They
+# are module-level functions, so `Fn` layers built from them have structure keys.
 FUNCTIONS = {
-    "add": (lambda a, b: a + b, 2, 1),
-    "sub": (lambda a, b: a - b, 2, 1),
-    "neg": (lambda a: -a, 1, 1),
-    "fork": (lambda a: (a, 3 * a), 1, 2),
-    "const": (lambda: jnp.full((2, 3), 0.5, jnp.float32), 0, 1),
-    "sum3": (lambda a, b, c: a + 2 * b + 4 * c, 3, 1),
+    "add": (_add, 2, 1),
+    "sub": (_sub, 2, 1),
+    "neg": (_neg, 1, 1),
+    "fork": (_fork, 1, 2),
+    "const": (_const, 0, 1),
+    "sum3": (_sum3, 3, 1),
 }
 
 
@@ -121,11 +224,15 @@ LEAVES = st.one_of(
     _select(),
     st.sampled_from(sorted(FUNCTIONS)).map(lambda name: ("fn", name)),
 )
+
+
 TREES = st.recursive(
     LEAVES,
     lambda children: st.tuples(st.sampled_from(["serial", "list", "branch", "parallel"]),
                                st.lists(children, max_size=3)),
     max_leaves=10)
+
+
 SERIALS = st.lists(TREES, max_size=6).map(lambda children: ("serial", children))
 
 
@@ -173,15 +280,15 @@ def test_items_below_pass_through_and_wrong_counts_fail(spec, extra):
     _assert_lists_close(new_stack, run_model(spec, list(stack)))
     assert len(new_stack) == n_out + extra
     # Feeding more (or fewer) items than n_in is an error that says expected vs got.
-    with pytest.raises(LayerError, match=f"takes {n_in} inputs but got {n_in + extra}"):
+    with pytest.raises(LayerError, match=f"expects {n_in} inputs but got {n_in + extra}"):
         layer(tuple(stack))
     if n_in >= 2:
-        with pytest.raises(LayerError, match=f"takes {n_in} inputs but got {n_in - 1}"):
+        with pytest.raises(LayerError, match=f"expects {n_in} inputs but got {n_in - 1}"):
             layer(tuple(stack[:n_in - 1]))
 
 
 @settings(max_examples=50, deadline=None)
 @given(SERIALS)
 def test_equal_specs_have_equal_structure_keys(spec):
-    assert build(spec).structure_key == build(spec).structure_key
+    assert build(spec).structure_key == build(spec).structure_key is not None
     assert build(spec).structure_key != build(("serial", [spec, ("dup",)])).structure_key
