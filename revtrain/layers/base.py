@@ -31,12 +31,10 @@ names revtrain keeps.
 """
 
 from revtrain.layers.fn import Fn, PureLayer
-from revtrain.layers.layer import EMPTY, Layer, State, Weights, _Deferred, _fetch_once
+from revtrain.layers.layer import EMPTY, Layer, State, Weights
 from revtrain.layers.signatures import (
     LayerError,
     ShapeDtype,
-    _dtype_of,
-    _error_signature,
     float_dtype,
     format_signature,
     signature_of,
@@ -47,6 +45,4 @@ __all__ = [
     "EMPTY", "Fn", "Layer", "LayerError", "PureLayer", "ShapeDtype", "Stack", "State",
     "Weights", "check_n_items", "float_dtype", "format_signature", "inputs_from_stack",
     "outputs_onto_stack", "signature_of",
-    # Private names other packages import today (trainers' deferred write-back).
-    "_Deferred", "_dtype_of", "_error_signature", "_fetch_once",
 ]

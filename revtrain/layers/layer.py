@@ -18,7 +18,7 @@ References: Trax's ``trax.layers.base.Layer``, whose API names revtrain keeps.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -36,23 +36,6 @@ Weights = Any
 State = Any
 
 EMPTY = ()
-
-
-def _fetch_once(fetch: Callable[[], Any], n: int, owner: str) -> Callable[[], Any]:
-    """Wraps ``fetch`` so it runs once and must return ``n`` items (one per sublayer)."""
-    cache = []
-
-    def fetch_once():
-        if not cache:
-            value = fetch()
-            if not isinstance(value, (tuple, list)) or len(value) != n:
-                got = len(value) if isinstance(value, (tuple, list)) else type(value).__name__
-                raise ValueError(f"deferred value of {owner} must be a tuple of {n} items "
-                                 f"(one per sublayer); got {got}")
-            cache.append(value)
-        return cache[0]
-
-    return fetch_once
 
 
 def _has_own_weights(layer: Layer) -> bool:
@@ -82,13 +65,6 @@ def _check_no_reused_layers(layer: Layer) -> None:
                 f"revtrain does not share weights between uses of one layer object; create "
                 f"a separate {sub.name} for each use")
         seen.add(id(sub))
-
-
-class _Deferred:
-    """A value to be fetched on first read (e.g. weights a trainer holds on a device)."""
-
-    def __init__(self, fetch: Callable[[], Any]):
-        self.fetch = fetch
 
 
 class Layer:
@@ -180,8 +156,6 @@ class Layer:
     def weights(self) -> Weights:
         if self._sublayers:
             return tuple(s.weights for s in self._sublayers)
-        if isinstance(self._weights, _Deferred):
-            self._weights = self._weights.fetch()
         return self._weights
 
     @weights.setter
@@ -192,8 +166,6 @@ class Layer:
     def state(self) -> State:
         if self._sublayers:
             return tuple(s.state for s in self._sublayers)
-        if isinstance(self._state, _Deferred):
-            self._state = self._state.fetch()
         return self._state
 
     @state.setter
@@ -201,14 +173,10 @@ class Layer:
         self._set_tree("state", state)
 
     def _set_tree(self, kind: str, value: Any) -> None:
-        if self._sublayers and not isinstance(value, _Deferred):
+        if self._sublayers:
             check_per_sublayer(self, **{kind: value})
             for sub, sub_value in zip(self._sublayers, value, strict=True):
                 sub._set_tree(kind, sub_value)
-        elif self._sublayers:
-            fetch = _fetch_once(value.fetch, len(self._sublayers), f"{self.name}.{kind}")
-            for i, sub in enumerate(self._sublayers):
-                sub._set_tree(kind, _Deferred(lambda i=i: fetch()[i]))
         else:
             setattr(self, "_" + kind, value)
         self._initialized = True

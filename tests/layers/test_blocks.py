@@ -232,3 +232,19 @@ def test_reconstruction_error_of_a_reversible_serial_needs_no_loss_layer():
 def test_reconstruction_error_of_nothing_is_a_clear_error():
     with pytest.raises(ValueError, match=r"got no layers"):
         tl.reconstruction_error([], jnp.ones(2), jax.random.key(0))
+
+
+def test_nest_flat_values_rebuilds_the_model_tree_without_touching_layers():
+    model = _lm()
+    model.init(_signature(_lm_batch()[0]))
+    blocks, loss = extract_reversible_blocks([model, tl.CrossEntropyLoss()])
+    flat = blocks_to_layers(blocks, loss)
+    before = jax.tree.map(np.array, model.weights)
+    doubled = [jax.tree.map(lambda a: 2 * np.asarray(a), layer.weights) for layer in flat]
+    nested = tl.nest_flat_values(model, flat, doubled)
+    assert_trees_close(nested, jax.tree.map(lambda a: 2 * a, before))
+    assert_trees_close(model.weights, before)  # The layer objects are untouched.
+    with pytest.raises(ValueError, match=r"got 1 values for \d+ flat layers"):
+        tl.nest_flat_values(model, flat, doubled[:1])
+    with pytest.raises(ValueError, match=r"is in none of the flat layers"):
+        tl.nest_flat_values(model, flat[:1], doubled[:1])

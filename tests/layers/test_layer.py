@@ -1,4 +1,4 @@
-"""Tests for revtrain.layers.layer: the Layer contract, combinator weights, deferred values."""
+"""Tests for revtrain.layers.layer: the Layer contract and combinator weights."""
 import inspect
 
 import jax
@@ -27,7 +27,6 @@ from revtrain.layers import (
     Serial,
     Swap,
 )
-from revtrain.layers.layer import _Deferred
 from revtrain.layers.normalization import BatchNorm
 
 SDS = jax.ShapeDtypeStruct
@@ -179,7 +178,7 @@ def test_negative_arity_is_rejected():
 
 
 # --------------------------------------------------------------------------------------
-# Combinator weights, deferred values.
+# Combinator weights.
 
 
 def test_combinator_weights_are_the_sublayers_and_assignment_reaches_them():
@@ -210,58 +209,6 @@ def test_assigning_weights_marks_combinator_initialized():
     model.weights = ((jnp.ones((3, 2)), jnp.zeros(2)), ())
     assert model.initialized
     np.testing.assert_allclose(model(np.ones((1, 3)))[1], np.full((1, 2), 3.0))
-
-
-class _Fetcher:
-    def __init__(self, value):
-        self.value, self.calls = value, 0
-
-    def __call__(self):
-        self.calls += 1
-        return self.value
-
-
-def test_deferred_leaf_weights_are_fetched_once_on_first_read():
-    layer = Linear(2)
-    fetch = _Fetcher((jnp.ones((3, 2)), jnp.zeros(2)))
-    layer.weights = _Deferred(fetch)
-    assert fetch.calls == 0
-    assert layer.weights is fetch.value
-    assert layer.weights is fetch.value
-    assert fetch.calls == 1
-
-
-def test_deferred_combinator_weights_are_fetched_once_through_nesting():
-    inner = Serial(Linear(2), Linear(1))
-    model = Serial(Linear(3), inner)
-    value = ((jnp.ones((4, 3)), jnp.zeros(3)),
-             ((jnp.ones((3, 2)), jnp.zeros(2)), (jnp.ones((2, 1)), jnp.full(1, 0.5))))
-    fetch = _Fetcher(value)
-    model.weights = _Deferred(fetch)
-    assert fetch.calls == 0
-    assert model.initialized
-    assert inner.sublayers[1].weights[1] is value[1][1][1]
-    assert fetch.calls == 1
-    assert_trees_close(model.weights, value)
-    assert fetch.calls == 1
-    # 1 * 4 -> 4 * 3 = 12 -> 12 * 2 = 24 -> + 0.5
-    np.testing.assert_allclose(model(np.ones((1, 4))), [[24.5]])
-
-
-def test_deferred_state_through_combinator():
-    model = Serial(Counter(), Counter())
-    fetch = _Fetcher((jnp.array(5), jnp.array(7)))
-    model.state = _Deferred(fetch)
-    assert fetch.calls == 0
-    model(np.ones(2))
-    assert [int(s) for s in model.state] == [6, 8] and fetch.calls == 1
-
-
-def test_deferred_value_of_wrong_length_names_sizes_on_read():
-    model = Serial(Linear(2), Linear(2))
-    model.weights = _Deferred(lambda: ((), (), ()))
-    with pytest.raises(ValueError, match=r"tuple of 2 items .*got 3"):
-        _ = model.weights
 
 
 # --------------------------------------------------------------------------------------

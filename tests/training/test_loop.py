@@ -149,3 +149,18 @@ def test_loop_steps_do_not_recompile_the_trainer():
     with _loop(None, trainers.Trainer, learning_rate=schedule, eval_steps=0) as loop:
         loop.run(5)
     assert loop.trainer.trace_counts() == {"train_step": 1}
+
+
+def test_evaluation_reads_the_trainers_values_not_the_layer_objects():
+    with _loop(None, eval_steps=1) as loop:
+        initial = jax.tree.map(np.array, loop.model.weights)
+        before = loop.evaluate(write=False)
+        loop.run(5)
+        # The layer objects keep their initial values; the trainer owns the trained ones.
+        assert_trees_close(loop.model.weights, initial, rtol=0, atol=0)
+        after = loop.evaluate(write=False)
+        assert after["loss"] < before["loss"]
+        weights, _ = loop.model_values()
+        loop.trainer.sync_to()
+        assert_trees_close(loop.model.weights, weights, rtol=0, atol=0)
+        assert loop.evaluate(write=False) == after

@@ -1,4 +1,5 @@
-"""The core invariant: Trainer and ReversibleSerialTrainer give the same losses and weights."""
+"""Tests for revtrain.trainers.reversible: ReversibleSerialTrainer equals Trainer (the core
+invariant), owns its values (TrainState, sync_to) and compiles once."""
 import jax
 import numpy as np
 import optax

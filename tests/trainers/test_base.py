@@ -1,4 +1,4 @@
-"""Edge cases of the trainers' input checking, found by trying to break them."""
+"""Tests for revtrain.trainers.base: input checks shared by every trainer."""
 import jax
 import numpy as np
 import pytest
