@@ -45,6 +45,7 @@ from revtrain.training.evaluation import BYTE_VOCAB_SIZE, Evaluator, bits_per_by
 from revtrain.training.interrupts import StopOnSignals
 from revtrain.training.metrics_writer import MetricsWriter
 from revtrain.training.optimizers import optimizer_fn as default_optimizer_fn
+from revtrain.training.validation import check_batch_divides, check_first_batch
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class Loop:
         init_rng, self._rng = jax.random.split(jax.random.key(seed))
         self.model = model(mode="train")
         self._batch_signature = self._init_model(init_rng)
+        check_batch_divides(self._batch_signature[0].shape[0], n_devices, self.inputs)
         self.trainer = build_trainer(trainer_class, self.model, self._loss, optimizer_fn,
                                      n_devices, **dict(trainer_kwargs or {}))
         byte_lm = getattr(self.inputs, "vocab_size", None) == BYTE_VOCAB_SIZE
@@ -167,8 +169,10 @@ class Loop:
     # Set-up and checkpoints.
 
     def _init_model(self, rng: jax.Array) -> Any:
-        """Initialises the model (and loss) from the first batch's shapes."""
+        """Checks the first batch fits the model, then initialises the model (and loss)
+        from its shapes."""
         batch = next(iter(self.inputs.train_stream(start_step=0)))
+        check_first_batch(batch, self.model, self.inputs)
         signature = signature_of(tuple(batch))
         self.model.init(signature[0], rng=rng)
         output = self.model.output_signature(signature[0])

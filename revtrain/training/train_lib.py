@@ -23,6 +23,7 @@ from revtrain.trainers import Trainer
 from revtrain.training.loop import Loop
 from revtrain.training.optimizers import optimizer_fn
 from revtrain.training.run_lock import RunLock
+from revtrain.training.validation import check_train_arguments
 
 
 def make_loop(output_dir: str | None = None, model: Callable[..., Layer] | None = None,
@@ -93,15 +94,20 @@ def train(output_dir: str | None = None, model: Callable[..., Layer] | None = No
     Returns:
       The `Loop` after `Loop.run`: ``last_eval_metrics``, ``step``, ``interrupted_by``.
 
-    The chief process holds a `RunLock` on ``output_dir`` throughout: a second ``train``
-    on the same directory is refused while this one runs.
+    Validates before it writes: the numeric arguments (`check_train_arguments`), then
+    the output directory and its lock, then (in `Loop`) the first batch against the model
+    and the devices; only then are checkpoints, metrics and callbacks' files written. The
+    chief process holds a `RunLock` on ``output_dir`` throughout: a second ``train`` on
+    the same directory is refused while this one runs.
 
     Raises:
       NonFiniteLossError: when the loss became NaN or inf.
       RunLockError: when another process is training in ``output_dir``.
-      ValueError: for a missing model/inputs or a checkpoint that does not match the model.
+      ValueError: for a missing model/inputs, an argument out of range, data that does not
+        fit the model or the devices, or a checkpoint that does not match the model.
     """
     kwargs = dict(locals())
+    check_train_arguments(kwargs)
     steps, callbacks = kwargs.pop("steps"), kwargs.pop("callbacks")
     with _run_lock(output_dir):
         loop = make_loop(**kwargs)
