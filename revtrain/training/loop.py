@@ -163,7 +163,11 @@ class Loop:
             keep_period=keep_period, keep_time_interval=keep_time_interval)
         self.step = 0
         self.restored_step: int | None = None
-        self._restore()
+        try:
+            self._restore()
+        except BaseException:
+            self.close()  # Joins orbax's threads: no tracebacks from them at exit.
+            raise
 
     # ----------------------------------------------------------------------------------
     # Set-up and checkpoints.

@@ -30,10 +30,10 @@ def write_run_config(output_dir: str, text: str,
     Returns:
       The path of the history file.
     """
-    started = started or datetime.datetime.now(datetime.timezone.utc)
+    started = started or datetime.datetime.now(datetime.UTC)
     history = os.path.join(output_dir, HISTORY_DIR)
     os.makedirs(history, exist_ok=True)
-    stamp = started.astimezone(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    stamp = started.astimezone(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     path = os.path.join(history, f"{stamp}.gin")
     with open(path, "x") as f:  # Never overwrites an earlier run's record.
         f.write(text)

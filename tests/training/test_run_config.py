@@ -7,7 +7,7 @@ from tests.test_cli import _train
 
 
 def test_history_keeps_each_run_and_config_gin_is_the_latest(tmp_path):
-    first = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    first = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
     write_run_config(str(tmp_path), "a = 1\n", first)
     write_run_config(str(tmp_path), "a = 2\n", first + datetime.timedelta(seconds=1))
     history = sorted(os.listdir(tmp_path / HISTORY_DIR))

@@ -4,8 +4,11 @@ import pytest
 
 from revtrain.data import CopyTask
 from revtrain.models import ReversibleTransformerLM, RevNet
-from revtrain.training.validation import (check_batch_divides, check_first_batch,
-                                          check_train_arguments)
+from revtrain.training.validation import (
+    check_batch_divides,
+    check_first_batch,
+    check_train_arguments,
+)
 
 LM = ReversibleTransformerLM(vocab_size=8, d_model=8, d_ff=8, n_layers=1, n_heads=2,
                              max_len=16)
