@@ -11,7 +11,8 @@ the first mismatching path (Trax fails with an ``IndexError`` deep inside the re
 Retention, as Paxml's checkpoint manager: the newest ``max_to_keep`` checkpoints, plus,
 permanently, every checkpoint whose step is a multiple of ``keep_period`` and one per
 ``keep_time_interval`` seconds (orbax ``LatestN``, ``EveryNSteps`` and ``EveryNSeconds``
-preservation policies). Saves are atomic: orbax writes into a temporary directory and
+preservation policies); what earlier runs of the directory kept permanently stays kept
+(`revtrain.training.retention`). Saves are atomic: orbax writes into a temporary directory and
 renames it when complete, so a crash mid-save leaves the previous checkpoint the newest
 restorable one.
 """
@@ -29,7 +30,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from orbax.checkpoint import checkpoint_managers as policies
+
+from revtrain.training import retention
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +170,13 @@ def check_matches(expected: Mapping[str, tuple], found: Mapping[str, tuple],
                                       f"is in the {what} but not in the model")
 
 
+def _step_dirs(directory: str) -> list[int]:
+    """Steps of the checkpoint directories in ``directory`` (complete or not)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
 def _barrier(name: str) -> None:
     """Waits for every process (no-op with one process)."""
     if jax.process_count() > 1:
@@ -198,10 +207,13 @@ class Checkpointer:
                  keep_time_interval: float | datetime.timedelta | None = None,
                  async_save: bool = False):
         self.directory = os.path.abspath(directory)
+        self._keep = (keep_period, keep_time_interval)
+        self._promises = retention.read_promises(self.directory)
+        kept = retention.promised_steps(self._promises, _step_dirs(self.directory))
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
-            preservation_policy=_preservation_policy(max_to_keep, keep_period,
-                                                     keep_time_interval))
+            preservation_policy=retention.preservation_policy(
+                max_to_keep, keep_period, keep_time_interval, kept))
         self.unreadable_steps: list[int] = []
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler())
@@ -232,6 +244,8 @@ class Checkpointer:
                                self.directory)
             return False
         flat = flatten_tree(tree)
+        if jax.process_index() == 0:  # Before saving: the save may delete old steps.
+            retention.record_promise(self.directory, self._promises, *self._keep, step)
         _barrier(f"revtrain_checkpoint_save_start_{step}")
         saved = self._manager.save(int(step), args=ocp.args.StandardSave(flat), force=True)
         _barrier(f"revtrain_checkpoint_save_end_{step}")
@@ -322,23 +336,3 @@ class Checkpointer:
     def close(self) -> None:
         """Finishes pending saves and releases the manager."""
         self._manager.close()
-
-
-def _preservation_policy(max_to_keep: int | None, keep_period: int | None,
-                         keep_time_interval: float | datetime.timedelta | None) -> Any:
-    """orbax ``AnyPreservationPolicy`` of the newest-N, every-N-steps and interval rules."""
-    if max_to_keep is not None and max_to_keep < 1:
-        raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 or None (keep all)")
-    rules = [policies.LatestN(n=max_to_keep)]
-    if keep_period is not None:
-        if keep_period < 1:
-            raise ValueError(f"keep_period={keep_period} must be >= 1 or None")
-        rules.append(policies.EveryNSteps(interval_steps=int(keep_period)))
-    if keep_time_interval is not None:
-        if isinstance(keep_time_interval, datetime.timedelta):
-            keep_time_interval = keep_time_interval.total_seconds()
-        if keep_time_interval <= 0:
-            raise ValueError(f"keep_time_interval={keep_time_interval} seconds must be > 0 "
-                             f"or None")
-        rules.append(policies.EveryNSeconds(interval_secs=max(int(keep_time_interval), 1)))
-    return policies.AnyPreservationPolicy(rules)
