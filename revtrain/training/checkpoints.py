@@ -305,14 +305,15 @@ class Checkpointer:
         if not self.unreadable_steps:
             return
         aside = self.directory + "_unreadable"
-        os.makedirs(aside, exist_ok=True)
-        for step in self.unreadable_steps:
+        for step in self.unreadable_steps if jax.process_index() == 0 else ():
+            os.makedirs(aside, exist_ok=True)
             target = os.path.join(aside, str(step))
             while os.path.exists(target):
                 target += "_"
             os.rename(os.path.join(self.directory, str(step)), target)
             logger.warning("moved the unreadable checkpoint of step %d to %s", step, target)
         self.unreadable_steps = []
+        _barrier("revtrain_checkpoint_set_aside")
         self._manager.reload()
 
     def _restore_step(self, template: Any, step: int) -> Any:

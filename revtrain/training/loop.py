@@ -14,6 +14,9 @@ last step was not evaluated yet, and returns the last eval metrics. On construct
 restores the newest checkpoint of ``output_dir`` -- weights, optimizer slots, layer state,
 step and rng -- so ``run(20)`` then ``run(30)`` (even in a new process) ends with the same
 weights as ``run(30)``, as with Trax's ``train`` whose ``steps`` is the total step count.
+A checkpoint that cannot be read is skipped with a warning (`Checkpointer.restore`). Before
+anything is written, the first batch is checked against the model and the devices
+(`revtrain.training.validation`).
 
 All trainers see the model as the flat layer list of ``extract_reversible_blocks`` (the
 plain `Trainer` gets ``Serial`` of it), so every trainer gives layer ``i`` the same rng and
