@@ -276,6 +276,7 @@ class Checkpointer:
             shapes or dtypes differ from the template's; names the first mismatching path.
         """
         self.wait_until_finished()
+        _drop_closed_event_loop_reports()  # Before: a failed read may report at once.
         if step is not None:
             return self._restore_step(template, step)
         steps = sorted(self._manager.all_steps(), reverse=True)
@@ -288,7 +289,6 @@ class Checkpointer:
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
-                _drop_closed_event_loop_reports()
                 where = os.path.join(self.directory, str(step))
                 failures.append(f"{where}, fails with {_reason(e)}")
                 logger.warning("skipping the checkpoint %s: it cannot be read (%s); trying "
