@@ -220,9 +220,9 @@ def _write_operative_config(output_dir: str) -> Callable:
     def write(loop) -> None:
         del loop
         if _is_chief():
-            os.makedirs(output_dir, exist_ok=True)
-            with open(os.path.join(output_dir, CONFIG_FILE), "w") as f:
-                f.write(gin.operative_config_str())
+            from revtrain.training.run_config import write_run_config
+
+            write_run_config(output_dir, gin.operative_config_str())
     return write
 
 

@@ -88,4 +88,6 @@ def RevNet(n_classes: int = 10, widths: Sequence[int] = (16, 32, 64),
         layers += [Split(2, axis=-1), ReversibleSerial(blocks), Concatenate(axis=-1)]
     layers += [BatchNorm(mode=mode), Relu(), Mean(axis=(1, 2)), Dense(n_classes),
                LogSoftmax()]
-    return Serial(layers, name="RevNet")
+    model = Serial(layers, name="RevNet")
+    model.n_classes = n_classes  # Read by the training loop to check the targets.
+    return model

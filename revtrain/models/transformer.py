@@ -94,6 +94,13 @@ def _head(vocab_size: int) -> list[Layer]:
     return [LayerNorm(), Dense(vocab_size), LogSoftmax()]
 
 
+def _accepts(model: Layer, vocab_size: int, max_len: int) -> Layer:
+    """Records what ``model`` accepts as public attributes, read by the training loop to
+    check the data before the first step (`revtrain.training.validation`)."""
+    model.vocab_size, model.max_len = vocab_size, max_len
+    return model
+
+
 def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
                             n_layers: int = 6, n_heads: int = 8, max_len: int = 2048,
                             dropout: float = 0.1, ff_activation: Callable[[], Layer] = Relu,
@@ -127,7 +134,8 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
         (a dtype or its name, e.g. ``"bfloat16"`` from gin).
 
     Returns:
-      A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``.
+      A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``, with
+      attributes ``vocab_size`` and ``max_len``.
 
     Raises:
       ValueError: when ``n_heads`` does not divide ``d_model`` (from `CausalAttention`),
@@ -144,9 +152,10 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
                                                   compute_dtype)),
             ReversibleSwap(),
         ]
-    return Serial(_embed(vocab_size, d_model, max_len, dropout, mode), Dup(),
-                  ReversibleSerial(blocks), Concatenate(), _head(vocab_size),
-                  name="ReversibleTransformerLM")
+    model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode), Dup(),
+                   ReversibleSerial(blocks), Concatenate(), _head(vocab_size),
+                   name="ReversibleTransformerLM")
+    return _accepts(model, vocab_size, max_len)
 
 
 def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
@@ -162,7 +171,8 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
     residual branches compute in bfloat16 and are cast back to the float32 stream.
 
     Returns:
-      A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``.
+      A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``, with
+      attributes ``vocab_size`` and ``max_len``.
 
     Raises:
       ValueError: as `ReversibleTransformerLM`.
@@ -177,5 +187,6 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
             Residual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
                                     compute_dtype), *back),
         ]
-    return Serial(_embed(vocab_size, d_model, max_len, dropout, mode), blocks,
-                  _head(vocab_size), name="TransformerLM")
+    model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode), blocks,
+                   _head(vocab_size), name="TransformerLM")
+    return _accepts(model, vocab_size, max_len)

@@ -11,7 +11,8 @@ the first mismatching path (Trax fails with an ``IndexError`` deep inside the re
 Retention, as Paxml's checkpoint manager: the newest ``max_to_keep`` checkpoints, plus,
 permanently, every checkpoint whose step is a multiple of ``keep_period`` and one per
 ``keep_time_interval`` seconds (orbax ``LatestN``, ``EveryNSteps`` and ``EveryNSeconds``
-preservation policies). Saves are atomic: orbax writes into a temporary directory and
+preservation policies); what earlier runs of the directory kept permanently stays kept
+(`revtrain.training.retention`). Saves are atomic: orbax writes into a temporary directory and
 renames it when complete, so a crash mid-save leaves the previous checkpoint the newest
 restorable one.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +30,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from orbax.checkpoint import checkpoint_managers as policies
+
+from revtrain.training import retention
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,43 @@ def _signatures(flat: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.
     return {k: (tuple(np.shape(v)), np.dtype(v.dtype)) for k, v in flat.items()}
 
 
+class CheckpointMismatchError(ValueError):
+    """A readable checkpoint holds another model's paths, shapes or dtypes."""
+
+
+class CheckpointUnreadableError(OSError):
+    """No checkpoint of a directory can be read; the message names the first failure."""
+
+
+def _reason(error: BaseException) -> str:
+    """A short one-line reason (tensorstore appends its whole JSON spec to messages)."""
+    text = " ".join(str(error).split()).split(" [tensorstore_spec=")[0]
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _drop_closed_event_loop_reports() -> None:
+    """Keeps a failed restore's leftover reads from printing tracebacks.
+
+    When one array of a checkpoint cannot be read, orbax's restore raises at once and closes
+    its asyncio event loop while tensorstore still completes the other reads; each of
+    those then reports ``RuntimeError('Event loop is closed')`` through
+    ``sys.unraisablehook``, seconds later or at exit. Those reports (and only those) are
+    dropped; the failure itself is reported by `Checkpointer.restore`.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "_revtrain_filter", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._revtrain_filter = True
+    sys.unraisablehook = hook
+
+
 def _describe(signature: tuple[tuple[int, ...], np.dtype]) -> str:
     shape, dtype = signature
     return f"{dtype.name}[{','.join(str(d) for d in shape)}]"
@@ -111,21 +151,30 @@ def check_matches(expected: Mapping[str, tuple], found: Mapping[str, tuple],
     all of ``expected``'s paths have been checked.
 
     Raises:
-      ValueError: naming the first path that is missing, extra, or differs in shape/dtype.
+      CheckpointMismatchError: a ValueError naming the first path that is missing, extra,
+        or differs in shape/dtype.
     """
     for key, signature in expected.items():
         if key not in found:
-            raise ValueError(f"{what} does not match the model: path {key!r} "
-                             f"({_describe(signature)}) is in the model but not in the "
-                             f"{what}")
+            raise CheckpointMismatchError(
+                f"{what} does not match the model: path {key!r} ({_describe(signature)}) is "
+                f"in the model but not in the {what}")
         if found[key] != signature:
-            raise ValueError(f"{what} does not match the model at path {key!r}: saved "
-                             f"{_describe(found[key])}, model {_describe(signature)}; use "
-                             f"the configuration it was saved with, or a new directory")
+            raise CheckpointMismatchError(
+                f"{what} does not match the model at path {key!r}: saved "
+                f"{_describe(found[key])}, model {_describe(signature)}; use the "
+                f"configuration it was saved with, or a new directory")
     extra = [key for key in found if key not in expected]
     if extra:
-        raise ValueError(f"{what} does not match the model: path {extra[0]!r} is in the "
-                         f"{what} but not in the model")
+        raise CheckpointMismatchError(f"{what} does not match the model: path {extra[0]!r} "
+                                      f"is in the {what} but not in the model")
+
+
+def _step_dirs(directory: str) -> list[int]:
+    """Steps of the checkpoint directories in ``directory`` (complete or not)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
 def _barrier(name: str) -> None:
@@ -158,10 +207,14 @@ class Checkpointer:
                  keep_time_interval: float | datetime.timedelta | None = None,
                  async_save: bool = False):
         self.directory = os.path.abspath(directory)
+        self._keep = (keep_period, keep_time_interval)
+        self._promises = retention.read_promises(self.directory)
+        kept = retention.promised_steps(self._promises, _step_dirs(self.directory))
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
-            preservation_policy=_preservation_policy(max_to_keep, keep_period,
-                                                     keep_time_interval))
+            preservation_policy=retention.preservation_policy(
+                max_to_keep, keep_period, keep_time_interval, kept))
+        self.unreadable_steps: list[int] = []
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler())
 
@@ -182,6 +235,7 @@ class Checkpointer:
         every process must call this; `multihost_utils.sync_global_devices` brackets the
         save.
         """
+        self._set_aside_unreadable()
         latest = self.latest_step()
         if latest is not None and step <= latest:
             if step < latest:
@@ -190,34 +244,86 @@ class Checkpointer:
                                self.directory)
             return False
         flat = flatten_tree(tree)
+        if jax.process_index() == 0:  # Before saving: the save may delete old steps.
+            retention.record_promise(self.directory, self._promises, *self._keep, step)
         _barrier(f"revtrain_checkpoint_save_start_{step}")
         saved = self._manager.save(int(step), args=ocp.args.StandardSave(flat), force=True)
         _barrier(f"revtrain_checkpoint_save_end_{step}")
         return bool(saved)
 
     def restore(self, template: Any, step: int | None = None) -> Any:
-        """Restores the checkpoint of ``step`` (default: the newest) into ``template``'s form.
+        """Restores the checkpoint of ``step`` (default: the newest readable one).
+
+        Without ``step``, a checkpoint that cannot be read (a missing or damaged file) is
+        skipped with a warning naming it and the reason, and the next older one is tried;
+        nothing is deleted. The skipped steps are listed in `unreadable_steps`; the next
+        `save` moves them to ``<directory>_unreadable/`` (so they neither hide the new
+        checkpoints nor get deleted by retention).
 
         Args:
           template: a pytree with the structure, shapes and dtypes to restore (e.g. the
             current trainer's values); its values are not used.
-          step: which checkpoint; None for the newest.
+          step: which checkpoint; None for the newest readable one.
 
         Returns:
           A pytree of numpy arrays with ``template``'s structure.
 
         Raises:
           FileNotFoundError: when there is no checkpoint (of ``step``).
-          ValueError: when the checkpoint's paths, shapes or dtypes differ from the
-            template's; the message names the first mismatching path.
+          CheckpointUnreadableError: when no checkpoint can be read; names the directory
+            and the newest checkpoint's failure.
+          CheckpointMismatchError: (a ValueError) when a readable checkpoint's paths,
+            shapes or dtypes differ from the template's; names the first mismatching path.
         """
         self.wait_until_finished()
-        step = self.latest_step() if step is None else step
-        if step is None or step not in self._manager.all_steps():
-            which = "any checkpoint" if step is None else f"a checkpoint of step {step}"
-            raise FileNotFoundError(f"{self.directory} holds no {which}")
+        _drop_closed_event_loop_reports()  # Before: a failed read may report at once.
+        if step is not None:
+            return self._restore_step(template, step)
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"{self.directory} holds no checkpoint")
+        failures = []
+        for step in steps:
+            try:
+                tree = self._restore_step(template, step)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
+                where = os.path.join(self.directory, str(step))
+                failures.append(f"{where}, fails with {_reason(e)}")
+                logger.warning("skipping the checkpoint %s: it cannot be read (%s); trying "
+                               "the previous one", where, _reason(e))
+                continue
+            self.unreadable_steps = steps[:len(failures)]
+            return tree
+        raise CheckpointUnreadableError(
+            f"none of the {len(steps)} checkpoints in {self.directory} can be read; the "
+            f"newest, {failures[0]}")
+
+    def _set_aside_unreadable(self) -> None:
+        """Moves the checkpoints `restore` skipped out of the way of new saves."""
+        if not self.unreadable_steps:
+            return
+        aside = self.directory + "_unreadable"
+        for step in self.unreadable_steps if jax.process_index() == 0 else ():
+            os.makedirs(aside, exist_ok=True)
+            target = os.path.join(aside, str(step))
+            while os.path.exists(target):
+                target += "_"
+            os.rename(os.path.join(self.directory, str(step)), target)
+            logger.warning("moved the unreadable checkpoint of step %d to %s", step, target)
+        self.unreadable_steps = []
+        _barrier("revtrain_checkpoint_set_aside")
+        self._manager.reload()
+
+    def _restore_step(self, template: Any, step: int) -> Any:
+        if step not in self._manager.all_steps():
+            raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         expected = flatten_tree(template)
-        metadata = self._manager.item_metadata(step).tree
+        metadata = self._manager.item_metadata(step)
+        if metadata is None or metadata.tree is None:
+            raise FileNotFoundError("its metadata (_METADATA) is missing or unreadable")
+        metadata = metadata.tree
         found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in metadata.items()}
         check_matches(_signatures(expected), found,
                       f"checkpoint {os.path.join(self.directory, str(step))}")
@@ -231,23 +337,3 @@ class Checkpointer:
     def close(self) -> None:
         """Finishes pending saves and releases the manager."""
         self._manager.close()
-
-
-def _preservation_policy(max_to_keep: int | None, keep_period: int | None,
-                         keep_time_interval: float | datetime.timedelta | None) -> Any:
-    """orbax ``AnyPreservationPolicy`` of the newest-N, every-N-steps and interval rules."""
-    if max_to_keep is not None and max_to_keep < 1:
-        raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 or None (keep all)")
-    rules = [policies.LatestN(n=max_to_keep)]
-    if keep_period is not None:
-        if keep_period < 1:
-            raise ValueError(f"keep_period={keep_period} must be >= 1 or None")
-        rules.append(policies.EveryNSteps(interval_steps=int(keep_period)))
-    if keep_time_interval is not None:
-        if isinstance(keep_time_interval, datetime.timedelta):
-            keep_time_interval = keep_time_interval.total_seconds()
-        if keep_time_interval <= 0:
-            raise ValueError(f"keep_time_interval={keep_time_interval} seconds must be > 0 "
-                             f"or None")
-        rules.append(policies.EveryNSeconds(interval_secs=max(int(keep_time_interval), 1)))
-    return policies.AnyPreservationPolicy(rules)

@@ -14,6 +14,9 @@ last step was not evaluated yet, and returns the last eval metrics. On construct
 restores the newest checkpoint of ``output_dir`` -- weights, optimizer slots, layer state,
 step and rng -- so ``run(20)`` then ``run(30)`` (even in a new process) ends with the same
 weights as ``run(30)``, as with Trax's ``train`` whose ``steps`` is the total step count.
+A checkpoint that cannot be read is skipped with a warning (`Checkpointer.restore`). Before
+anything is written, the first batch is checked against the model and the devices
+(`revtrain.training.validation`).
 
 All trainers see the model as the flat layer list of ``extract_reversible_blocks`` (the
 plain `Trainer` gets ``Serial`` of it), so every trainer gives layer ``i`` the same rng and
@@ -52,6 +55,7 @@ from revtrain.training.evaluation import BYTE_VOCAB_SIZE, Evaluator, bits_per_by
 from revtrain.training.interrupts import StopOnSignals
 from revtrain.training.metrics_writer import MetricsWriter
 from revtrain.training.optimizers import optimizer_fn as default_optimizer_fn
+from revtrain.training.validation import check_batch_divides, check_first_batch
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +161,7 @@ class Loop:
         init_rng, self._rng = jax.random.split(jax.random.key(seed))
         self.model = model(mode="train")
         self._batch_signature = self._init_model(init_rng)
+        check_batch_divides(self._batch_signature[0].shape[0], n_devices, self.inputs)
         self.trainer = build_trainer(trainer_class, self.model, self._loss, optimizer_fn,
                                      n_devices, **dict(trainer_kwargs or {}))
         self._flat_layers = blocks_to_layers(*extract_reversible_blocks([self.model,
@@ -172,14 +177,20 @@ class Loop:
             keep_period=keep_period, keep_time_interval=keep_time_interval)
         self.step = 0
         self.restored_step: int | None = None
-        self._restore()
+        try:
+            self._restore()
+        except BaseException:
+            self.close()  # Joins orbax's threads: no tracebacks from them at exit.
+            raise
 
     # ----------------------------------------------------------------------------------
     # Set-up and checkpoints.
 
     def _init_model(self, rng: jax.Array) -> Any:
-        """Initialises the model (and loss) from the first batch's shapes."""
+        """Checks the first batch fits the model, then initialises the model (and loss)
+        from its shapes."""
         batch = next(iter(self.inputs.train_stream(start_step=0)))
+        check_first_batch(batch, self.model, self.inputs)
         signature = signature_of(tuple(batch))
         self.model.init(signature[0], rng=rng)
         output = self.model.output_signature(signature[0])

@@ -9,10 +9,12 @@ a run from its ``config.gin``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import optax
 
 from revtrain.data.inputs import Inputs
@@ -20,6 +22,8 @@ from revtrain.layers import Layer
 from revtrain.trainers import Trainer
 from revtrain.training.loop import Loop
 from revtrain.training.optimizers import optimizer_fn
+from revtrain.training.run_lock import RunLock
+from revtrain.training.validation import check_train_arguments
 
 
 def make_loop(output_dir: str | None = None, model: Callable[..., Layer] | None = None,
@@ -90,20 +94,37 @@ def train(output_dir: str | None = None, model: Callable[..., Layer] | None = No
     Returns:
       The `Loop` after `Loop.run`: ``last_eval_metrics``, ``step``, ``interrupted_by``.
 
+    Validates before it writes: the numeric arguments (`check_train_arguments`), then
+    the output directory and its lock, then (in `Loop`) the first batch against the model
+    and the devices; only then are checkpoints, metrics and callbacks' files written. The
+    chief process holds a `RunLock` on ``output_dir`` throughout: a second ``train`` on
+    the same directory is refused while this one runs.
+
     Raises:
       NonFiniteLossError: when the loss became NaN or inf.
-      ValueError: for a missing model/inputs or a checkpoint that does not match the model.
+      RunLockError: when another process is training in ``output_dir``.
+      ValueError: for a missing model/inputs, an argument out of range, data that does not
+        fit the model or the devices, or a checkpoint that does not match the model.
     """
     kwargs = dict(locals())
+    check_train_arguments(kwargs)
     steps, callbacks = kwargs.pop("steps"), kwargs.pop("callbacks")
-    loop = make_loop(**kwargs)
-    try:
-        for callback in callbacks:
-            callback(loop)
-        loop.run(steps)
-    finally:
-        loop.close()
+    with _run_lock(output_dir):
+        loop = make_loop(**kwargs)
+        try:
+            for callback in callbacks:
+                callback(loop)
+            loop.run(steps)
+        finally:
+            loop.close()
     return loop
+
+
+def _run_lock(output_dir: str | None) -> contextlib.AbstractContextManager:
+    """The chief process's `RunLock` on ``output_dir`` (nothing to lock without one)."""
+    if output_dir is None or jax.process_index() != 0:
+        return contextlib.nullcontext()
+    return RunLock(output_dir)
 
 
 def loop_arguments(bindings: Mapping[str, Any]) -> dict[str, Any]:

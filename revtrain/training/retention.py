@@ -1,0 +1,110 @@
+"""Checkpoint retention that keeps the promises of earlier runs of a directory.
+
+Retention is Paxml's: the newest ``max_to_keep`` checkpoints, plus, permanently, every step
+that is a multiple of ``keep_period`` and one per ``keep_time_interval`` seconds (orbax
+``LatestN``, ``EveryNSteps``, ``EveryNSeconds``). A "permanent" checkpoint must stay
+permanent when the run is resumed with other bindings: the README's resume command does not
+repeat ``keep_period``, and orbax, which knows only the current run's rules, would delete
+the kept steps at the first save.
+
+So each run that keeps checkpoints permanently records its promise in
+``<checkpoint directory>/retention.json`` -- its ``keep_period`` and ``keep_time_interval``
+and the last step it saved under them -- and later runs add the steps those promises cover
+as an orbax ``CustomSteps`` rule: for a ``keep_period`` the multiples up to that last step,
+for a ``keep_time_interval`` every checkpoint up to it (the earlier run kept only the
+interval's checkpoints and its newest ``max_to_keep``, and which were which is not
+recorded). Steps after an earlier run's last step follow the current run's rules only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from orbax.checkpoint import checkpoint_managers as policies
+
+RECORD_FILE = "retention.json"
+
+
+def _seconds(interval: float | datetime.timedelta | None) -> float | None:
+    if isinstance(interval, datetime.timedelta):
+        return interval.total_seconds()
+    return None if interval is None else float(interval)
+
+
+def check_retention(max_to_keep: int | None, keep_period: int | None,
+                    keep_time_interval: float | datetime.timedelta | None) -> None:
+    """Raises ValueError for ``max_to_keep < 1``, ``keep_period < 1`` or an interval <= 0."""
+    if max_to_keep is not None and max_to_keep < 1:
+        raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 or None (keep all)")
+    if keep_period is not None and keep_period < 1:
+        raise ValueError(f"keep_period={keep_period} must be >= 1 or None")
+    seconds = _seconds(keep_time_interval)
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"keep_time_interval={seconds} seconds must be > 0 or None")
+
+
+def read_promises(directory: str) -> list[dict[str, Any]]:
+    """The retention promises recorded in ``directory`` (oldest first; [] when none)."""
+    try:
+        with open(os.path.join(directory, RECORD_FILE)) as f:
+            return list(json.load(f)["promises"])
+    except FileNotFoundError:
+        return []
+
+
+def promised_steps(promises: Sequence[dict[str, Any]], steps: Sequence[int]) -> list[int]:
+    """Which of ``steps`` (existing checkpoints) earlier runs' ``promises`` keep."""
+    kept = set()
+    for promise in promises:
+        last, period = promise["last_step"], promise.get("keep_period")
+        for step in steps:
+            if step <= last and (promise.get("keep_time_interval") is not None
+                                 or (period is not None and step % period == 0)):
+                kept.add(step)
+    return sorted(kept)
+
+
+def record_promise(directory: str, promises: Sequence[dict[str, Any]],
+                   keep_period: int | None,
+                   keep_time_interval: float | datetime.timedelta | None,
+                   last_step: int) -> None:
+    """Writes ``promises`` plus this run's (kept up to ``last_step``) to the record file.
+
+    Does nothing when this run promises nothing (neither ``keep_period`` nor
+    ``keep_time_interval``) and there is nothing recorded. The file is replaced atomically.
+    """
+    current = {"keep_period": keep_period, "keep_time_interval": _seconds(keep_time_interval),
+               "last_step": int(last_step)}
+    if keep_period is None and keep_time_interval is None:
+        if not promises:
+            return
+        current = None
+    record = {"promises": list(promises) + ([current] if current else [])}
+    path = os.path.join(directory, RECORD_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def preservation_policy(max_to_keep: int | None, keep_period: int | None,
+                        keep_time_interval: float | datetime.timedelta | None,
+                        kept_steps: Sequence[int] = ()) -> Any:
+    """orbax ``AnyPreservationPolicy``: newest N, every N steps, interval, ``kept_steps``.
+
+    Raises:
+      ValueError: as `check_retention`.
+    """
+    check_retention(max_to_keep, keep_period, keep_time_interval)
+    rules = [policies.LatestN(n=max_to_keep)]
+    if keep_period is not None:
+        rules.append(policies.EveryNSteps(interval_steps=int(keep_period)))
+    seconds = _seconds(keep_time_interval)
+    if seconds is not None:
+        rules.append(policies.EveryNSeconds(interval_secs=max(int(seconds), 1)))
+    if kept_steps:
+        rules.append(policies.CustomSteps(steps=list(kept_steps)))
+    return policies.AnyPreservationPolicy(rules)

@@ -1,0 +1,44 @@
+"""The configuration of every run of an output directory is kept.
+
+``revtrain-train`` writes its operative gin config twice: as ``output_dir/config.gin`` (the
+latest run's, which ``revtrain-eval`` and ``revtrain-decode`` read) and as
+``output_dir/config_history/<UTC start time>.gin``, which no later run overwrites. A resumed
+run with changed bindings (more steps, another learning rate, or one that stopped on a NaN
+loss) therefore leaves the record of what every earlier run used, as TensorBoard's
+per-run ``hparams`` do.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+CONFIG_FILE = "config.gin"
+HISTORY_DIR = "config_history"
+
+
+def write_run_config(output_dir: str, text: str,
+                     started: datetime.datetime | None = None) -> str:
+    """Writes ``text`` as ``config.gin`` and as a new file in ``config_history/``.
+
+    Args:
+      output_dir: the run directory (created if missing).
+      text: the operative config.
+      started: the run's start time (default: now), naming the history file
+        ``YYYYmmddTHHMMSS.ffffffZ.gin`` so the files sort in start order.
+
+    Returns:
+      The path of the history file.
+    """
+    started = started or datetime.datetime.now(datetime.UTC)
+    history = os.path.join(output_dir, HISTORY_DIR)
+    os.makedirs(history, exist_ok=True)
+    stamp = started.astimezone(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    path = os.path.join(history, f"{stamp}.gin")
+    with open(path, "x") as f:  # Never overwrites an earlier run's record.
+        f.write(text)
+    latest = os.path.join(output_dir, CONFIG_FILE)
+    with open(latest + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(latest + ".tmp", latest)  # Atomic: a crash never leaves half a config.gin.
+    return path

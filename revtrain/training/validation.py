@@ -1,0 +1,174 @@
+"""Checks that a run is valid before anything is written: arguments, data, devices.
+
+``train`` range-checks its numeric arguments (`check_train_arguments`) before it takes the
+output directory, and the `Loop` checks the first train batch against the model
+(`check_first_batch`) and the devices (`check_batch_divides`) before it creates a
+checkpoint directory or a metrics file. Each error is one line naming the value, the limit
+and the gin binding to change, e.g. ``train.steps=-5 must be >= 1; change the binding
+train.steps``. Without these checks such runs ran: ``steps=-5`` exited 0 after writing
+checkpoint 0, and token ids >= ``vocab_size`` surfaced as a NaN loss.
+
+A model may declare what it accepts with public attributes, as the model functions of
+`revtrain.models` do: ``vocab_size`` (token ids of the inputs and targets are in ``[0,
+vocab_size)``), ``max_len`` (longest sequence) and ``n_classes`` (class ids of the targets).
+The binding named in an error is ``<model.name>.<attribute>``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+# train's numeric arguments: (kind, smallest allowed value, None allowed).
+_RANGES: dict[str, tuple[str, float, bool]] = {
+    "steps": ("int", 1, False),
+    "eval_every": ("int", 0, False),
+    "eval_steps": ("int", 0, False),
+    "checkpoint_every": ("int", 0, False),
+    "max_to_keep": ("int", 1, True),
+    "keep_period": ("int", 1, True),
+    "keep_time_interval": ("float", math.ulp(0.0), True),
+    "log_every": ("int", 1, True),
+    "n_devices": ("int", 1, True),
+}
+
+
+def _fail(binding: str, value: Any, rule: str) -> None:
+    raise ValueError(f"{binding}={value!r} {rule}; change the gin binding {binding}")
+
+
+def check_train_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None:
+    """Range-checks ``train``'s numeric arguments (those present in ``arguments``).
+
+    Integers: ``steps >= 1``; ``eval_every``, ``eval_steps``, ``checkpoint_every >= 0``
+    (0 disables); ``max_to_keep``, ``keep_period``, ``log_every``, ``n_devices >= 1`` or
+    None, ``n_devices`` at most the local device count. ``keep_time_interval > 0`` seconds
+    or None. A float ``learning_rate`` is finite and > 0 (a schedule is not checked here).
+
+    Raises:
+      ValueError: naming the first bad argument as ``train.<name>=<value>``, its limit and
+        the binding to change.
+    """
+    for name, (kind, low, optional) in _RANGES.items():
+        if name not in arguments or (optional and arguments[name] is None):
+            continue
+        value, binding = arguments[name], f"{prefix}.{name}"
+        number = (int, np.integer) if kind == "int" else (int, float, np.number)
+        if isinstance(value, bool) or not isinstance(value, number):
+            _fail(binding, value, f"must be {'an integer' if kind == 'int' else 'a number'}"
+                  + (" or None" if optional else ""))
+        if not math.isfinite(value) or value < low:
+            limit = f">= {low}" if kind == "int" else "> 0"
+            _fail(binding, value, f"must be {limit}" + (" or None" if optional else ""))
+    n_devices = arguments.get("n_devices")
+    if n_devices is not None and n_devices > jax.local_device_count():
+        _fail(f"{prefix}.n_devices", n_devices,
+              f"is more than the {jax.local_device_count()} local devices")
+    rate = arguments.get("learning_rate")
+    if isinstance(rate, (int, float)) and not (math.isfinite(rate) and rate > 0):
+        _fail(f"{prefix}.learning_rate", rate, "must be a finite number > 0")
+
+
+def _name(data: Any) -> str:
+    return type(data).__name__
+
+
+def check_first_batch(batch: Any, model: Any, data: Any) -> None:
+    """Checks a train batch fits ``model`` before the model is initialised from it.
+
+    Structure: a tuple ``(inputs, targets, weights)`` of arrays, ``weights`` the shape of
+    ``targets`` and of a float dtype, all with the same leading (batch) axis. With
+    ``model.vocab_size``: ``inputs`` are integer ``[batch, length]`` token ids in ``[0,
+    vocab_size)``; with ``model.max_len``: ``length <= max_len``; targets are integer ids
+    below ``model.vocab_size`` (or ``model.n_classes``).
+
+    Args:
+      batch: the first batch of ``data.train_stream()``.
+      model: the model layer (its ``name`` and the attributes above are read).
+      data: the `Inputs` the batch came from (named in errors; its ``vocab_size`` is
+        suggested as the model's).
+
+    Raises:
+      ValueError: one line naming the value, the model's limit and the binding to change.
+    """
+    where = f"the first train batch of {_name(data)}"
+    if not isinstance(batch, (tuple, list)) or len(batch) != 3:
+        size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+        raise ValueError(f"{where} is a {type(batch).__name__}{size}; a batch must be a tuple "
+                         f"(inputs, targets, weights) of 3 arrays (see revtrain.data.Inputs)")
+    arrays = [np.asarray(x) for x in batch]
+    for part, array, given in zip(("inputs", "targets", "weights"), arrays, batch,
+                                  strict=True):
+        if array.dtype == object or array.ndim == 0:
+            raise ValueError(f"{where}: {part} is not an array with a batch axis (got "
+                             f"{type(given).__name__})")
+    inputs, targets, weights = arrays
+    if weights.shape != targets.shape or inputs.shape[0] != targets.shape[0]:
+        raise ValueError(f"{where}: shapes inputs {inputs.shape}, targets {targets.shape}, "
+                         f"weights {weights.shape}; weights must have the targets' shape "
+                         f"and all the same batch axis")
+    if not np.issubdtype(weights.dtype, np.floating):
+        raise ValueError(f"{where}: weights are {weights.dtype}; the loss mask must be a "
+                         f"float array")
+    _check_tokens(inputs, targets, model, data, where)
+
+
+def _check_tokens(inputs: np.ndarray, targets: np.ndarray, model: Any, data: Any,
+                  where: str) -> None:
+    vocab_size, name = getattr(model, "vocab_size", None), getattr(model, "name", "model")
+    if vocab_size is not None:
+        if not np.issubdtype(inputs.dtype, np.integer) or inputs.ndim != 2:
+            raise ValueError(f"{where}: inputs are {inputs.dtype}{list(inputs.shape)}; "
+                             f"{name} takes integer token ids [batch, length]")
+        _check_ids(inputs, "inputs", f"{name}.vocab_size", vocab_size, data, where)
+        max_len = getattr(model, "max_len", None)
+        if max_len is not None and inputs.shape[1] > max_len:
+            raise ValueError(f"{where}: sequence length {inputs.shape[1]} exceeds "
+                             f"{name}.max_len={max_len}; set {name}.max_len to at least "
+                             f"{inputs.shape[1]} or use shorter sequences")
+    n_classes, attribute = vocab_size, "vocab_size"
+    if n_classes is None:
+        n_classes, attribute = getattr(model, "n_classes", None), "n_classes"
+    if n_classes is not None:
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise ValueError(f"{where}: targets are {targets.dtype}; {name} needs integer "
+                             f"ids in [0, {name}.{attribute}={n_classes})")
+        _check_ids(targets, "targets", f"{name}.{attribute}", n_classes, data, where)
+
+
+def _check_ids(ids: np.ndarray, part: str, binding: str, limit: int, data: Any,
+               where: str) -> None:
+    if ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low >= 0 and high < limit:
+        return
+    bad = low if low < 0 else high
+    suggestion = max(high + 1, getattr(data, "vocab_size", None) or 0)
+    fix = ("ids must be >= 0" if low < 0 else
+           f"set {binding}={suggestion} to fit {_name(data)}'s ids")
+    raise ValueError(f"{where}: id {bad} in the {part} is outside [0, {limit}) of "
+                     f"{binding}={limit}; {fix}")
+
+
+def check_batch_divides(batch_size: int, n_devices: int | None, data: Any) -> None:
+    """Checks a per-process batch of ``batch_size`` rows splits evenly over the devices.
+
+    Args:
+      batch_size: rows of this process's batch.
+      n_devices: devices it is split over; None for all local devices.
+      data: the `Inputs` (named in the error).
+
+    Raises:
+      ValueError: naming both numbers and the bindings to change.
+    """
+    n = jax.local_device_count() if n_devices is None else n_devices
+    if batch_size % n:
+        rows = batch_size * jax.process_count()
+        raise ValueError(f"the batch of {rows} rows of {_name(data)} does not divide over "
+                         f"n_devices={n * jax.process_count()}; set {_name(data)}.batch_size "
+                         f"to a multiple of {n * jax.process_count()} (or train.n_devices)")

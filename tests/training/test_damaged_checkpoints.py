@@ -1,0 +1,105 @@
+"""A damaged checkpoint is skipped with a warning and the previous one restored."""
+import glob
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from revtrain.training import Checkpointer, CheckpointUnreadableError
+
+
+def _tree(value):
+    return {"weights": (np.full((3, 2), value, np.float32),), "step": np.asarray(value)}
+
+
+def _saved(tmp_path, steps=(1, 2, 3)):
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"), max_to_keep=None)
+    for step in steps:
+        checkpointer.save(step, _tree(step))
+    checkpointer.close()
+    return str(tmp_path / "checkpoints")
+
+
+def _damage(directory, step, how):
+    item = os.path.join(directory, str(step), "default")
+    if how == "metadata":
+        os.remove(os.path.join(item, "_METADATA"))
+    else:
+        for path in glob.glob(os.path.join(item, "d", "*")):
+            os.remove(path)
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("metadata", "its metadata (_METADATA) is missing or unreadable"),
+    ("data", "NOT_FOUND"),
+])
+def test_newest_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, caplog, capfd,
+                                                                how, reason):
+    directory = _saved(tmp_path)
+    _damage(directory, 3, how)
+    checkpointer = Checkpointer(directory)
+    with caplog.at_level(logging.WARNING):
+        tree = checkpointer.restore(_tree(0))
+    checkpointer.close()
+    assert int(tree["step"]) == 2
+    np.testing.assert_array_equal(tree["weights"][0], np.full((3, 2), 2, np.float32))
+    warning = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(warning) == 1 and f"checkpoint {directory}/3: it cannot be read" in warning[0]
+    assert reason in warning[0] and "\n" not in warning[0]
+    assert checkpointer.unreadable_steps == [3]
+    assert sorted(os.listdir(directory)) == ["1", "2", "3"]  # Nothing deleted.
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_next_save_moves_the_unreadable_checkpoint_aside(tmp_path):
+    directory = _saved(tmp_path)
+    _damage(directory, 3, "data")
+    checkpointer = Checkpointer(directory, max_to_keep=2)
+    checkpointer.restore(_tree(0))
+    assert checkpointer.save(3, _tree(30))
+    checkpointer.close()
+    assert sorted(os.listdir(directory)) == ["2", "3"]
+    assert os.listdir(directory + "_unreadable") == ["3"]
+    assert int(Checkpointer(directory).restore(_tree(0))["step"]) == 30
+
+
+def test_no_readable_checkpoint_names_the_directory_and_first_failure(tmp_path, capfd):
+    directory = _saved(tmp_path, steps=(1, 2))
+    _damage(directory, 2, "metadata")
+    _damage(directory, 1, "data")
+    checkpointer = Checkpointer(directory)
+    with pytest.raises(CheckpointUnreadableError,
+                       match=rf"none of the 2 checkpoints in {directory} can be read; the "
+                             rf"newest, {directory}/2, fails with FileNotFoundError: its "
+                             rf"metadata \(_METADATA\) is missing"):
+        checkpointer.restore(_tree(0))
+    checkpointer.close()
+    assert sorted(os.listdir(directory)) == ["1", "2"]
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_eval_of_a_damaged_run_exits_cleanly(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.test_cli import _train
+
+    out = str(tmp_path)
+    assert _train(out, "train.steps=4", "train.checkpoint_every=2", "train.eval_steps=0") == 0
+    _damage(os.path.join(out, "checkpoints"), 4, "data")
+    script = shutil.which("revtrain-eval", path=os.path.dirname(sys.executable))
+    run = subprocess.run([script, f"--output_dir={out}"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("eval at step 2: loss"), run.stderr
+    assert f"skipping the checkpoint {out}/checkpoints/4" in run.stderr
+    assert "Traceback" not in run.stderr and "Event loop" not in run.stderr
+    _damage(os.path.join(out, "checkpoints"), 2, "metadata")
+    run = subprocess.run([script, f"--output_dir={out}"], capture_output=True, text=True,
+                         timeout=120)
+    errors = [line for line in run.stderr.splitlines() if "error" in line]
+    assert run.returncode == 1 and len(errors) == 1, run.stderr
+    assert errors[0].startswith("revtrain-eval: error: CheckpointUnreadableError: none of "
+                                f"the 2 checkpoints in {out}/checkpoints can be read")
+    assert "Traceback" not in run.stderr and "Event loop" not in run.stderr

@@ -1,0 +1,28 @@
+"""Tests of revtrain/training/run_config.py: every run's config is kept."""
+import datetime
+import os
+
+from revtrain.training.run_config import HISTORY_DIR, write_run_config
+from tests.test_cli import _train
+
+
+def test_history_keeps_each_run_and_config_gin_is_the_latest(tmp_path):
+    first = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    write_run_config(str(tmp_path), "a = 1\n", first)
+    write_run_config(str(tmp_path), "a = 2\n", first + datetime.timedelta(seconds=1))
+    history = sorted(os.listdir(tmp_path / HISTORY_DIR))
+    assert history == ["20260102T030405.000000Z.gin", "20260102T030406.000000Z.gin"]
+    assert [(tmp_path / HISTORY_DIR / h).read_text() for h in history] == ["a = 1\n",
+                                                                          "a = 2\n"]
+    assert (tmp_path / "config.gin").read_text() == "a = 2\n"
+
+
+def test_resumed_run_with_other_bindings_keeps_the_earlier_config(tmp_path):
+    out = str(tmp_path)
+    assert _train(out, "train.steps=2", "train.eval_steps=0") == 0
+    assert _train(out, "train.steps=4", "train.eval_steps=0") == 0
+    texts = [(tmp_path / HISTORY_DIR / h).read_text()
+             for h in sorted(os.listdir(tmp_path / HISTORY_DIR))]
+    assert ["train.steps = 2" in t for t in texts] == [True, False]
+    assert "train.steps = 4" in texts[1]
+    assert (tmp_path / "config.gin").read_text() == texts[1]

@@ -1,0 +1,98 @@
+"""Tests of revtrain/training/run_lock.py."""
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from revtrain.training import read_metrics
+from revtrain.training.run_lock import LOCK_FILE, RunLock, RunLockError
+from tests.test_cli import COPY_TASK, TINY, _checkpoint, _steps
+
+
+def _write_lock(directory, **owner):
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, LOCK_FILE), "w") as f:
+        json.dump(owner, f)
+
+
+def test_second_lock_on_one_directory_is_refused_and_release_frees_it(tmp_path):
+    with RunLock(str(tmp_path)):
+        assert os.path.isfile(tmp_path / LOCK_FILE)
+        with pytest.raises(RunLockError, match=rf"in use by process {os.getpid()} on host"):
+            RunLock(str(tmp_path)).acquire()
+    assert not os.path.exists(tmp_path / LOCK_FILE)
+    with RunLock(str(tmp_path)):
+        pass
+
+
+def test_lock_of_a_dead_process_on_this_host_is_taken_over_with_a_warning(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write_lock(tmp_path, pid=dead.pid, host=socket.gethostname(), started=0.0)
+    with caplog.at_level(logging.WARNING), RunLock(str(tmp_path)):
+        with open(tmp_path / LOCK_FILE) as f:
+            assert json.load(f)["pid"] == os.getpid()
+    assert f"from process {dead.pid} on host" in caplog.text
+
+
+def test_lock_of_a_reused_pid_is_taken_over(tmp_path):
+    # Our own pid with another start time: the process that wrote it is gone.
+    _write_lock(tmp_path, pid=os.getpid(), host=socket.gethostname(), started=1.0)
+    with RunLock(str(tmp_path)):
+        pass
+
+
+def test_lock_from_another_host_says_how_to_force_it(tmp_path):
+    _write_lock(tmp_path, pid=1, host="other-host.example", started=0.0)
+    with pytest.raises(RunLockError, match=r"process 1 on host other-host.example; if that "
+                                           r"run has ended, delete .*run.lock to force it"):
+        RunLock(str(tmp_path)).acquire()
+
+
+def test_output_dir_that_is_a_file_is_refused_without_writing(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("x")
+    with pytest.raises(RunLockError, match="is a file, not a directory"):
+        RunLock(str(path)).acquire()
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
+def test_directory_created_for_the_lock_is_removed_when_left_empty(tmp_path):
+    new = tmp_path / "new" / "run"
+    with RunLock(str(new)):
+        assert os.path.isdir(new)
+    assert os.listdir(tmp_path) == []
+    with RunLock(str(new)):
+        (new / "kept").write_text("x")
+    assert os.listdir(new) == ["kept"]
+
+
+def test_two_concurrent_trains_on_one_directory_refuse_the_second(tmp_path):
+    out = str(tmp_path)
+    script = shutil.which("revtrain-train", path=os.path.dirname(sys.executable))
+    argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
+    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=100000",
+                                                    "train.checkpoint_every=2"]]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in first.stderr:  # Training has started: the first holds the lock.
+        if " train: loss" in line:
+            break
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    first.terminate()
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 128 + 15, err
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines() == [
+        f"revtrain-train: error: RunLockError: {out} is in use by process {first.pid} on "
+        f"host {socket.gethostname()}; wait for it to end or use another --output_dir "
+        f"(rerun with --traceback for details)"]
+    steps = [r["step"] for r in read_metrics(out, "train")]
+    assert steps == sorted(set(steps))  # One writer: no interleaved metrics.
+    latest = max(_steps(out))
+    assert latest >= 2 and int(_checkpoint(out, latest)["step"]) == latest
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))
