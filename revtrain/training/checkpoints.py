@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 SEPARATOR = "/"
 _KEY_MARK = "__prng_key__"  # Suffix of the path of a flattened typed PRNG key.
+_DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
 
 
 def _is_typed_key(leaf: Any) -> bool:
@@ -162,8 +163,8 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             preservation_policy=_preservation_policy(max_to_keep, keep_period,
                                                      keep_time_interval))
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler())
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              handler_registry=_handler_registry())
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -217,7 +218,7 @@ class Checkpointer:
             which = "any checkpoint" if step is None else f"a checkpoint of step {step}"
             raise FileNotFoundError(f"{self.directory} holds no {which}")
         expected = flatten_tree(template)
-        metadata = self._manager.item_metadata(step).tree
+        metadata = self._manager.metadata(step).item_metadata.tree
         found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in metadata.items()}
         check_matches(_signatures(expected), found,
                       f"checkpoint {os.path.join(self.directory, str(step))}")
@@ -231,6 +232,18 @@ class Checkpointer:
     def close(self) -> None:
         """Finishes pending saves and releases the manager."""
         self._manager.close()
+
+
+def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """The flat tree is orbax's single default item, saved by `StandardCheckpointHandler`.
+
+    Registering it up front (rather than on the first save) lets a fresh manager read a
+    step's metadata before restoring it.
+    """
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+        registry.add(_DEFAULT_ITEM, args, ocp.StandardCheckpointHandler)
+    return registry
 
 
 def _preservation_policy(max_to_keep: int | None, keep_period: int | None,

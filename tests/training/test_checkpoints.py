@@ -6,8 +6,8 @@ import os
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
-from orbax.checkpoint._src.path import atomicity
 
 from revtrain.training import checkpoints
 from revtrain.training.checkpoints import Checkpointer
@@ -101,7 +101,7 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     async def crash(self, *args, **kwargs):
         raise RuntimeError("simulated crash before the checkpoint was committed")
 
-    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", crash)
+    monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "finalize", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         ckpt.save(6, _tree(6.0))
     monkeypatch.undo()
