@@ -98,7 +98,7 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(5, _tree(5.0))
 
-    async def crash(self, *args, **kwargs):
+    def crash(self, *args, **kwargs):  # Raises whether orbax awaits finalize() or not.
         raise RuntimeError("simulated crash before the checkpoint was committed")
 
     monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "finalize", crash)
