@@ -89,6 +89,7 @@ def _common_flags(output_dir_help: str) -> flags.FlagValues:
         for flag in flags.FLAGS.get_flags_for_module(module):
             flag.unparse()  # Defaults again: an earlier in-process call may have set it.
             fv[flag.name] = flag  # The same Flag object: absl reads what we parse.
+            fv.register_flag_by_module(module, flag)  # Listed under it in --help.
     return fv
 
 

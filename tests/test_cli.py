@@ -119,7 +119,8 @@ def test_missing_data_file_is_one_line_runtime_error(tmp_path, capsys):
 
 def test_help_prints_flags(capsys):
     assert cli.train_main(["revtrain-train", "--help"]) == 0
-    assert "--gin_bindings" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--gin_bindings" in out and "--gin_file" in out and "--verbosity" in out
 
 
 def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
