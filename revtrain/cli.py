@@ -140,6 +140,7 @@ def _absl_logging(prog: str, fv: flags.FlagValues) -> Iterator[None]:
     handler = absl_logging.get_absl_handler()
     old_stream = handler.python_handler.setStream(sys.stderr)
     if fv.log_dir:
+        os.makedirs(fv.log_dir, exist_ok=True)  # absl only writes into an existing one.
         handler.use_absl_log_file(program_name=prog, log_dir=fv.log_dir)
     try:
         yield

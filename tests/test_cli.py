@@ -189,13 +189,13 @@ def test_verbosity_and_gin_file_flags(tmp_path, capsys):
     """absl's logging flags, gin's usual flag names and a shipped config found by name."""
     out = tmp_path / "run"
     argv = ["revtrain-train", "--gin_file=copy_task.gin", f"--output_dir={out}",
-            "--verbosity=1", f"--log_dir={tmp_path}", "--alsologtostderr"]
+            "--verbosity=1", f"--log_dir={tmp_path / 'logs'}", "--alsologtostderr"]
     argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=2", "train.eval_steps=0",
                                                     "train.log_every=1"]]
     assert cli.train_main(argv) == 0
     err = capsys.readouterr().err
     assert "step 2 train: loss" in err and "Path not found" not in err
-    with open(tmp_path / "revtrain-train.INFO") as f:  # absl's log file, all levels.
+    with open(tmp_path / "logs" / "revtrain-train.INFO") as f:  # absl's log file, all levels.
         log = f.read()
     assert "step 2 train: loss" in log
     [events] = os.listdir(out / "tensorboard" / "config")
