@@ -19,7 +19,6 @@ trainer differs:
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import datetime
 import json
@@ -30,7 +29,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+from absl import flags
 
 TRAINERS = {
     "trainer": "Trainer",
@@ -46,67 +48,83 @@ QUICK_RESULTS_DIR = RESULTS_DIR / "tmp"
 WORKER_FLAG = "--_worker"
 RESULT_MARKER = "BENCHMARK_RESULT "
 MIB = 2 ** 20
+FLAGS = flags.FLAGS
 
 
 # ------------------------------------------------------------------------------------------
 # Flags and configurations (parent process).
 
-def make_parser(description: str, steps: int, warmup: int) -> argparse.ArgumentParser:
-    """The flags both scripts take; ``steps``/``warmup`` are the script's defaults."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true",
-                   help=f"tiny sizes for tests/CI: {QUICK}; output in {QUICK_RESULTS_DIR}")
-    p.add_argument("--depths", help="comma-separated n_layers values")
-    p.add_argument("--trainers", default=",".join(TRAINERS),
-                   help=f"comma-separated subset of {','.join(TRAINERS)}")
-    for name in ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size"):
-        p.add_argument(f"--{name}", type=int)
-    p.add_argument("--dropout", type=float)
-    p.add_argument("--steps", type=int, default=steps, help="measured steps per config")
-    p.add_argument("--warmup", type=int, default=warmup,
-                   help="steps run before measuring (the first one compiles)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds before a worker process is killed")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="workers run at once; >1 only for quick checks (they share the CPU, "
-                        "which distorts step times)")
-    p.add_argument("--compilation_cache_dir",
-                   help="for tests: let workers share JAX's persistent compilation cache "
-                        "(first-step times then exclude most compilation)")
-    p.add_argument("--render_only", action="store_true",
-                   help="only rewrite the Markdown and PNG from the JSON in --out_dir")
-    p.add_argument("--out_dir", type=Path,
-                   help=f"where outputs go (default {RESULTS_DIR}, or {QUICK_RESULTS_DIR} "
-                        f"with --quick)")
-    return p
+def _positive_ints(values: list[str]) -> bool:
+    return bool(values) and all(v.strip().isdigit() and int(v) >= 1 for v in values)
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parses ``argv``; unset model flags take the (quick) defaults. Errors exit via argparse."""
-    args = parser.parse_args(argv)
-    defaults = {**MODEL_DEFAULTS, **(QUICK if args.quick else {})}
+flags.DEFINE_boolean("quick", False, f"tiny sizes for tests/CI: {QUICK}; output in "
+                     f"{QUICK_RESULTS_DIR}")
+flags.DEFINE_list("depths", None, f"comma-separated n_layers values (default "
+                  f"{MODEL_DEFAULTS['depths']}, or {QUICK['depths']} with --quick)")
+flags.DEFINE_list("trainers", list(TRAINERS), f"comma-separated subset of "
+                  f"{','.join(TRAINERS)}")
+for _name in ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size"):
+    flags.DEFINE_integer(_name, None, f"model/batch size (default {MODEL_DEFAULTS[_name]}"
+                         f"{f', or {QUICK[_name]} with --quick' if _name in QUICK else ''})",
+                         lower_bound=1)
+flags.DEFINE_float("dropout", None, f"dropout rate (default {MODEL_DEFAULTS['dropout']})",
+                   lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_integer("steps", None, "measured steps per config (default: the script's)",
+                     lower_bound=1)
+flags.DEFINE_integer("warmup", None, "steps run before measuring; the first one compiles "
+                     "(default: the script's)", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "seed of the weights and the batch")
+flags.DEFINE_float("timeout", 3600.0, "seconds before a worker process is killed",
+                   lower_bound=0.0)
+flags.DEFINE_integer("jobs", 1, "workers run at once; >1 only for quick checks (they share "
+                     "the CPU, which distorts step times)", lower_bound=1)
+flags.DEFINE_string("compilation_cache_dir", None, "for tests: let workers share JAX's "
+                    "persistent compilation cache (first-step times then exclude most "
+                    "compilation)")
+flags.DEFINE_boolean("render_only", False, "only rewrite the Markdown and PNG from the JSON "
+                     "in --out_dir")
+flags.DEFINE_string("out_dir", None, f"where outputs go (default {RESULTS_DIR}, or "
+                    f"{QUICK_RESULTS_DIR} with --quick)")
+flags.register_validator("depths", lambda v: v is None or _positive_ints(v),
+                         "--depths must be positive integers, e.g. 2,4,8")
+flags.register_validator("trainers", lambda v: bool(v) and set(v) <= set(TRAINERS),
+                         f"--trainers must be a subset of {','.join(TRAINERS)}")
+
+
+def parse_flags(argv: Sequence[str] | None, steps: int, warmup: int) -> SimpleNamespace:
+    """The run's settings from absl flags; unset ones take the (quick) defaults.
+
+    Args:
+      argv: flags without the program name (as tests pass them); None reads the flags
+        ``absl.app.run`` has already parsed from the command line.
+      steps: the script's default for ``--steps`` (measured steps per configuration).
+      warmup: the script's default for ``--warmup``.
+
+    Returns:
+      Every flag's value as an attribute; ``depths`` as a list of ints, ``trainers`` as a
+      list of names, ``out_dir`` as a Path.
+
+    Raises:
+      flags.Error: for an unknown flag or a value a validator rejects (``--jobs=0``,
+        ``--trainers=adam``).
+    """
+    if argv is not None:
+        FLAGS.unparse_flags()  # A fresh parse: an earlier in-process call left values.
+        FLAGS([sys.argv[0], *argv])
+    args = SimpleNamespace(**FLAGS.flag_values_dict())
+    defaults = {**MODEL_DEFAULTS, **(QUICK if args.quick else {}),
+                "steps": steps, "warmup": warmup}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.out_dir is None:
-        args.out_dir = QUICK_RESULTS_DIR if args.quick else RESULTS_DIR
-    args.depths = [int(d) for d in str(args.depths).split(",") if d.strip()]
-    args.trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
-    unknown = [t for t in args.trainers if t not in TRAINERS]
-    if unknown:
-        parser.error(f"--trainers {unknown} unknown; choose from {','.join(TRAINERS)}")
-    if not args.depths or min(args.depths) < 1:
-        parser.error(f"--depths {args.depths} must be positive integers, e.g. 2,4,8")
-    if args.jobs < 1:
-        parser.error(f"--jobs={args.jobs} must be >= 1")
-    if args.steps < 1 or args.warmup < 1:
-        parser.error(f"--steps={args.steps} and --warmup={args.warmup} must be >= 1 (the "
-                     f"first warm-up step compiles)")
+    args.out_dir = Path(args.out_dir or (QUICK_RESULTS_DIR if args.quick else RESULTS_DIR))
+    depths = args.depths.split(",") if isinstance(args.depths, str) else args.depths
+    args.depths = [int(d) for d in depths]
     return args
 
 
-def model_config(args: argparse.Namespace) -> dict[str, Any]:
+def model_config(args: SimpleNamespace) -> dict[str, Any]:
     """The model and run settings shared by every configuration (JSON-serialisable)."""
     names = ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size", "dropout",
              "steps", "warmup", "seed")
@@ -114,7 +132,7 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
         "n_devices": 1, "compilation_cache_dir": args.compilation_cache_dir}
 
 
-def configurations(args: argparse.Namespace, rounds: int = 1) -> list[dict[str, Any]]:
+def configurations(args: SimpleNamespace, rounds: int = 1) -> list[dict[str, Any]]:
     """One config per (depth, round, trainer), in that order.
 
     Depth-major, so a partial run covers the small depths; at each depth the trainers run

@@ -34,7 +34,11 @@ from typing import Any
 if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from absl import app, flags  # noqa: E402
+
 from benchmarks import harness  # noqa: E402
+
+flags.adopt_module_key_flags(harness)  # --help lists the shared flags.
 
 NAME = "memory_vs_depth"
 
@@ -221,8 +225,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     With ``--render_only`` it reads the JSON instead and rewrites the three files.
     """
-    parser = harness.make_parser(__doc__.splitlines()[0], steps=1, warmup=1)
-    args = harness.parse_args(parser, argv)
+    args = harness.parse_flags(argv, steps=1, warmup=1)
     out = Path(args.out_dir)
     payload = harness.read_json(out / f"{NAME}.json") if args.render_only else _run(args)
     payload["targets"] = targets(payload["results"])
@@ -240,8 +243,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return payload
 
 
+def _app_main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+    main()
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == harness.WORKER_FLAG:
         harness.worker_main(sys.argv[1:], measure)
     else:
-        main()
+        app.run(_app_main)

@@ -42,7 +42,14 @@ from typing import Any
 if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from absl import app, flags  # noqa: E402
+
 from benchmarks import harness  # noqa: E402
+
+flags.adopt_module_key_flags(harness)  # --help lists the shared flags.
+flags.DEFINE_integer("rounds", 1, "run every configuration this many times (fresh "
+                     "processes, trainers of a depth back to back) and pool the steps",
+                     lower_bound=1)
 
 NAME = "step_time"
 QUIET_FRACTION = 0.1
@@ -279,10 +286,8 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run(parser: Any, args: Any) -> dict[str, Any]:
+def _run(args: Any) -> dict[str, Any]:
     """Runs every configuration (``--rounds`` times) in worker processes; the payload."""
-    if args.rounds < 1:
-        parser.error(f"--rounds={args.rounds} must be >= 1")
     machine = harness.machine_info()  # Before the run: its date is the start.
     configs = harness.configurations(args, args.rounds)
     print(f"{NAME}: {len(configs)} runs, {harness.settings_line(configs[0])}")
@@ -298,14 +303,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     With ``--render_only`` it reads the JSON instead, recomputes the medians, ratios and
     targets from the per-step times in it, and rewrites all three files.
     """
-    parser = harness.make_parser(__doc__.splitlines()[0], steps=5, warmup=2)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every configuration this many times (fresh processes, "
-                             "trainers of a depth back to back) and pool the steps")
-    args = harness.parse_args(parser, argv)
+    args = harness.parse_flags(argv, steps=5, warmup=2)
     out = Path(args.out_dir)
     payload = (harness.read_json(out / f"{NAME}.json") if args.render_only
-               else _run(parser, args))
+               else _run(args))
     add_ratios(payload["results"])
     payload["targets"] = targets(payload["results"])
     harness.write_json(out / f"{NAME}.json", payload)
@@ -320,8 +321,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return payload
 
 
+def _app_main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+    main()
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == harness.WORKER_FLAG:
         harness.worker_main(sys.argv[1:], measure)
     else:
-        main()
+        app.run(_app_main)

@@ -14,8 +14,16 @@ the newest checkpoint and prints eval metrics; ``revtrain-decode --output_dir=..
 
 Multi-host: ``--coordinator_address=host:port --num_processes=N --process_id=i`` (or the
 environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
-``JAX_PROCESS_ID``) call ``jax.distributed.initialize`` before anything else; on CPU the
-gloo collectives are selected.
+``JAX_PROCESS_ID``) call ``jax.distributed.initialize`` before anything else (on CPU, JAX
+uses its default gloo collectives).
+
+Conventions: the console scripts run under ``absl.app.run`` and log through
+``absl.logging``, so absl's logging flags work (``--verbosity=1`` for debug lines,
+``--log_dir`` with ``--alsologtostderr``); the ``revtrain.*`` loggers' INFO lines (progress,
+checkpoints, memory) show on stderr. ``--gin_file`` is an alias of ``--config_file``, as in
+other gin-configured JAX tools, and a config name without a directory (``copy_task.gin``)
+is found among the configs shipped in the package (``revtrain/configs``). The operative
+config also goes to TensorBoard as text (``tensorboard/config``).
 
 Errors a user can fix (bad flags, unknown gin parameters, missing files, a NaN loss, a
 checkpoint of another model) are printed as one line, ``<tool>: error: <message>``, with
@@ -26,6 +34,7 @@ Each ``*_main(argv)`` builds its own flag set, so the tools can be called in-pro
 from __future__ import annotations
 
 import contextlib
+import importlib.resources
 import logging
 import math
 import os
@@ -34,11 +43,19 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import gin
-from absl import flags
+from absl import app, flags
+from absl import logging as absl_logging
+
+import revtrain
 
 CONFIG_FILE = "config.gin"
-_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "configs")
+TENSORBOARD_CONFIG_DIR = os.path.join("tensorboard", "config")
+# The shipped configs are package data (a regular directory in every pip install).
+_CONFIGS_DIR = str(importlib.resources.files("revtrain") / "configs")
+# absl's logging flags (--verbosity, --log_dir, ...), shared with each tool's flag set.
+_ABSL_FLAG_MODULES = ("absl.logging",)
+# Libraries' loggers that show only warnings unless --verbosity is given.
+_QUIET_LOGGERS = ("absl", "jax", "orbax")
 
 
 class UsageError(Exception):
@@ -51,8 +68,10 @@ class UsageError(Exception):
 def _common_flags(output_dir_help: str) -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_string("output_dir", None, output_dir_help, flag_values=fv)
-    flags.DEFINE_multi_string("config_file", [], "A gin config file; repeat for several "
-                              "(later files override earlier ones).", flag_values=fv)
+    flags.DEFINE_multi_string("config_file", [], "A gin config file, or the name of one "
+                              "shipped in revtrain/configs; repeat for several (later files "
+                              "override earlier ones).", flag_values=fv)
+    flags.DEFINE_alias("gin_file", "config_file", flag_values=fv)
     flags.DEFINE_multi_string("gin_bindings", [], "A gin binding such as 'train.steps=20'; "
                               "repeat for several; applied after the config files.",
                               flag_values=fv)
@@ -64,6 +83,13 @@ def _common_flags(output_dir_help: str) -> flags.FlagValues:
                          flag_values=fv)
     flags.DEFINE_boolean("traceback", False, "Show the full traceback of an error.",
                          flag_values=fv)
+    flags.DEFINE_boolean("version", False, "Print the revtrain version and exit.",
+                         flag_values=fv)
+    for module in _ABSL_FLAG_MODULES:
+        for flag in flags.FLAGS.get_flags_for_module(module):
+            flag.unparse()  # Defaults again: an earlier in-process call may have set it.
+            fv[flag.name] = flag  # The same Flag object: absl reads what we parse.
+            fv.register_flag_by_module(module, flag)  # Listed under it in --help.
     return fv
 
 
@@ -80,6 +106,10 @@ def _parse_flags(fv: flags.FlagValues, argv: Sequence[str]) -> bool:
     rest = fv(list(argv))
     if len(rest) > 1:
         raise UsageError(f"unexpected arguments {rest[1:]}; every option is a --flag")
+    flags.FLAGS.mark_as_parsed()  # absl.logging's flags were parsed through ``fv``.
+    if fv.version:
+        print(f"revtrain {revtrain.__version__}")
+        return False
     return True
 
 
@@ -87,21 +117,42 @@ def _parse_flags(fv: flags.FlagValues, argv: Sequence[str]) -> bool:
 # Shared set-up: logging, distributed runtime, gin.
 
 @contextlib.contextmanager
-def _log_to_stderr() -> Iterator[None]:
-    """Shows revtrain's INFO log lines on stderr while the tool runs."""
-    logger = logging.getLogger("revtrain")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    old_level, old_propagate = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # Root handlers (e.g. absl's) would print each line twice.
+def _absl_logging(prog: str, fv: flags.FlagValues) -> Iterator[None]:
+    """Routes Python logging (the ``revtrain.*`` loggers included) through absl's handler.
+
+    Without ``--verbosity``, INFO lines show (revtrain's progress, checkpoints, memory)
+    except those of the libraries' own loggers (absl's, which orbax uses, and jax's), which
+    show warnings only; ``--verbosity=0`` shows every library's INFO lines, ``--verbosity=1``
+    DEBUG lines too, ``--verbosity=-1`` warnings only. Lines go to the current
+    ``sys.stderr``, or to ``<log_dir>/<prog>.INFO`` (etc.) with ``--log_dir``, copied to
+    stderr with ``--alsologtostderr``. Handlers and levels are restored on exit, so
+    in-process calls (tests) leave logging as they found it.
+    """
+    root = logging.getLogger()
+    old_handlers, old_level = list(root.handlers), root.level
+    quiet = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+    old_quiet_levels = [logger.level for logger in quiet]
+    absl_logging.use_absl_handler()  # Adds absl's handler and applies --verbosity.
+    if not fv["verbosity"].present:
+        absl_logging.set_verbosity(absl_logging.INFO)
+        for logger in quiet:
+            logger.setLevel(logging.WARNING)
+    handler = absl_logging.get_absl_handler()
+    old_stream = handler.python_handler.setStream(sys.stderr)
+    if fv.log_dir:
+        os.makedirs(fv.log_dir, exist_ok=True)  # absl only writes into an existing one.
+        handler.use_absl_log_file(program_name=prog, log_dir=fv.log_dir)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-        logger.propagate = old_propagate
+        handler.flush()
+        if fv.log_dir:
+            handler.python_handler.stream.close()
+        handler.python_handler.setStream(old_stream or sys.stderr)
+        root.handlers[:] = old_handlers
+        root.setLevel(old_level)
+        for logger, level in zip(quiet, old_quiet_levels, strict=True):
+            logger.setLevel(level)
 
 
 def _initialize_distributed(fv: flags.FlagValues) -> None:
@@ -117,7 +168,6 @@ def _initialize_distributed(fv: flags.FlagValues) -> None:
                          "JAX_PROCESS_ID)")
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, num_processes=num_processes,
                                process_id=process_id)
 
@@ -133,7 +183,14 @@ def _env_int(name: str) -> int | None:
 
 
 def resolve_config_file(path: str) -> str:
-    """``path`` if it exists, else the same name in the repository's ``configs/``.
+    """``path`` if it exists, else the same name among the configs shipped in the package.
+
+    Args:
+      path: a gin file's path, or the name of a shipped config such as ``copy_task.gin``
+        (see ``revtrain/configs``).
+
+    Returns:
+      The path of an existing file.
 
     Raises:
       UsageError: when neither exists.
@@ -152,7 +209,9 @@ def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
 
     files = [resolve_config_file(path) for path in config_files]
     gin.clear_config()
-    # `include 'x.gin'` finds files next to the including config or in configs/.
+    # `include 'x.gin'` finds files next to the including config or in the shipped configs;
+    # shipped configs include each other as 'revtrain/configs/x.gin', which gin resolves
+    # through the package wherever it is installed.
     for directory in dict.fromkeys([os.path.dirname(os.path.abspath(f)) for f in files]
                                    + [_CONFIGS_DIR]):
         known = getattr(gin.config, "_LOCATION_PREFIXES", ())  # Avoid repeats in-process.
@@ -194,7 +253,7 @@ def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
     except (flags.Error, UsageError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    with _log_to_stderr():
+    with _absl_logging(prog, fv):
         try:
             return body(fv)
         except UsageError as e:
@@ -217,12 +276,18 @@ def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
 # revtrain-train.
 
 def _write_operative_config(output_dir: str) -> Callable:
+    """A `Loop` callback writing gin's operative config to ``config.gin`` and TensorBoard."""
     def write(loop) -> None:
-        del loop
         if _is_chief():
+            from tensorboardX import SummaryWriter  # Lazy: it imports protobuf.
+
             from revtrain.training.run_config import write_run_config
 
-            write_run_config(output_dir, gin.operative_config_str())
+            config = gin.operative_config_str()
+            write_run_config(output_dir, config)
+            with SummaryWriter(logdir=os.path.join(output_dir, TENSORBOARD_CONFIG_DIR)) as w:
+                w.add_text("gin/operative_config", gin.config.markdown(config),
+                           global_step=loop.step)
     return write
 
 
@@ -336,13 +401,31 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------
 # Console-script entry points (setup.cfg).
 
+def _app_run(main: Callable[[Sequence[str]], int]) -> None:
+    """Runs ``main(sys.argv)`` under ``absl.app.run``; exits with its status.
+
+    ``main`` parses its own flag set (which holds absl's logging flags), so ``absl.app``
+    only needs ``FLAGS`` marked parsed; INFO lines are shown without absl's prefix.
+    """
+    flags.FLAGS.set_default("showprefixforinfo", False)
+
+    def parse(argv: list[str]) -> list[str]:
+        flags.FLAGS.mark_as_parsed()
+        return argv
+
+    app.run(main, flags_parser=parse)
+
+
 def run_train() -> None:
-    sys.exit(train_main())
+    """Console script ``revtrain-train`` (also ``python -m revtrain``)."""
+    _app_run(train_main)
 
 
 def run_eval() -> None:
-    sys.exit(eval_main())
+    """Console script ``revtrain-eval``."""
+    _app_run(eval_main)
 
 
 def run_decode() -> None:
-    sys.exit(decode_main())
+    """Console script ``revtrain-decode``."""
+    _app_run(decode_main)

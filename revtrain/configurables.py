@@ -26,28 +26,31 @@ from revtrain import data, layers, models, trainers
 from revtrain.training import schedules, train_lib
 from revtrain.training.optimizers import optimizer_fn
 
+# (gin module, public constructors) registered below; docs/make_gin_reference.py documents
+# exactly these (and `train`).
+REGISTRY = (
+    ("revtrain.models", (models.ReversibleTransformerLM, models.TransformerLM, models.RevNet)),
+    ("revtrain.data", (data.TextFiles, data.TFDS, data.CopyTask, data.SyntheticSequences)),
+    ("revtrain.trainers", (trainers.Trainer, trainers.ReversibleSerialTrainer,
+                           trainers.MemoryEfficientTrainer)),
+    ("revtrain.training", (optimizer_fn, schedules.warmup_rsqrt_decay,
+                           schedules.warmup_cosine_decay, schedules.constant)),
+    ("revtrain.layers", (layers.CrossEntropyLoss, layers.WeightedCategoryCrossEntropy,
+                         layers.Accuracy, layers.Relu, layers.Gelu, layers.Tanh,
+                         layers.Sigmoid)),
+)
+CONSTANTS = {"jnp.float32": jnp.float32, "jnp.bfloat16": jnp.bfloat16}
+
 
 def _register() -> None:
-    registry = (
-        ("revtrain.models", (models.ReversibleTransformerLM, models.TransformerLM,
-                             models.RevNet)),
-        ("revtrain.data", (data.TextFiles, data.TFDS, data.CopyTask, data.SyntheticSequences)),
-        ("revtrain.trainers", (trainers.Trainer, trainers.ReversibleSerialTrainer,
-                               trainers.MemoryEfficientTrainer)),
-        ("revtrain.training", (optimizer_fn, schedules.warmup_rsqrt_decay,
-                               schedules.warmup_cosine_decay, schedules.constant)),
-        ("revtrain.layers", (layers.CrossEntropyLoss, layers.WeightedCategoryCrossEntropy,
-                             layers.Accuracy, layers.Relu, layers.Gelu, layers.Tanh,
-                             layers.Sigmoid)),
-    )
-    for module, constructors in registry:
+    for module, constructors in REGISTRY:
         for constructor in constructors:
             gin.external_configurable(constructor, module=module)
-    gin.constant("jnp.float32", jnp.float32)
-    gin.constant("jnp.bfloat16", jnp.bfloat16)
+    for name, value in CONSTANTS.items():
+        gin.constant(name, value)
 
 
 _register()
 train = gin.external_configurable(train_lib.train, name="train", module="revtrain.training")
 
-__all__ = ["train"]
+__all__ = ["CONSTANTS", "REGISTRY", "train"]

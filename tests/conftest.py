@@ -17,7 +17,6 @@ import jax  # noqa: E402
 
 N_TEST_DEVICES = 4
 jax.config.update("jax_num_cpu_devices", N_TEST_DEVICES)
-jax.config.update("jax_threefry_partitionable", True)
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(tempfile.gettempdir(), "revtrain-tests-jax-cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -1,4 +1,5 @@
 """End-to-end tests of revtrain/cli.py: revtrain-train / -eval / -decode on tiny configs."""
+import logging
 import os
 import shutil
 import subprocess
@@ -118,7 +119,8 @@ def test_missing_data_file_is_one_line_runtime_error(tmp_path, capsys):
 
 def test_help_prints_flags(capsys):
     assert cli.train_main(["revtrain-train", "--help"]) == 0
-    assert "--gin_bindings" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--gin_bindings" in out and "--gin_file" in out and "--verbosity" in out
 
 
 def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
@@ -181,3 +183,51 @@ def test_text_configs_train_two_tiny_steps(tmp_path, capsys, name, model):
             f"--output_dir={tmp_path}"] + [f"--gin_bindings={b}" for b in shrink]
     assert cli.train_main(argv) == 0
     assert "final eval at step 2: loss" in capsys.readouterr().out
+
+
+def test_verbosity_and_gin_file_flags(tmp_path, capsys):
+    """absl's logging flags, gin's usual flag names and a shipped config found by name."""
+    out = tmp_path / "run"
+    argv = ["revtrain-train", "--gin_file=copy_task.gin", f"--output_dir={out}",
+            "--verbosity=1", f"--log_dir={tmp_path / 'logs'}", "--alsologtostderr"]
+    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=2", "train.eval_steps=0",
+                                                    "train.log_every=1"]]
+    assert cli.train_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "step 2 train: loss" in err and "Path not found" not in err
+    with open(tmp_path / "logs" / "revtrain-train.INFO") as f:  # absl's log file, all levels.
+        log = f.read()
+    assert "step 2 train: loss" in log
+    [events] = os.listdir(out / "tensorboard" / "config")
+    with open(out / "tensorboard" / "config" / events, "rb") as f:
+        assert b"gin/operative_config" in f.read()  # The operative config as TB text.
+
+
+def test_memory_efficient_trainer_log_lines_are_shown(tmp_path, capsys):
+    assert _train(str(tmp_path), "train.steps=1", "train.eval_steps=0",
+                  "train.trainer_class=@MemoryEfficientTrainer",
+                  "MemoryEfficientTrainer.n_steps_per_log=1") == 0
+    assert "host RSS" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import revtrain
+
+    assert cli.train_main(["revtrain-train", "--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"revtrain {revtrain.__version__}"
+
+
+@pytest.mark.parametrize("flag, revtrain_level, absl_level", [
+    ([], logging.INFO, logging.WARNING),  # Libraries' own loggers quiet by default.
+    (["--verbosity=0"], logging.INFO, logging.INFO),
+    (["--verbosity=1"], logging.DEBUG, logging.DEBUG),
+    (["--verbosity=-1"], logging.WARNING, logging.WARNING),
+])
+def test_verbosity_sets_the_logging_levels(flag, revtrain_level, absl_level):
+    fv = cli._common_flags("unused")
+    fv(["revtrain-train", *flag])
+    root_level = logging.getLogger().level
+    with cli._absl_logging("revtrain-train", fv):
+        assert logging.getLogger("revtrain.training").getEffectiveLevel() == revtrain_level
+        assert logging.getLogger("absl").getEffectiveLevel() == absl_level
+    assert logging.getLogger().level == root_level

@@ -40,7 +40,8 @@ def _import_tensorflow() -> tuple[Any, Any]:
     except ImportError as err:
         raise ImportError(
             "revtrain.data.TFDS needs tensorflow and tensorflow-datasets; install them with "
-            "`pip install revtrain[tfds]`"
+            "`pip install revtrain[tfds-cpu]`, or `pip install revtrain[tfds]` beside the "
+            "tensorflow you have"
         ) from err
     try:
         tf.config.set_visible_devices([], "GPU")

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 SEPARATOR = "/"
 _KEY_MARK = "__prng_key__"  # Suffix of the path of a flattened typed PRNG key.
+_DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
 
 
 def _is_typed_key(leaf: Any) -> bool:
@@ -215,8 +216,8 @@ class Checkpointer:
             preservation_policy=retention.preservation_policy(
                 max_to_keep, keep_period, keep_time_interval, kept))
         self.unreadable_steps: list[int] = []
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler())
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              handler_registry=_handler_registry())
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -320,10 +321,11 @@ class Checkpointer:
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         expected = flatten_tree(template)
-        metadata = self._manager.item_metadata(step)
-        if metadata is None or metadata.tree is None:
+        metadata = self._manager.metadata(step).item_metadata
+        tree = None if metadata is None else getattr(metadata, "tree", None)
+        if tree is None:
             raise FileNotFoundError("its metadata (_METADATA) is missing or unreadable")
-        metadata = metadata.tree
+        metadata = tree
         found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in metadata.items()}
         check_matches(_signatures(expected), found,
                       f"checkpoint {os.path.join(self.directory, str(step))}")
@@ -337,3 +339,16 @@ class Checkpointer:
     def close(self) -> None:
         """Finishes pending saves and releases the manager."""
         self._manager.close()
+
+
+def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """The flat tree is orbax's single default item, saved by `StandardCheckpointHandler`.
+
+    Registering it up front (rather than on the first save) lets a fresh manager read a
+    step's metadata before restoring it.
+    """
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+        registry.add(_DEFAULT_ITEM, args, ocp.StandardCheckpointHandler)
+    return registry
+

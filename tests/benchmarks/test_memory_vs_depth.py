@@ -2,6 +2,7 @@
 import json
 
 import pytest
+from absl import flags
 
 from benchmarks import harness, memory_vs_depth
 
@@ -61,11 +62,12 @@ def test_failed_worker_is_reported_not_raised(tmp_path):
 
 
 def test_quick_defaults_and_explicit_flags(tmp_path):
-    parser = harness.make_parser("test", steps=1, warmup=1)
-    args = harness.parse_args(parser, ["--quick", "--d_model", "64"])
+    args = harness.parse_flags(["--quick", "--d_model", "64"], steps=1, warmup=1)
     assert (args.depths, args.d_model, args.d_ff, args.seq_len) == ([2, 4], 64, 64, 32)
-    assert args.out_dir == harness.QUICK_RESULTS_DIR
-    args = harness.parse_args(parser, ["--depths", "2,32", "--trainers", "reversible"])
+    assert args.out_dir == harness.QUICK_RESULTS_DIR and args.steps == 1
+    args = harness.parse_flags(["--depths", "2,32", "--trainers", "reversible"], 5, 2)
     assert (args.depths, args.trainers, args.d_model) == ([2, 32], ["reversible"], 256)
-    with pytest.raises(SystemExit):
-        harness.parse_args(parser, ["--trainers", "adam"])
+    assert (args.steps, args.warmup, args.quick) == (5, 2, False)  # Nothing left over.
+    for bad in (["--trainers", "adam"], ["--depths", "2,0"], ["--jobs", "0"], ["--nope"]):
+        with pytest.raises(flags.Error):
+            harness.parse_flags(bad, steps=1, warmup=1)

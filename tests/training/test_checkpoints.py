@@ -6,8 +6,8 @@ import os
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
-from orbax.checkpoint._src.path import atomicity
 
 from revtrain.training import checkpoints
 from revtrain.training.checkpoints import Checkpointer
@@ -98,10 +98,10 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(5, _tree(5.0))
 
-    async def crash(self, *args, **kwargs):
+    def crash(self, *args, **kwargs):  # Raises whether orbax awaits finalize() or not.
         raise RuntimeError("simulated crash before the checkpoint was committed")
 
-    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", crash)
+    monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "finalize", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         ckpt.save(6, _tree(6.0))
     monkeypatch.undo()

@@ -29,7 +29,7 @@ def test_clip_gradient_norm_clips_before_the_update():
     assert "learning_rate" in state.hyperparams
     updates, _ = opt.update({"w": jnp.array([3.0, 4.0])}, state, params)
     np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-6)
-    assert optax.tree_utils.tree_get(state, "learning_rate") == 1.0
+    assert optax.tree.get(state, "learning_rate") == 1.0
 
 
 @pytest.mark.parametrize("name", ["nonexistent", "chain", "_src", "global_norm"])
