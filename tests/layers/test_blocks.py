@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tree_utils import assert_trees_close
 
 from revtrain import layers as tl
 from revtrain.layers import (
@@ -28,6 +27,7 @@ from revtrain.layers import (
 )
 from revtrain.layers.normalization import LayerNorm
 from revtrain.models import ReversibleTransformerLM, RevNet, TransformerLM
+from tests.tree_utils import assert_trees_close
 
 D = 8
 VOCAB, BATCH, LENGTH = 16, 2, 8

@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tree_utils import assert_trees_close
 
 from revtrain.layers import (
     EMPTY,
@@ -25,6 +24,7 @@ from revtrain.layers import (
     outputs_onto_stack,
     split_rng,
 )
+from tests.tree_utils import assert_trees_close
 
 SDS = jax.ShapeDtypeStruct
 

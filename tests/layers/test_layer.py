@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tree_utils import assert_trees_close
 
 from revtrain.layers import (
     EMPTY,
@@ -28,6 +27,7 @@ from revtrain.layers import (
     Swap,
 )
 from revtrain.layers.normalization import BatchNorm
+from tests.tree_utils import assert_trees_close
 
 SDS = jax.ShapeDtypeStruct
 X = np.arange(6, dtype=np.float32).reshape(2, 3)

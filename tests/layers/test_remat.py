@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tree_utils import assert_trees_close
 
 from revtrain.layers import (
     Dense,
@@ -16,6 +15,7 @@ from revtrain.layers import (
     ShapeDtype,
 )
 from revtrain.layers.normalization import BatchNorm, LayerNorm
+from tests.tree_utils import assert_trees_close
 
 BATCH, LENGTH, D = 2, 4, 8
 

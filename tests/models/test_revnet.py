@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tree_utils import assert_trees_close
 
 from revtrain.layers import (
     CrossEntropyLoss,
@@ -13,6 +12,7 @@ from revtrain.layers import (
     reconstruction_error,
 )
 from revtrain.models import RevNet
+from tests.tree_utils import assert_trees_close
 
 BATCH, SIZE, CHANNELS, CLASSES = 4, 8, 3, 5
 

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tree_utils import assert_trees_close
 
 from revtrain.layers import (
     CrossEntropyLoss,
@@ -20,6 +19,7 @@ from revtrain.layers import (
     reconstruction_error,
 )
 from revtrain.models import ReversibleTransformerLM, TransformerLM
+from tests.tree_utils import assert_trees_close
 
 VOCAB, BATCH, LENGTH, D = 16, 2, 8, 8
 
