@@ -1,0 +1,97 @@
+"""Host time of one block-trainer step on a tiny, deep model: the Python-side cost.
+
+On an accelerator a layer's kernels take milliseconds, so what the host does between
+dispatches (argument handling, cache look-ups, transfers) decides whether the device waits.
+This script times ``ReversibleSerialTrainer.one_step`` on a model so small that the device
+work is negligible: a ``ReversibleTransformerLM`` with ``d_model=16`` and 16 layers (66 flat
+layers). ``dispatch_s`` is the time until ``one_step`` returns (everything dispatched,
+nothing awaited); ``step_s`` also waits for the results. Medians over ``--steps`` steps
+after ``--warmup`` steps. Beside the wall times: the CPU time of the calling thread during
+the dispatch (``dispatch_thread_cpu_s``, the host's own work: a shared machine slows wall
+time far more than CPU time) and of the whole process (XLA's threads included).
+
+    python benchmarks/host_overhead.py --depth=16 --steps=50
+
+Only public API is used, so the same script measures an older checkout (put it first on
+``PYTHONPATH``); the JSON records which ``revtrain`` it imported.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+from absl import app, flags
+
+flags.DEFINE_integer("depth", 16, "n_layers of the ReversibleTransformerLM")
+flags.DEFINE_integer("d_model", 16, "model width")
+flags.DEFINE_integer("steps", 50, "measured steps")
+flags.DEFINE_integer("warmup", 3, "steps before measuring (the first compiles)")
+flags.DEFINE_integer("n_devices", 1, "devices (forced CPU devices when > 1)")
+flags.DEFINE_enum("trainer", "reversible", ["reversible", "memory_efficient"],
+                  "which block trainer")
+flags.DEFINE_string("json_out", None, "also write the result here")
+FLAGS = flags.FLAGS
+
+
+def measure(depth: int, d_model: int, steps: int, warmup: int, n_devices: int,
+            trainer_kind: str) -> dict:
+    """Builds the trainer and returns median dispatch/step seconds and CPU seconds."""
+    import jax
+    import numpy as np
+    import optax
+
+    import revtrain
+    from revtrain import layers as tl
+    from revtrain.models import ReversibleTransformerLM
+    from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer
+
+    model = ReversibleTransformerLM(vocab_size=32, d_model=d_model, d_ff=2 * d_model,
+                                    n_layers=depth, n_heads=2, max_len=16, dropout=0.1)
+    rs = np.random.RandomState(0)
+    tokens = rs.randint(0, 32, (4 * n_devices, 17)).astype(np.int32)
+    batch = (tokens[:, :-1], tokens[:, 1:], np.ones((4 * n_devices, 16), np.float32))
+    blocks, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
+    tl.init_reversible_blocks(blocks, loss, batch, jax.random.key(0))
+    adam = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    cls = ReversibleSerialTrainer if trainer_kind == "reversible" else MemoryEfficientTrainer
+    trainer = cls(blocks, loss, adam, n_devices=n_devices)
+    for step in range(warmup):
+        jax.block_until_ready(trainer.one_step(batch, jax.random.key(step)))
+    dispatch, cpu, thread, total = [], [], [], []
+    for step in range(warmup, warmup + steps):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        thread_start = time.thread_time()
+        out = trainer.one_step(batch, jax.random.key(step))
+        dispatch.append(time.perf_counter() - start)
+        thread.append(time.thread_time() - thread_start)
+        cpu.append(time.process_time() - cpu_start)
+        jax.block_until_ready(out)
+        total.append(time.perf_counter() - start)
+    return {"revtrain": revtrain.__file__, "trainer": trainer_kind, "depth": depth,
+            "d_model": d_model, "n_flat_layers": len(trainer.layers), "steps": steps,
+            "n_devices": n_devices, "median_dispatch_s": statistics.median(dispatch),
+            "median_dispatch_cpu_s": statistics.median(cpu),
+            "median_dispatch_thread_cpu_s": statistics.median(thread),
+            "median_step_s": statistics.median(total)}
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+    import jax
+    jax.config.update("jax_num_cpu_devices", max(FLAGS.n_devices, 1))
+    result = measure(FLAGS.depth, FLAGS.d_model, FLAGS.steps, FLAGS.warmup,
+                     FLAGS.n_devices, FLAGS.trainer)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main, argv=sys.argv)
