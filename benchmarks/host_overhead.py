@@ -10,7 +10,7 @@ after ``--warmup`` steps. Beside the wall times: the CPU time of the calling thr
 the dispatch (``dispatch_thread_cpu_s``, the host's own work: a shared machine slows wall
 time far more than CPU time) and of the whole process (XLA's threads included).
 
-    python benchmarks/host_overhead.py --depth=16 --steps=50
+    python benchmarks/host_overhead.py --depth=16 --steps=50 --trainers=reversible
 
 Only public API is used, so the same script measures an older checkout (put it first on
 ``PYTHONPATH``); the JSON records which ``revtrain`` it imported.
@@ -23,18 +23,24 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from absl import app, flags
 
-flags.DEFINE_integer("depth", 16, "n_layers of the ReversibleTransformerLM")
-flags.DEFINE_integer("d_model", 16, "model width")
-flags.DEFINE_integer("steps", 50, "measured steps")
-flags.DEFINE_integer("warmup", 3, "steps before measuring (the first compiles)")
-flags.DEFINE_integer("n_devices", 1, "devices (forced CPU devices when > 1)")
-flags.DEFINE_enum("trainer", "reversible", ["reversible", "memory_efficient"],
-                  "which block trainer")
-flags.DEFINE_string("json_out", None, "also write the result here")
 FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+    """Flags of the script run on its own (not at import: the tests import this module
+    beside the other benchmarks, whose shared flags use the same names)."""
+    flags.DEFINE_integer("depth", 16, "n_layers of the ReversibleTransformerLM", lower_bound=1)
+    flags.DEFINE_integer("d_model", 16, "model width", lower_bound=2)
+    flags.DEFINE_integer("steps", 50, "measured steps", lower_bound=1)
+    flags.DEFINE_integer("warmup", 3, "steps before measuring (the first compiles)",
+                         lower_bound=1)
+    flags.DEFINE_list("trainers", ["reversible"], "block trainers to measure: reversible, "
+                      "memory_efficient")
+    flags.DEFINE_string("json_out", None, "also write the results here")
 
 
 def measure(depth: int, d_model: int, steps: int, warmup: int, n_devices: int,
@@ -80,18 +86,21 @@ def measure(depth: int, d_model: int, steps: int, warmup: int, n_devices: int,
 
 
 def main(argv: Sequence[str]) -> None:
+    """Measures each trainer of ``--trainers``; prints JSON (and writes ``--json_out``)."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
-    import jax
-    jax.config.update("jax_num_cpu_devices", max(FLAGS.n_devices, 1))
-    result = measure(FLAGS.depth, FLAGS.d_model, FLAGS.steps, FLAGS.warmup,
-                     FLAGS.n_devices, FLAGS.trainer)
-    text = json.dumps(result, indent=1)
+    unknown = set(FLAGS.trainers) - {"reversible", "memory_efficient"}
+    if unknown:
+        raise app.UsageError(f"--trainers={','.join(FLAGS.trainers)}: {sorted(unknown)} are "
+                             f"not block trainers; use reversible and/or memory_efficient")
+    results = [measure(FLAGS.depth, FLAGS.d_model, FLAGS.steps, FLAGS.warmup, 1, kind)
+               for kind in FLAGS.trainers]
+    text = json.dumps(results, indent=1)
     print(text)
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            f.write(text + "\n")
+        Path(FLAGS.json_out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main, argv=sys.argv)

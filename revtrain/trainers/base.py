@@ -108,12 +108,17 @@ class TrainerBase:
         if not isinstance(train_state, tuple) or len(train_state) != 3:
             raise TypeError(f"restore takes a TrainState(weights, state, slots); got "
                             f"{type(train_state).__name__}")
-        train_state = TrainState(*train_state)
-        current = self.train_state
+        train_state = TrainState(*(devices.lists_as_tuples(t) for t in train_state))
         for name in TrainState._fields:
-            devices.check_same_structure(getattr(train_state, name), getattr(current, name),
-                                         name)
+            devices.check_same_structure(getattr(train_state, name),
+                                         getattr(self._signature, name), name)
         return train_state
+
+    def _remember_signature(self, train_state: TrainState) -> None:
+        """Keeps the shapes and dtypes `restore` checks against: they never change, and
+        reading them must not need the device values (which a failed step may poison)."""
+        self._signature = TrainState(*(jax.tree.map(_shape_dtype, devices.lists_as_tuples(t))
+                                       for t in train_state))
 
     def sync_to(self, layers: Layer | Sequence[Layer] | None = None) -> None:
         """Writes the trainer's current weights and state into layer objects.
@@ -177,15 +182,19 @@ class TrainerBase:
     def _learning_rate_arg(self, learning_rate: float | None) -> np.ndarray | None:
         """Validates a ``learning_rate`` override and returns the value to pass this step."""
         if learning_rate is None:
-            return None if self.learning_rate is None else np.float32(self.learning_rate)
+            return np.float32(self.learning_rate) if self._injectable else None
+        if isinstance(learning_rate, (np.ndarray, np.generic, jax.Array)) and (
+                np.ndim(learning_rate) == 0 and np.issubdtype(np.asarray(learning_rate).dtype,
+                                                              np.number)):
+            learning_rate = float(learning_rate)  # e.g. a schedule's value, jnp.float32(...)
         if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
             raise TypeError(f"learning_rate={learning_rate!r} must be a real number (or None "
                             f"to keep the current rate)")
         if not self._injectable:
             raise ValueError(
                 f"learning_rate={learning_rate} was given but the optimizer has no injectable "
-                f"learning rate; build it with optax.inject_hyperparams(optax.adam)"
-                f"(learning_rate=...)")
+                f"learning rate (none, or a schedule that sets it itself); build it with "
+                f"optax.inject_hyperparams(optax.adam)(learning_rate=<a number>)")
         if not np.isfinite(learning_rate):
             raise ValueError(f"learning_rate={learning_rate} is not finite")
         return np.float32(learning_rate)
@@ -218,6 +227,11 @@ class TrainerBase:
         if n_layers is None:
             return devices.per_device_keys(rng, self.n_devices, *where)
         return devices.per_device_rngs(rng, self.n_devices, n_layers, *where)
+
+
+def _shape_dtype(a: Any) -> jax.ShapeDtypeStruct:
+    dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+    return jax.ShapeDtypeStruct(np.shape(a), dtype)
 
 
 def as_key(rng: Any) -> jax.Array:

@@ -99,6 +99,7 @@ class BlockTrainer(TrainerBase):
             tuple(opt.init(w) for opt, w in zip(optimizers, (layer.weights for layer in
                                                                 self.layers), strict=True)))
         self._init_learning_rate(initial.slots[-1])
+        self._remember_signature(initial)
         self._store = make_store(self.mesh, self.n_devices, initial, self._schedule)
         self._cache = FnCache(self.mesh, optimizers[0])
         self._fns = tuple(self._cache.get(op.kind, self.layers[op.layer])
@@ -153,7 +154,12 @@ class BlockTrainer(TrainerBase):
         Raises:
           ValueError: for a batch not divisible by ``n_devices``, a learning rate the
             optimizer cannot take, or a stack that does not match the loss layer's inputs;
-            the weights are unchanged after any of these.
+            the weights are unchanged after any of these (they come before any update).
+            Layers are updated one by one in the backward pass and their old buffers are
+            donated, so an error there (a layer whose gradient cannot be traced, running
+            out of accelerator memory, an observer that raises) leaves the layers already
+            updated with their new values; ``restore`` a `TrainState` (e.g. the last
+            checkpoint) to undo it -- it works after any failed step.
         """
         del step
         lr = self._learning_rate_arg(learning_rate)

@@ -176,7 +176,8 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     with one shard, and trainers donate these buffers.
     """
     sharding = replicated(mesh)
-    return jax.tree.map(lambda a: jax.device_put(np.asarray(a), sharding), tree)
+    # np.array copies: on the CPU backend device_put may alias a numpy array's memory.
+    return jax.tree.map(lambda a: jax.device_put(np.array(a), sharding), tree)
 
 
 def unreplicate(tree: Any) -> Any:
@@ -262,6 +263,12 @@ def check_same_structure(new: Any, old: Any, what: str) -> None:
             raise ValueError(
                 f"{what}{jax.tree_util.keystr(path)} has shape {np.shape(a)} dtype "
                 f"{np.dtype(_dtype(a))}; expected {np.shape(b)} {np.dtype(_dtype(b))}")
+
+
+def lists_as_tuples(tree: Any) -> Any:
+    """``tree`` with every list (and plain tuple) turned into a tuple, recursively; other
+    nodes (dicts, NamedTuples such as optax states) are kept as they are."""
+    return _lists_as_tuples(tree)
 
 
 def _lists_as_tuples(tree: Any) -> Any:

@@ -55,24 +55,53 @@ DEV = P(BATCH_AXIS)
 REP = P()
 
 
+_INJECTED_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def _is_injected(node: Any) -> bool:
+    """An ``optax.inject_hyperparams`` state (optax has a stateless and a stateful one)."""
+    return isinstance(node, _INJECTED_STATES)
+
+
+def _settable(state: Any) -> bool:
+    """A numeric ``learning_rate`` hyperparameter (not a schedule, which keeps a state)."""
+    return "learning_rate" in state.hyperparams and (
+        "learning_rate" not in getattr(state, "hyperparams_states", {}))
+
+
+def _injected_states(slots: Any) -> list[Any]:
+    return [node for node in jax.tree.leaves(slots, is_leaf=_is_injected)
+            if _is_injected(node)]
+
+
 def has_injectable_learning_rate(slots: Any) -> bool:
-    """True when ``slots`` holds an ``optax.inject_hyperparams`` ``learning_rate``."""
-    return bool(optax.tree.get_all_with_path(slots, "learning_rate"))
+    """True when ``slots`` hold an ``optax.inject_hyperparams`` numeric ``learning_rate``.
+
+    A learning rate given to ``inject_hyperparams`` as a schedule is not injectable: the
+    schedule sets it at every update (its state lives in ``hyperparams_states``).
+    """
+    return any(_settable(state) for state in _injected_states(slots))
 
 
 def learning_rate_of(slots: Any) -> float | None:
-    """The ``learning_rate`` stored in optimizer slots, or None when there is none."""
-    found = optax.tree.get_all_with_path(slots, "learning_rate")
-    return float(np.asarray(found[0][1])) if found else None
+    """The current ``learning_rate`` held in optimizer slots, or None when there is none."""
+    for state in _injected_states(slots):
+        if "learning_rate" in state.hyperparams:
+            return float(np.asarray(state.hyperparams["learning_rate"]))
+    return None
 
 
 def apply_optimizer(optimizer: optax.GradientTransformation, grads: Any, weights: Any,
                     slots: Any, learning_rate: jax.Array | None) -> tuple[Any, Any]:
     """One optimizer update; sets the injectable learning rate first when one is given."""
     if learning_rate is not None:
-        old = optax.tree.get_all_with_path(slots, "learning_rate")[0][1]
-        slots = optax.tree.set(slots, learning_rate=jnp.asarray(
-            learning_rate, dtype=jnp.asarray(old).dtype))
+        def with_rate(node):
+            if not (_is_injected(node) and _settable(node)):
+                return node
+            old = node.hyperparams["learning_rate"]
+            rate = jnp.asarray(learning_rate, dtype=jnp.asarray(old).dtype)
+            return node._replace(hyperparams={**node.hyperparams, "learning_rate": rate})
+        slots = jax.tree.map(with_rate, slots, is_leaf=_is_injected)
     updates, new_slots = optimizer.update(grads, slots, weights)
     return optax.apply_updates(weights, updates), new_slots
 

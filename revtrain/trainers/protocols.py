@@ -135,8 +135,11 @@ class ParamStore(Protocol):
     and ``unstash``-ed for its standard layer's fbo; ``end_forward(stack)`` lets the final
     activations leave the device; ``finish_step()`` makes the new states current and
     settles every transfer. Values given by ``params(i)`` are donated to the fbo and must
-    not be used again. A step that raises before ``finish_step`` leaves the stored values
-    as they were. Implementations: `revtrain.trainers.stores.DeviceStore` (all on the
+    not be used again, so a layer's update cannot be taken back: a step that raises before
+    its first ``keep_params`` leaves every stored value as it was, one that raises later
+    (in the backward pass) leaves the layers already updated with their new values, and
+    ``restore`` (which must work whatever state a failed step left) undoes it.
+    Implementations: `revtrain.trainers.stores.DeviceStore` (all on the
     devices) and `revtrain.trainers.stores.HostStore` (host memory, prefetch window).
     """
 

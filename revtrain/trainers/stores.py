@@ -34,6 +34,26 @@ def delete_arrays(tree: Any) -> None:
             leaf.delete()
 
 
+def _host_copy(tree: Any) -> Any:
+    """Read-only numpy copies: the store's host values are its own (a caller's array is
+    never aliased) and `train_state` can hand them out without another copy."""
+    def copy(a):
+        a = np.array(a)
+        a.flags.writeable = False
+        return a
+    return jax.tree.map(copy, tree)
+
+
+def _delete_quietly(tree: Any) -> None:
+    """Deletes device buffers that may hold the error of a failed computation."""
+    for leaf in jax.tree.leaves(tree):
+        try:
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        except Exception:  # noqa: BLE001 -- a failed buffer is gone either way.
+            pass
+
+
 def _first_device_bytes(tree: Any, device: jax.Device) -> int:
     """Bytes of ``tree``'s live jax-array shards on ``device``."""
     total = 0
@@ -147,9 +167,12 @@ class HostStore:
 
     def restore(self, train_state: TrainState) -> None:
         self._free_resident()
-        self._weights = [devices.on_cpu(w) for w in train_state.weights]
-        self._slots = [devices.on_cpu(s) for s in train_state.slots]
-        self._states = [devices.on_cpu(devices.for_n_devices(s, self._n_devices))
+        for _, params in self._pending:  # Results of a step that failed: dropped.
+            _delete_quietly(params)
+        self._pending = []
+        self._weights = [_host_copy(w) for w in train_state.weights]
+        self._slots = [_host_copy(s) for s in train_state.slots]
+        self._states = [_host_copy(devices.for_n_devices(s, self._n_devices))
                         for s in train_state.state]
         self._new_states: list[Any] = [None] * len(self._states)
 

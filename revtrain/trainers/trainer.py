@@ -61,7 +61,9 @@ class Trainer(TrainerBase):
         self._model = model_with_loss
         self._optimizer = optimizer_fn()
         weights = model_with_loss.weights
-        self._put(TrainState(weights, model_with_loss.state, self._optimizer.init(weights)))
+        initial = TrainState(weights, model_with_loss.state, self._optimizer.init(weights))
+        self._remember_signature(initial)
+        self._put(initial)
         self._update, self._counted = self._make_update()
 
     def _put(self, values: TrainState) -> None:

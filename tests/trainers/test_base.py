@@ -1,6 +1,7 @@
 """Tests for revtrain.trainers.base: input checks shared by every trainer."""
 import jax
 import numpy as np
+import optax
 import pytest
 
 from revtrain import layers as tl
@@ -101,3 +102,78 @@ def test_reversible_trainer_frees_activations_but_not_the_callers_batch(batch):
     activation_shape = (2, batch[0].shape[0] // 2) + batch[0].shape[1:] + (8,)
     new = [a for a in jax.live_arrays() if id(a) not in before]
     assert not [a for a in new if a.shape == activation_shape]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_learning_rate_schedule_inside_the_optimizer_trains_and_refuses_overrides(kind,
+                                                                                   batch):
+    scheduled = lambda: optax.inject_hyperparams(optax.sgd)(
+        learning_rate=optax.linear_schedule(0.5, 0.0, 10))
+    blocks, loss = initialised_blocks("one", batch)
+    if kind == "plain":
+        trainer = Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), scheduled, 1)
+    else:
+        make = ReversibleSerialTrainer if kind == "reversible" else MemoryEfficientTrainer
+        trainer = make(blocks, loss, scheduled, n_devices=1)
+    assert trainer.learning_rate == pytest.approx(0.5)
+    losses = [float(trainer.one_step(batch, jax.random.key(s))[0]) for s in range(2)]
+    assert all(np.isfinite(losses))
+    with pytest.raises(ValueError, match=r"no injectable learning rate .*schedule"):
+        trainer.one_step(batch, jax.random.key(2), learning_rate=0.1)
+
+
+@pytest.mark.parametrize("rate", [np.float32(3e-3), jax.numpy.float32(3e-3), np.array(3e-3)])
+def test_numpy_and_jax_scalar_learning_rates_are_accepted(rate, batch):
+    trainer = _trainer("reversible", batch, n_devices=1)
+    _, stats = trainer.one_step(batch, jax.random.key(0), learning_rate=rate)
+    assert float(stats["learning_rate"]) == pytest.approx(3e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restore_takes_lists_for_tuples_and_never_aliases_the_callers_arrays(kind, batch):
+    trainer = _trainer(kind, batch)
+    values = jax.tree.map(np.array, trainer.train_state)  # writable host copies
+    # What orbax gives back without a target tree: lists where the trainer has tuples.
+    as_lists = type(values)(*(list(part) if type(part) is tuple else part
+                              for part in values))
+    trainer.restore(as_lists)
+    for leaf in jax.tree.leaves(values.weights):
+        leaf += 100.0  # The caller changes its arrays after restoring from them.
+    assert_trees_close(trainer.train_state.weights,
+                       jax.tree.map(lambda a: a - 100.0, values.weights), rtol=0, atol=1e-4)
+    assert np.isfinite(float(trainer.one_step(batch, jax.random.key(0))[0]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restore_recovers_a_trainer_after_a_step_failed_on_the_device(kind, batch):
+    failing = {"on": False}
+
+    def check(x):
+        if failing["on"]:
+            raise RuntimeError("simulated device failure")
+        return x
+
+    @jax.custom_vjp
+    def fragile(x):  # Its backward pass fails at run time, on the device, when asked to.
+        return x
+
+    def backward(_, g):
+        ok = jax.pure_callback(check, jax.ShapeDtypeStruct((), g.dtype), g.dtype.type(0))
+        return (g + ok,)
+
+    fragile.defvjp(lambda x: (x, None), backward)
+
+    blocks, loss = initialised_blocks("one", batch)
+    head = tl.Serial(tl.Fn("fragile", fragile), *loss.sublayers)
+    tl.init_reversible_blocks(blocks, head, signature(batch), jax.random.key(0))
+    trainer = _trainer(kind, batch, blocks_and_loss=(blocks, head))
+    good = jax.tree.map(np.array, trainer.train_state)
+    failing["on"] = True
+    with pytest.raises(Exception, match="simulated device failure"):
+        loss_value, stats = trainer.one_step(batch, jax.random.key(0))
+        jax.block_until_ready((loss_value, stats))
+        trainer.train_state  # noqa: B018 -- a failure may surface only on reading.
+    failing["on"] = False
+    trainer.restore(good)
+    assert_trees_close(trainer.train_state, good, rtol=0, atol=0)
+    assert np.isfinite(float(trainer.one_step(batch, jax.random.key(1))[0]))
