@@ -27,26 +27,11 @@ from revtrain.layers import (
     Swap,
 )
 from revtrain.layers.normalization import BatchNorm
+from tests.layers.toy_layers import Linear
 from tests.tree_utils import assert_trees_close
 
 SDS = jax.ShapeDtypeStruct
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
-
-
-class Linear(Layer):
-    """``x @ w + b`` with ``w: [d_in, n_units]`` drawn from the rng and ``b = 1``."""
-
-    def __init__(self, n_units: int):
-        super().__init__(n_in=1, n_out=1)
-        self._n_units = n_units
-
-    def init_weights_and_state(self, input_signature, rng):
-        w = jax.random.normal(rng, (input_signature.shape[-1], self._n_units))
-        return (w, jnp.ones((self._n_units,))), EMPTY
-
-    def forward_with_state(self, x, weights, state, rng):
-        w, b = weights
-        return x @ w + b, state
 
 
 class Counter(Layer):

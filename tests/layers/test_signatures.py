@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from revtrain.layers import (
-    EMPTY,
     Add,
     Dup,
     Fn,
@@ -18,6 +17,7 @@ from revtrain.layers import (
     signature_of,
 )
 from revtrain.layers.signatures import float_dtype, format_signature
+from tests.layers.toy_layers import Linear
 
 SDS = jax.ShapeDtypeStruct
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -27,22 +27,6 @@ def _here() -> str:
     """Returns ``file:line`` of the caller's current line."""
     frame = inspect.currentframe().f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-
-class Linear(Layer):
-    """``x @ w + b`` with ``w: [d_in, n_units]`` drawn from the rng and ``b = 1``."""
-
-    def __init__(self, n_units: int):
-        super().__init__(n_in=1, n_out=1)
-        self._n_units = n_units
-
-    def init_weights_and_state(self, input_signature, rng):
-        w = jax.random.normal(rng, (input_signature.shape[-1], self._n_units))
-        return (w, jnp.ones((self._n_units,))), EMPTY
-
-    def forward_with_state(self, x, weights, state, rng):
-        w, b = weights
-        return x @ w + b, state
 
 
 class Failing(Layer):

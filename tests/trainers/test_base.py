@@ -144,36 +144,63 @@ def test_restore_takes_lists_for_tuples_and_never_aliases_the_callers_arrays(kin
     assert np.isfinite(float(trainer.one_step(batch, jax.random.key(0))[0]))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_restore_recovers_a_trainer_after_a_step_failed_on_the_device(kind, batch):
-    failing = {"on": False}
+_FAILED_STEP_SCRIPT = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from revtrain import layers as tl
+from tests.trainers.conftest import initialised_blocks, make_batch, signature
+from tests.trainers.test_base import _trainer
 
-    def check(x):
-        if failing["on"]:
-            raise RuntimeError("simulated device failure")
-        return x
+failing = {"on": False}
 
-    @jax.custom_vjp
-    def fragile(x):  # Its backward pass fails at run time, on the device, when asked to.
-        return x
+def check(x):
+    if failing["on"]:
+        raise RuntimeError("simulated device failure")
+    return x
 
-    def backward(_, g):
-        ok = jax.pure_callback(check, jax.ShapeDtypeStruct((), g.dtype), g.dtype.type(0))
-        return (g + ok,)
+@jax.custom_vjp
+def fragile(x):  # Its backward pass fails at run time, on the device, when asked to.
+    return x
 
-    fragile.defvjp(lambda x: (x, None), backward)
+def backward(_, g):
+    return (g + jax.pure_callback(check, jax.ShapeDtypeStruct((), g.dtype), g.dtype.type(0)),)
 
+fragile.defvjp(lambda x: (x, None), backward)
+batch = make_batch()
+for kind in ("plain", "reversible", "memory_efficient"):
     blocks, loss = initialised_blocks("one", batch)
     head = tl.Serial(tl.Fn("fragile", fragile), *loss.sublayers)
     tl.init_reversible_blocks(blocks, head, signature(batch), jax.random.key(0))
     trainer = _trainer(kind, batch, blocks_and_loss=(blocks, head))
     good = jax.tree.map(np.array, trainer.train_state)
     failing["on"] = True
-    with pytest.raises(Exception, match="simulated device failure"):
-        loss_value, stats = trainer.one_step(batch, jax.random.key(0))
-        jax.block_until_ready((loss_value, stats))
-        trainer.train_state  # noqa: B018 -- a failure may surface only on reading.
+    try:
+        jax.block_until_ready(trainer.one_step(batch, jax.random.key(0)))
+        trainer.train_state
+        print(kind, "no error")
+    except Exception as e:
+        print(kind, "failed:", "simulated device failure" in str(e))
     failing["on"] = False
     trainer.restore(good)
-    assert_trees_close(trainer.train_state, good, rtol=0, atol=0)
-    assert np.isfinite(float(trainer.one_step(batch, jax.random.key(1))[0]))
+    same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trainer.train_state),
+                                                   jax.tree.leaves(good)))
+    value = float(trainer.one_step(batch, jax.random.key(1))[0])
+    print(kind, "restored:", same, "next step finite:", bool(np.isfinite(value)), flush=True)
+"""
+
+
+def test_restore_recovers_a_trainer_after_a_step_failed_on_the_device():
+    # In a fresh process: a failed host callback leaves JAX's runtime token in error, which
+    # JAX reports again at interpreter exit.
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _FAILED_STEP_SCRIPT], cwd=root,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu")).stdout
+    for kind in KINDS:
+        assert f"{kind} failed: True" in out, out
+        assert f"{kind} restored: True next step finite: True" in out, out
