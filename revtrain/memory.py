@@ -2,29 +2,19 @@
 
 Every figure here is in **bytes** and every report names the method that produced it:
 
-* ``'memory_stats'`` -- GPU/TPU backends expose allocator statistics through
-  ``device.memory_stats()``; ``peak_bytes_in_use`` is the high-water mark of the device
-  allocator, the real answer. It counts from process start and *cannot be reset*, so a
-  benchmark runs each configuration in a fresh process (with
-  ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so the allocator does not reserve most of the
-  device up front).
-* ``'ledger'`` -- on CPU ``memory_stats()`` is None, so a `MemoryLedger` estimates the device
-  bytes in use at each dispatch of a trainer's jitted functions: the bytes of the live
-  arrays on the device (``jax.live_arrays()``) plus the compiled function's
-  ``memory_analysis()`` temporaries and (non-aliased) outputs. The peak over all dispatches
-  is the estimate. It ignores allocator fragmentation and any XLA-internal buffers that
-  ``memory_analysis()`` does not report as temporaries, so it is a lower bound on what an
-  allocator would need.
-* ``'ledger_endpoints'`` -- on CPU without a trainer to hook into, only the live bytes at
+* ``'memory_stats'`` -- GPU/TPU allocator statistics (``device.memory_stats()``):
+  ``peak_bytes_in_use`` is the allocator's high-water mark, the real answer. It counts
+  from process start and *cannot be reset*, so a benchmark runs each configuration in a
+  fresh process (with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
+* ``'ledger'`` -- on CPU ``memory_stats()`` is None, so a `MemoryLedger`, added to the
+  trainer's observers (``on_dispatch``/``on_phase``), estimates the bytes in use at each
+  dispatch: the live arrays on the device (``jax.live_arrays()``) plus the compiled
+  function's ``memory_analysis()`` temporaries and non-aliased outputs. It ignores
+  allocator fragmentation and XLA-internal buffers outside ``temp``: a lower bound.
+* ``'ledger_endpoints'`` -- on CPU without a trainer to observe, only the live bytes at
   the entry and exit of the measured block; the transient peak inside it is not seen.
 
-On CPU "device memory" is host RAM, so reports also carry the process's peak resident set
-size (``ru_maxrss``, also since process start) and its current RSS (psutil).
-
-Trainers are watched through their public observer list: a `MemoryLedger` is an observer
-(``trainer.observers``), so the trainer calls ``ledger.on_dispatch(label, fn, args)`` just
-before dispatching each jitted function and ``ledger.on_phase(label)`` at phase boundaries
-(see `track_peak`).
+On CPU "device memory" is host RAM: reports also carry peak and current RSS (psutil).
 """
 
 from __future__ import annotations
@@ -392,29 +382,18 @@ def track_peak(trainer: Any = None, device: jax.Device | None = None,
         report.baseline_bytes = bytes_in_use(device) or 0
         yield report
         report.peak_bytes = peak_bytes(device) or 0
-    else:
-        with _ledger_installed(trainer, device) as ledger:
-            report.baseline_bytes = ledger.peak_bytes
+    else:  # The ledger is an observer of the trainer for the block, removed on any exit.
+        ledger = MemoryLedger(device)
+        ledger.record("enter")
+        report.baseline_bytes = ledger.peak_bytes
+        if trainer is not None:
+            trainer.observers.append(ledger)
+        try:
             yield report
+        finally:
+            if trainer is not None:
+                trainer.observers.remove(ledger)
+        ledger.record("exit")
         report.peak_bytes, report.peak_label = ledger.peak_bytes, ledger.peak_label
     report.rss_bytes = rss_bytes()
     report.peak_rss_bytes = max(peak_rss_bytes(), report.rss_bytes)
-
-
-@contextlib.contextmanager
-def _ledger_installed(trainer: Any, device: jax.Device) -> Iterator[MemoryLedger]:
-    """Yields a ledger that recorded 'enter', in ``trainer.observers`` if a trainer is given.
-
-    The ledger is removed from the observers on exit (also on error); 'exit' is recorded
-    after a block that completes.
-    """
-    ledger = MemoryLedger(device)
-    ledger.record("enter")
-    if trainer is not None:
-        trainer.observers.append(ledger)
-    try:
-        yield ledger
-    finally:
-        if trainer is not None:
-            trainer.observers.remove(ledger)
-    ledger.record("exit")
