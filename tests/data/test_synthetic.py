@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from revtrain.data import synthetic
+from revtrain.data import CopyTask, SyntheticSequences, synthetic
 
 
 def _take(stream, n):
@@ -112,3 +112,22 @@ def test_defaults_use_the_jax_process():
 def test_bad_arguments(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         _copy_task(**kwargs)
+
+
+
+# --------------------------------------------------------------------------------------
+# Edge cases (bad input, odd sizes).
+
+@pytest.mark.parametrize("make", [CopyTask, SyntheticSequences])
+def test_negative_seed_is_rejected_at_construction_not_at_the_first_batch(make):
+    with pytest.raises(ValueError, match=r"seed=-1 must be >= 0"):
+        make(seed=-1, process_index=0, process_count=1)
+
+
+def test_vocab_beyond_int32_ids_is_rejected():
+    with pytest.raises(ValueError, match=r"vocab_size=4294967296 does not fit int32"):
+        SyntheticSequences(vocab_size=2**32, process_index=0, process_count=1)
+    stream = SyntheticSequences(vocab_size=2**31, length=3, batch_size=2, process_index=0,
+                                process_count=1).train_stream()
+    inputs, _, _ = next(stream)
+    assert inputs.min() >= 0
