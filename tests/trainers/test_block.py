@@ -130,3 +130,19 @@ def test_keep_every_keeps_bfloat16_gradients_at_depth_32_close_to_trainers():
         *blocks(), gradient_recorder, n_devices=1, keep_every=8)), reference)
     print(f"bf16 depth 32, keep_every=8: worst per-layer gradient error {max(errors):.2e}")
     assert len(errors) > 64 and max(errors) <= 2e-2
+
+
+def test_gin_configs_set_clip_global_norm_and_keep_every(batch):
+    import gin
+
+    from revtrain import configurables  # noqa: F401 -- registers the trainers with gin.
+    gin.parse_config(["ReversibleSerialTrainer.clip_global_norm = 0.5",
+                      "MemoryEfficientTrainer.keep_every = 4"])
+    try:
+        for name, expected in [("ReversibleSerialTrainer", (None, 0.5)),
+                               ("MemoryEfficientTrainer", (4, None))]:
+            trainer = gin.get_configurable(name)(*initialised_blocks("one", batch), adam,
+                                                 n_devices=1)
+            assert (trainer.keep_every, trainer.clip_global_norm) == expected
+    finally:
+        gin.clear_config()
