@@ -88,9 +88,11 @@ class BlockTrainer(TrainerBase):
         norm, e.g. ``optimizer_fn(..., clip_gradient_norm=c)``, which is cheaper). Cost:
         a first backward pass that reverses and recomputes every layer again to get each
         layer's squared gradient norm (no updates, no slot transfers), so the backward
-        work doubles (about +60% step time for the tiny model of the README), and the
-        final activations are held on the device through that pass (one stack). Its
-        stats add ``gradients_l2``, the global norm. None (the default) does not clip.
+        work doubles: measured 1.6-1.8x the step time with `DeviceStore` and 1.45-1.6x
+        with `HostStore` (ReversibleTransformerLM d_model 64, 8 layers, sequence 64,
+        batch 8, Adam, one device of a 2-core CPU; median of 7 steps). The final
+        activations are held through that pass (one stack). Its stats add
+        ``gradients_l2``, the global norm. None (the default) does not clip.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
