@@ -19,6 +19,12 @@ sequence 64, batch 4, dropout 0; float32 residual streams) at each depth, for ea
 * the activation memory the kept copies cost: ``device_footprint().kept_bytes`` of that
   trainer (block inputs included) and the number of kept stack copies.
 
+``--variants=round_inputs`` measures a cheaper remedy instead (issue 16): every
+half-residual first rounds its input to bfloat16 (`round_to_bfloat16`), so that forward
+and reverse see the same rounded value unless the reconstruction crossed a rounding
+boundary. It changes the model (`Trainer` is given the same variant) and costs no memory.
+``--merge`` adds the results to those already in the JSON.
+
 ``keep_every`` counts *flat* reversible layers: one model layer (attention + feed-forward)
 is 4 of them (two half-residuals, two swaps), so ``keep_every=8`` keeps one copy per two
 model layers. Runs in one process on one device. Writes ``reconstruction_drift.json``,
@@ -45,6 +51,9 @@ flags.DEFINE_list("keep_every_values", ["4", "8", "16"], "keep_every values meas
                   "besides None (flat reversible layers; 4 per model layer)")
 flags.DEFINE_list("compute_dtypes", ["float32", "bfloat16"], "compute_dtype values")
 flags.DEFINE_boolean("gradients", True, "also compare each layer's gradient with Trainer's")
+flags.DEFINE_list("variants", ["plain"], "model variants: plain, round_inputs (each "
+                  "half-residual rounds its input to bfloat16 first)")
+flags.DEFINE_boolean("merge", False, "add the results to those in the existing JSON")
 
 NAME = "reconstruction_drift"
 DEFAULTS = {"depths": "8,16,32,64", "d_model": 64, "d_ff": 128, "n_heads": 4, "seq_len": 64,
@@ -85,6 +94,22 @@ def _gradient_recorder() -> Any:
     return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
 
 
+def round_to_bfloat16(x: Any) -> Any:
+    """``x`` rounded to bfloat16 and cast back to its dtype (the cheaper remedy's layer)."""
+    return x.astype("bfloat16").astype(x.dtype)
+
+
+def _rounding_inputs(layer: Any) -> Any:
+    """A half-residual like ``layer`` whose compute part starts by rounding to bfloat16."""
+    from revtrain import layers as tl
+    if not isinstance(layer, tl.ReversibleHalfResidual):
+        return layer
+    compute, attention = layer.sublayers
+    return tl.ReversibleHalfResidual(
+        tl.Fn("RoundToBfloat16", round_to_bfloat16), *compute.sublayers,
+        attention_layer=None if isinstance(attention, tl.Select) else attention)
+
+
 def _relative_errors(trees: Sequence[Any], reference: Sequence[Any]) -> list[float]:
     import jax
     import numpy as np
@@ -98,8 +123,9 @@ def _relative_errors(trees: Sequence[Any], reference: Sequence[Any]) -> list[flo
 
 
 def measure_depth(config: dict[str, Any], depth: int, dtype: str,
-                  keep_every_values: Sequence[int | None], gradients: bool) -> list[dict]:
-    """One result per ``keep_every`` for one depth and compute dtype (see the module)."""
+                  keep_every_values: Sequence[int | None], gradients: bool,
+                  variant: str = "plain") -> list[dict]:
+    """One result per ``keep_every`` for one depth, compute dtype and model variant."""
     import jax
     import numpy as np
 
@@ -114,9 +140,11 @@ def measure_depth(config: dict[str, Any], depth: int, dtype: str,
             vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
             n_layers=depth, n_heads=config["n_heads"], max_len=config["seq_len"],
             dropout=config["dropout"], compute_dtype=dtype)
-        made = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
-        tl.init_reversible_blocks(*made, batch, jax.random.key(config["seed"]))
-        return made
+        made, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
+        if variant == "round_inputs":
+            made = [(std, [_rounding_inputs(layer) for layer in revs]) for std, revs in made]
+        tl.init_reversible_blocks(made, loss, batch, jax.random.key(config["seed"]))
+        return made, loss
 
     def trained_gradients(trainer):
         trainer.one_step(batch, jax.random.key(config["seed"] + 1))
@@ -135,6 +163,7 @@ def measure_depth(config: dict[str, Any], depth: int, dtype: str,
         grads = trained_gradients(trainer)
         n_rev = len(errors)
         result = {"depth": depth, "compute_dtype": dtype, "keep_every": keep_every,
+                  "variant": variant,
                   "worst_error": max(errors), "median_error": float(np.median(errors)),
                   "errors": errors, "kept_bytes": trainer.device_footprint().kept_bytes,
                   "kept_copies": 0 if keep_every is None else (n_rev - 1) // keep_every}
@@ -151,9 +180,13 @@ def measure_depth(config: dict[str, Any], depth: int, dtype: str,
 def describe(r: dict[str, Any]) -> str:
     grads = (f", gradients worst {r['worst_gradient_error']:.2e}"
              if "worst_gradient_error" in r else "")
-    return (f"depth {r['depth']} {r['compute_dtype']} keep_every {r['keep_every']}: "
+    return (f"depth {r['depth']} {r['compute_dtype']} {r['variant']} keep_every "
+            f"{r['keep_every']}: "
             f"reconstruction worst {r['worst_error']:.2e} median {r['median_error']:.2e}"
             f"{grads}; kept {r['kept_bytes'] / harness.MIB:.2f} MiB ({r['seconds']:.1f} s)")
+
+
+_VARIANTS = {"plain": "-", "round_inputs": "inputs rounded to bf16"}
 
 
 def _fmt(value: float | None) -> str:
@@ -163,12 +196,14 @@ def _fmt(value: float | None) -> str:
 def markdown(payload: dict[str, Any]) -> str:
     """The table of every result, with the settings line."""
     c = payload["config"]
-    rows = [[r["depth"], r["compute_dtype"], r["keep_every"] or "None", r["kept_copies"],
+    rows = [[r["depth"], r["compute_dtype"], _VARIANTS[r.get("variant", "plain")],
+             r["keep_every"] or "None", r["kept_copies"],
              f"{r['kept_bytes'] / harness.MIB:.2f}", _fmt(r["worst_error"]),
              _fmt(r["median_error"]),
              _fmt(r.get("worst_gradient_error")), _fmt(r.get("median_gradient_error"))]
             for r in sorted(payload["results"], key=lambda r: (
-                r["compute_dtype"], r["depth"], r["keep_every"] or 0))]
+                r["compute_dtype"], r["depth"], r.get("variant", "plain"),
+                r["keep_every"] or 0))]
     m = payload["machine"]
     return "\n".join([
         f"Reconstruction drift by depth; ReversibleTransformerLM d_model {c['d_model']}, "
@@ -176,7 +211,8 @@ def markdown(payload: dict[str, Any]) -> str:
         f"{c['batch_size']}, dropout {c['dropout']}, float32 streams; gradients against "
         f"Trainer in the same precision; {m['processor']}, jax {m['jax']}, {m['date']}.",
         "", harness.markdown_table(
-            ["depth", "compute", "keep_every", "kept copies", "kept MiB (incl. block input)",
+            ["depth", "compute", "variant", "keep_every", "kept copies",
+             "kept MiB (incl. block input)",
              "worst rec. error", "median rec. error", "worst grad. error",
              "median grad. error"], rows), ""])
 
@@ -191,17 +227,19 @@ def plot(path: Path, payload: dict[str, Any]) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     results = payload["results"]
-    lines = sorted({(r["compute_dtype"], r["keep_every"] or 0) for r in results})
+    lines = sorted({(r["compute_dtype"], r.get("variant", "plain"), r["keep_every"] or 0)
+                    for r in results})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for ax, key, title in [(axes[0], "worst_error", "worst reconstruction error"),
                            (axes[1], "worst_gradient_error", "worst per-layer gradient error")]:
-        for dtype, keep in lines:
+        for dtype, variant, keep in lines:
             points = sorted((r["depth"], max(r[key], 1e-9)) for r in results
-                            if key in r and (r["compute_dtype"], r["keep_every"] or 0)
-                            == (dtype, keep))
+                            if key in r and (r["compute_dtype"], r.get("variant", "plain"),
+                                             r["keep_every"] or 0) == (dtype, variant, keep))
             if points:
+                extra = "" if variant == "plain" else f", {_VARIANTS[variant]}"
                 ax.plot(*zip(*points, strict=True), marker="o",
-                        label=f"{dtype}, keep_every {keep or 'None'}")
+                        label=f"{dtype}, keep_every {keep or 'None'}{extra}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("depth (n_layers)")
@@ -226,11 +264,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         config = {name: getattr(args, name) for name in (*DEFAULTS, "seed") if name != "depths"}
         payload = {"benchmark": NAME, "config": config, "machine": harness.machine_info(),
                    "results": []}
+        if args.merge:
+            payload["results"] = harness.read_json(out / f"{NAME}.json")["results"]
         for depth in args.depths:
             for dtype in args.compute_dtypes:
-                payload["results"] += measure_depth(config, depth, dtype,
-                                                    args.keep_every_values, args.gradients)
-                harness.write_json(out / f"{NAME}.json", payload)  # Partial runs count.
+                for variant in args.variants:
+                    payload["results"] += measure_depth(config, depth, dtype,
+                                                        args.keep_every_values,
+                                                        args.gradients, variant)
+                    harness.write_json(out / f"{NAME}.json", payload)  # Partial runs count.
     harness.write_json(out / f"{NAME}.json", payload)
     (out / f"{NAME}.md").write_text(markdown(payload))
     plot(out / f"{NAME}.png", payload)
