@@ -20,7 +20,7 @@ def test_measures_drift_and_gradients_and_writes_outputs(tmp_path):
     assert by_keep[2]["errors"][2] == 0.0 and by_keep[2]["kept_copies"] == 1
     assert by_keep[2]["kept_bytes"] > by_keep[None]["kept_bytes"] > 0
     markdown = (tmp_path / "reconstruction_drift.md").read_text()
-    assert "| 1 | bfloat16 | 2 | 1 |" in markdown
+    assert "| 1 | bfloat16 | - | 2 | 1 |" in markdown
     assert (tmp_path / "reconstruction_drift.png").read_bytes()[:4] == b"\x89PNG"
     again = reconstruction_drift.main(TINY + ["--out_dir", str(tmp_path), "--render_only"])
     assert again["results"] == saved["results"]
