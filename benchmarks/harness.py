@@ -75,6 +75,9 @@ flags.DEFINE_integer("steps", None, "measured steps per config (default: the scr
 flags.DEFINE_integer("warmup", None, "steps run before measuring; the first one compiles "
                      "(default: the script's)", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "seed of the weights and the batch")
+flags.DEFINE_integer("keep_every", None, "block trainers keep an exact copy of the stack "
+                     "every this many reversible layers (bounds bf16 reconstruction drift; "
+                     "costs depth / keep_every stack copies)", lower_bound=1)
 flags.DEFINE_float("timeout", 3600.0, "seconds before a worker process is killed",
                    lower_bound=0.0)
 flags.DEFINE_integer("jobs", 1, "workers run at once; >1 only for quick checks (they share "
@@ -127,7 +130,7 @@ def parse_flags(argv: Sequence[str] | None, steps: int, warmup: int) -> SimpleNa
 def model_config(args: SimpleNamespace) -> dict[str, Any]:
     """The model and run settings shared by every configuration (JSON-serialisable)."""
     names = ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size", "dropout",
-             "steps", "warmup", "seed")
+             "steps", "warmup", "seed", "keep_every")
     return {name: getattr(args, name) for name in names} | {
         "n_devices": 1, "compilation_cache_dir": args.compilation_cache_dir}
 
@@ -284,10 +287,13 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
         remat = [tl.Remat(layer) if isinstance(layer, tl.ReversibleHalfResidual) else layer
                  for layer in flat]
         return Trainer(tl.Serial(remat), optimizer_fn, n_devices=n_devices), batch
+    keep_every = config.get("keep_every")
     if kind == "reversible":
-        return ReversibleSerialTrainer(blocks, loss, optimizer_fn, n_devices=n_devices), batch
+        return ReversibleSerialTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
+                                       keep_every=keep_every), batch
     if kind == "memory_efficient":
-        return MemoryEfficientTrainer(blocks, loss, optimizer_fn, n_devices=n_devices), batch
+        return MemoryEfficientTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
+                                      keep_every=keep_every), batch
     raise ValueError(f"trainer={kind!r} is not one of {list(TRAINERS)}")
 
 
@@ -373,4 +379,5 @@ def plot_by_depth(path: Path, results: Sequence[dict[str, Any]],
 def settings_line(config: dict[str, Any]) -> str:
     return (f"d_model {config['d_model']}, d_ff {config['d_ff']}, {config['n_heads']} heads, "
             f"seq {config['seq_len']}, batch {config['batch_size']}, vocab "
-            f"{config['vocab_size']}, dropout {config['dropout']}, Adam, n_devices 1")
+            f"{config['vocab_size']}, dropout {config['dropout']}, Adam, n_devices 1"
+            + (f", keep_every {config['keep_every']}" if config.get("keep_every") else ""))

@@ -17,6 +17,9 @@ at every dispatch; see `revtrain.memory`). Reported per configuration, in bytes:
   that peak (the whole model for `Trainer`/`ReversibleSerialTrainer`, the resident layers
   for `MemoryEfficientTrainer`), and ``rest_bytes = peak_bytes - weights_and_slots_bytes``
   (activations, cotangents, inputs, temporaries);
+* ``kept_bytes`` -- the activation stacks the block trainers keep for the backward pass
+  (``device_footprint().kept_bytes``: block inputs and, with ``--keep_every``, the kept
+  copies; part of ``rest_bytes``; 0 for `Trainer` and where they wait on the host);
 * ``peak_rss_bytes`` -- the worker process's peak resident set size (on CPU "device"
   memory is host RAM; the RSS also counts the Python heap, XLA and compilation).
 
@@ -120,6 +123,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         entry = recorder.peak[0]
         result |= {"peak_live_bytes": entry.live_bytes, "peak_fn_bytes": entry.fn_bytes,
                    "n_dispatches_per_step": recorder.n_dispatches // config["steps"]}
+    result["kept_bytes"] = trainer.device_footprint().kept_bytes
     if hasattr(trainer, "max_resident_layers"):
         result["max_resident_layers"] = trainer.max_resident_layers
     return result
@@ -187,14 +191,15 @@ def markdown(payload: dict[str, Any]) -> str:
             if r is not None:
                 detail.append([harness.TRAINERS[k], d, harness.mib(r["peak_bytes"]),
                                harness.mib(r["weights_and_slots_bytes"]),
-                               harness.mib(r["rest_bytes"]), harness.mib(r["peak_rss_bytes"])])
+                               harness.mib(r["rest_bytes"]), harness.mib(r.get("kept_bytes")),
+                               harness.mib(r["peak_rss_bytes"])])
     lines = [f"Peak device memory (MiB) by depth; {harness.settings_line(config)}; method: "
              f"{', '.join(sorted({r['method'] for r in table.values()}))}; "
              f"{payload['machine']['processor']}, {payload['machine']['cpu_count']} cores.", "",
              harness.markdown_table(["depth"] + [harness.TRAINERS[k] for k in kinds], summary),
              "", harness.markdown_table(
                  ["trainer", "depth", "peak (MiB)", "weights+optimizer (MiB)", "rest (MiB)",
-                  "process peak RSS (MiB)"], detail)]
+                  "kept stacks (MiB)", "process peak RSS (MiB)"], detail)]
     lines += _errors_and_targets(results, payload["targets"])
     return "\n".join(lines) + "\n"
 

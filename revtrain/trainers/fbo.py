@@ -47,6 +47,7 @@ from revtrain.trainers.protocols import (
     FboFn,
     ForwardFn,
     LossFboFn,
+    NormFn,
     Params,
     ReverseFboFn,
 )
@@ -193,9 +194,40 @@ def global_loss(share: jax.Array, loss: jax.Array) -> jax.Array:
     return jax.lax.psum(share * loss.astype(jnp.float32), BATCH_AXIS)
 
 
-def _update(optimizer, ct_w, params: Params, lr) -> tuple[Params, dict[str, jax.Array]]:
+def clip_by_given_global_norm(grads: Any, clip: tuple[jax.Array, jax.Array] | None) -> Any:
+    """``optax.clip_by_global_norm``'s formula with the global norm given, not computed.
+
+    A block trainer knows the norm of the *whole* model's gradient only from a first pass
+    (`squared_norm` of every layer), so each layer's fbo gets it as an argument.
+
+    Args:
+      grads: one layer's gradient tree.
+      clip: ``(global_norm, max_norm)`` float32 scalars, or None (no clipping).
+
+    Returns:
+      ``grads`` when ``global_norm < max_norm``, else ``grads / global_norm * max_norm``
+      (leaf by leaf, as optax does).
+    """
+    if clip is None:
+        return grads
+    g_norm, max_norm = clip
+    trigger = jnp.squeeze(g_norm < max_norm)
+    return jax.tree.map(
+        lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype))
+                                 * max_norm.astype(t.dtype)), grads)
+
+
+def squared_norm(per_device_grads: Any) -> jax.Array:
+    """Squared L2 norm (float32) of the global gradient of one layer (`combine_gradients`)."""
+    grads = combine_gradients(per_device_grads)
+    return optax.tree.norm(grads, squared=True).astype(jnp.float32)
+
+
+def _update(optimizer, ct_w, params: Params, rep) -> tuple[Params, dict[str, jax.Array]]:
     grads = combine_gradients(ct_w)
-    new_w, new_slots = apply_optimizer(optimizer, grads, params.weights, params.slots, lr)
+    clipped = clip_by_given_global_norm(grads, rep.get("clip"))
+    new_w, new_slots = apply_optimizer(optimizer, clipped, params.weights, params.slots,
+                                       rep["lr"])
     return Params(new_w, new_slots), _layer_stats(grads, new_w)
 
 
@@ -229,49 +261,88 @@ def make_forward(layer: Layer, mesh: Mesh) -> tuple[ForwardFn, Callable]:
     return _compile(body, mesh, (DEV, DEV), donate=False)
 
 
-def make_fbo(layer: Layer, optimizer: optax.GradientTransformation,
-             mesh: Mesh) -> tuple[FboFn, Callable]:
-    """An `FboFn` for a standard layer: recomputes the forward pass from the stored input."""
+def _std_grads(layer: Layer, dev, weights, rep) -> tuple[Any, Any]:
+    """A standard layer's per-device ``(ct_x, ct_w)``, recomputed from its stored input."""
+    x, state, ct_y = _squeeze(dev["x"]), _squeeze(dev["state"]), _squeeze(dev["ct_y"])
+    rng = _layer_key(dev["rngs"], rep["index"])
+    fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
+    y, vjp_fn, _ = jax.vjp(fn, x, varying(weights), has_aux=True)
+    ct_x, ct_w = vjp_fn(_ct_for_outputs(y, ct_y))
+    return _unsqueeze(_placeholders(ct_x)), ct_w
+
+
+def _reverse_grads(layer: Layer, dev, weights, rep) -> tuple[Any, Any, Any]:
+    """A reversible layer's per-device ``(x, ct_x, ct_w)``, its input reconstructed."""
+    y, ct_y = _squeeze(dev["y"]), _squeeze(dev["ct_y"])
+    rng = _layer_key(dev["rngs"], rep["index"])
+    x, (ct_x, ct_w) = layer.reverse_and_grad(
+        y, _ct_for_outputs(y, ct_y), varying(weights), _squeeze(dev["state"]),
+        _squeeze(dev["new_state"]), rng)
+    return _unsqueeze(x), _unsqueeze(_placeholders(ct_x)), ct_w
+
+
+def _loss_grads(layer: Layer, dev, weights, rep) -> tuple[Any, Any, Any, Any]:
+    """The loss layer's ``(global loss, ct_x, ct_w, new_state)``; see `make_loss_fbo`."""
+    x, state = _squeeze(dev["x"]), _squeeze(dev["state"])
+    rng = _layer_key(dev["rngs"], rep["index"])
+    fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
+    loss, vjp_fn, new_state = jax.vjp(fn, x, varying(weights), has_aux=True)
+    check_scalar_loss(layer, loss)
+    share = loss_share(dev["weight_total"][0])
+    ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
+    return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)), ct_w,
+            _unsqueeze(new_state))
+
+
+def make_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh,
+             norm_only: bool = False) -> tuple[FboFn | NormFn, Callable]:
+    """An `FboFn` for a standard layer: recomputes the forward pass from the stored input
+    (a `NormFn` giving ``(ct_x, squared_norm)`` when ``norm_only``)."""
+    if norm_only:
+        def norm_body(dev, weights, rep):
+            ct_x, ct_w = _std_grads(layer, dev, weights, rep)
+            return ct_x, squared_norm(ct_w)
+        return _compile(norm_body, mesh, (DEV, REP), donate=False)
+
     def body(dev, params, rep):
-        x, state, ct_y = _squeeze(dev["x"]), _squeeze(dev["state"]), _squeeze(dev["ct_y"])
-        rng = _layer_key(dev["rngs"], rep["index"])
-        fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
-        y, vjp_fn, _ = jax.vjp(fn, x, varying(params.weights), has_aux=True)
-        ct_x, ct_w = vjp_fn(_ct_for_outputs(y, ct_y))
-        new_params, stats = _update(optimizer, ct_w, params, rep["lr"])
-        return _unsqueeze(_placeholders(ct_x)), new_params, stats
+        ct_x, ct_w = _std_grads(layer, dev, params.weights, rep)
+        new_params, stats = _update(optimizer, ct_w, params, rep)
+        return ct_x, new_params, stats
     return _compile(body, mesh, (DEV, REP, REP), donate=True)
 
 
-def make_reverse_and_fbo(layer: Layer, optimizer: optax.GradientTransformation,
-                         mesh: Mesh) -> tuple[ReverseFboFn, Callable]:
-    """A `ReverseFboFn`: reconstructs the input from the output (no stored input)."""
+def make_reverse_and_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh,
+                         norm_only: bool = False) -> tuple[ReverseFboFn | NormFn, Callable]:
+    """A `ReverseFboFn`: reconstructs the input from the output (no stored input); a
+    `NormFn` giving ``(x, ct_x, squared_norm)`` when ``norm_only``."""
+    if norm_only:
+        def norm_body(dev, weights, rep):
+            x, ct_x, ct_w = _reverse_grads(layer, dev, weights, rep)
+            return x, ct_x, squared_norm(ct_w)
+        return _compile(norm_body, mesh, (DEV, DEV, REP), donate=False)
+
     def body(dev, params, rep):
-        y, ct_y = _squeeze(dev["y"]), _squeeze(dev["ct_y"])
-        rng = _layer_key(dev["rngs"], rep["index"])
-        x, (ct_x, ct_w) = layer.reverse_and_grad(
-            y, _ct_for_outputs(y, ct_y), varying(params.weights), _squeeze(dev["state"]),
-            _squeeze(dev["new_state"]), rng)
-        new_params, stats = _update(optimizer, ct_w, params, rep["lr"])
-        return _unsqueeze(x), _unsqueeze(_placeholders(ct_x)), new_params, stats
+        x, ct_x, ct_w = _reverse_grads(layer, dev, params.weights, rep)
+        new_params, stats = _update(optimizer, ct_w, params, rep)
+        return x, ct_x, new_params, stats
     return _compile(body, mesh, (DEV, DEV, REP, REP), donate=True)
 
 
-def make_loss_fbo(layer: Layer, optimizer: optax.GradientTransformation,
-                  mesh: Mesh) -> tuple[LossFboFn, Callable]:
+def make_loss_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh,
+                  norm_only: bool = False) -> tuple[LossFboFn | NormFn, Callable]:
     """A `LossFboFn`: each device's loss cotangent is its `loss_share`, so every gradient
-    downstream is of the loss over the global batch, whatever the device count."""
+    downstream is of the loss over the global batch, whatever the device count. A
+    `NormFn` giving ``(ct_x, squared_norm)`` when ``norm_only``."""
+    if norm_only:
+        def norm_body(dev, weights, rep):
+            _, ct_x, ct_w, _ = _loss_grads(layer, dev, weights, rep)
+            return ct_x, squared_norm(ct_w)
+        return _compile(norm_body, mesh, (DEV, REP), donate=False)
+
     def body(dev, params, rep):
-        x, state = _squeeze(dev["x"]), _squeeze(dev["state"])
-        rng = _layer_key(dev["rngs"], rep["index"])
-        fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
-        loss, vjp_fn, new_state = jax.vjp(fn, x, varying(params.weights), has_aux=True)
-        check_scalar_loss(layer, loss)
-        share = loss_share(dev["weight_total"][0])
-        ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
-        new_params, stats = _update(optimizer, ct_w, params, rep["lr"])
-        return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)), new_params,
-                _unsqueeze(new_state), stats)
+        loss, ct_x, ct_w, new_state = _loss_grads(layer, dev, params.weights, rep)
+        new_params, stats = _update(optimizer, ct_w, params, rep)
+        return loss, ct_x, new_params, new_state, stats
     return _compile(body, mesh, (REP, DEV, REP, DEV, REP), donate=True)
 
 
@@ -298,15 +369,17 @@ class FnCache:
         self._optimizer = optimizer
         self._fns: dict[Any, tuple[Callable, Callable, Layer]] = {}
 
-    def get(self, kind: str, layer: Layer) -> Callable:
-        """Returns the jitted ``kind`` function for ``layer`` (built on first use)."""
+    def get(self, kind: str, layer: Layer, norm_only: bool = False) -> Callable:
+        """Returns the jitted ``kind`` function for ``layer`` (built on first use); with
+        ``norm_only`` its gradient-norm variant (`NormFn`; not for ``'forward'``)."""
         key = layer.structure_key
-        key = (kind, ("object", id(layer)) if key is None else key)
+        key = (kind, norm_only, ("object", id(layer)) if key is None else key)
         if key not in self._fns:
             maker = self._MAKERS[kind]
-            args = (layer, self._mesh) if kind == FORWARD else (
-                layer, self._optimizer, self._mesh)
-            fn, counted = maker(*args)
+            if kind == FORWARD:
+                fn, counted = maker(layer, self._mesh)
+            else:
+                fn, counted = maker(layer, self._optimizer, self._mesh, norm_only=norm_only)
             self._fns[key] = (fn, counted, layer)
         return self._fns[key][0]
 
@@ -317,5 +390,6 @@ class FnCache:
 
     def trace_counts(self) -> dict[str, int]:
         """``{'kind/layer_name#k': times traced}`` for every built function."""
-        return {f"{kind}/{layer.name}#{k}": eqx.debug.get_num_traces(counted)
-                for k, ((kind, _), (_, counted, layer)) in enumerate(self._fns.items())}
+        return {f"{'norm_' if norm else ''}{kind}/{layer.name}#{k}":
+                eqx.debug.get_num_traces(counted)
+                for k, ((kind, norm, _), (_, counted, layer)) in enumerate(self._fns.items())}

@@ -86,6 +86,13 @@ class MemoryEfficientTrainer(BlockTrainer):
       n_async_layers: how many upcoming layers' weights to prefetch.
       n_steps_per_log: log host RSS and accelerator bytes in use at the forward, loss and
         backward phases every this many steps (logger ``revtrain.trainers``, INFO).
+      keep_every: keep an exact copy of the stack every this many reversible layers of a
+        block, bounding reconstruction drift (see `BlockTrainer`; the copies wait in host
+        memory); None keeps only block inputs.
+      clip_global_norm: clip the whole model's gradient to this global L2 norm before
+        any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
+        norm-only backward pass that moves weights but no slots; see `BlockTrainer`);
+        None does not clip.
 
     Raises:
       ValueError: for ``n_async_layers < 0`` or ``n_steps_per_log < 1`` (before anything
@@ -94,7 +101,8 @@ class MemoryEfficientTrainer(BlockTrainer):
 
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
                  n_devices: int | None = None, free_accelerators_on_step: bool = True,
-                 n_async_layers: int = 1, n_steps_per_log: int = 100):
+                 n_async_layers: int = 1, n_steps_per_log: int = 100,
+                 keep_every: int | None = None, clip_global_norm: float | None = None):
         if n_async_layers < 0:
             raise ValueError(f"n_async_layers={n_async_layers} must be >= 0")
         if n_steps_per_log < 1:
@@ -107,7 +115,8 @@ class MemoryEfficientTrainer(BlockTrainer):
                              free_accelerators_on_step)
 
         super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
-                         free_accelerators_on_step=free_accelerators_on_step)
+                         free_accelerators_on_step=free_accelerators_on_step,
+                         keep_every=keep_every, clip_global_norm=clip_global_norm)
         self._memory_log = MemoryLog(self.mesh.devices.flat[0], n_steps_per_log)
         self.observers.append(self._memory_log)
 

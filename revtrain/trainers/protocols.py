@@ -47,14 +47,22 @@ class DeviceFootprint(NamedTuple):
         per device; prefetched and not-yet-copied-back layers included).
       slots_bytes: bytes of optimizer-slot buffers on the device.
       resident_layers: number of flat layers with weights on the device.
+      kept_bytes: bytes of the activation stacks the last step's forward pass kept on the
+        device for its backward pass -- block inputs and the ``keep_every`` copies, all
+        alive at once at the end of the forward pass (an array shared by several stacks,
+        e.g. the batch's targets, counts once). 0 where they wait in host memory
+        (`HostStore`) and for `Trainer`, whose activations live inside its compiled step.
+        Not part of `total_bytes`.
     """
 
     weights_bytes: int
     slots_bytes: int
     resident_layers: int
+    kept_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
+        """Weights plus slots bytes (``kept_bytes`` excluded)."""
         return self.weights_bytes + self.slots_bytes
 
 
@@ -96,7 +104,9 @@ class FboFn(Protocol):
     """Standard layer: ``(dev, params, rep) -> (ct_x, new_params, stats)``.
 
     ``dev``: ``x`` (the stored input), ``state``, ``rngs``, ``ct_y``; ``params``: a
-    `Params` (donated); ``rep``: ``index`` and ``lr`` (float32 or None).
+    `Params` (donated); ``rep``: ``index``, ``lr`` (float32 or None) and ``clip``
+    (None, or float32 ``(global_norm, max_norm)``: the gradient is scaled as
+    ``optax.clip_by_global_norm`` would scale the whole model's before the update).
     """
 
     def __call__(self, dev: Mapping[str, Any], params: Params,
@@ -123,6 +133,20 @@ class LossFboFn(Protocol):
 
     def __call__(self, dev: Mapping[str, Any], params: Params,
                  rep: Mapping[str, Any]) -> tuple[jax.Array, Any, Params, State, dict]: ...
+
+
+class NormFn(Protocol):
+    """The gradient-norm variant of `FboFn`, `ReverseFboFn` or `LossFboFn` (exact
+    global-norm clipping): ``(dev, weights, rep) -> (*outputs, squared_norm)``.
+
+    ``dev`` and ``rep`` as the fbo it varies; ``weights`` are not donated and nothing is
+    updated. ``outputs`` are ``(ct_x,)`` for a standard or loss layer and ``(x, ct_x)`` for
+    a reversible one; ``squared_norm`` is the float32 squared L2 norm of the layer's global
+    (device-summed) weight gradient, replicated.
+    """
+
+    def __call__(self, dev: Mapping[str, Any], weights: Weights,
+                 rep: Mapping[str, Any]) -> tuple[Any, ...]: ...
 
 
 class ParamStore(Protocol):

@@ -31,6 +31,12 @@ class ReversibleSerialTrainer(BlockTrainer):
         batch, block inputs, final activations and cotangents) at the end of each step;
         the batch is then copied through host memory, so a caller's arrays are never
         deleted.
+      keep_every: keep an exact copy of the stack every this many reversible layers of a
+        block, bounding reconstruction drift (see `BlockTrainer`); None keeps only block
+        inputs.
+      clip_global_norm: clip the whole model's gradient to this global L2 norm before
+        any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
+        norm-only backward pass; see `BlockTrainer`); None does not clip.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
@@ -38,8 +44,10 @@ class ReversibleSerialTrainer(BlockTrainer):
     """
 
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
-                 n_devices: int | None = None, free_accelerators_on_step: bool = False):
+                 n_devices: int | None = None, free_accelerators_on_step: bool = False,
+                 keep_every: int | None = None, clip_global_norm: float | None = None):
         super().__init__(blocks, loss_layer, optimizer_fn,
                          lambda mesh, n, values, schedule: DeviceStore(mesh, n, values),
                          n_devices=n_devices,
-                         free_accelerators_on_step=free_accelerators_on_step)
+                         free_accelerators_on_step=free_accelerators_on_step,
+                         keep_every=keep_every, clip_global_norm=clip_global_norm)

@@ -81,6 +81,8 @@ class DeviceStore:
         self._slots = [devices.replicate(s, self._mesh) for s in train_state.slots]
         self._states = [self._per_device(s) for s in train_state.state]
         self._new_states: list[Any] = [None] * len(self._states)
+        self._kept_ids: set[int] = set()
+        self._kept_bytes = 0
 
     def _per_device(self, state: Any) -> Any:
         return devices.shard_per_device(devices.for_n_devices(state, self._n_devices),
@@ -88,6 +90,7 @@ class DeviceStore:
 
     def begin_step(self) -> None:
         self._new_states = [None] * len(self._states)
+        self._kept_ids, self._kept_bytes = set(), 0
 
     def prepare(self, position: int) -> None:
         del position
@@ -111,6 +114,11 @@ class DeviceStore:
         self._new_states[i] = new_state
 
     def stash(self, stack: Any) -> Any:
+        device = self._mesh.devices.flat[0]
+        for leaf in jax.tree.leaves(stack):
+            if id(leaf) not in self._kept_ids:
+                self._kept_ids.add(id(leaf))
+                self._kept_bytes += _first_device_bytes(leaf, device)
         return stack
 
     def unstash(self, kept: Any) -> Any:
@@ -131,7 +139,8 @@ class DeviceStore:
         device = self._mesh.devices.flat[0]
         return DeviceFootprint(_first_device_bytes(self._weights, device),
                                _first_device_bytes(self._slots, device),
-                               sum(1 for w in self._weights if jax.tree.leaves(w)))
+                               sum(1 for w in self._weights if jax.tree.leaves(w)),
+                               self._kept_bytes)
 
 
 class HostStore:
@@ -142,8 +151,8 @@ class HostStore:
       n_devices: devices per process.
       train_state: the initial values (host trees, one entry per flat layer).
       schedule: the trainer's ops; `prepare` looks ahead in it.
-      n_async_layers: how many upcoming layers' weights (and, for backward ops, slots)
-        to prefetch.
+      n_async_layers: how many upcoming layers' weights (and, for backward ops that
+        update, slots) to prefetch.
       free_accelerators_on_step: after the forward pass and at the end of the step,
         delete every device buffer this store holds; the final activations wait on the
         host for the loss op.
@@ -209,7 +218,7 @@ class HostStore:
         for i in [i for i in self._resident if i not in wanted]:
             delete_arrays(self._resident.pop(i))
         for op in window:
-            self._fetch(op.layer, with_slots=op.kind != FORWARD)
+            self._fetch(op.layer, with_slots=op.kind != FORWARD and not op.norm_only)
         self.max_resident_layers = max(self.max_resident_layers, len(self._resident))
 
     # ----------------------------------------------------------------------------------

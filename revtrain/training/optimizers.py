@@ -51,7 +51,8 @@ def optimizer_fn(name: str = "adam", learning_rate: float = 1e-3,
       learning_rate: the initial learning rate.
       clip_gradient_norm: if set, gradients are clipped to this global L2 norm first
         (``optax.clip_by_global_norm``). Block trainers keep one optimizer per layer, so
-        there the norm is per layer, not over the whole model.
+        there the norm is per layer, not over the whole model (the cheaper option); for
+        the exact global norm give them ``clip_global_norm`` instead.
       **hyperparams: other arguments of the optax function (``b1``, ``b2``, ``eps``,
         ``weight_decay``, ``momentum``...).
 

@@ -83,3 +83,27 @@ def run_steps(trainer, batch, steps=STEPS):
         assert float(stats["loss"]) == pytest.approx(float(loss))
         losses.append(float(loss))
     return losses
+
+
+def gradient_recorder():
+    """An optax transformation that keeps the last gradient as its state and updates
+    nothing: after one step a trainer's ``slots`` are exactly its gradients."""
+    def init(params):
+        return jax.tree.map(jax.numpy.zeros_like, params)
+
+    def update(grads, state, params=None):
+        del state, params
+        return jax.tree.map(jax.numpy.zeros_like, grads), grads
+    return optax.GradientTransformation(init, update)
+
+
+def relative_errors(trees, reference):
+    """``||a - b|| / ||b||`` per pair of trees, for the pairs whose reference is non-zero."""
+    errors = []
+    for tree, ref in zip(trees, reference, strict=True):
+        a, b = (np.concatenate([np.ravel(np.asarray(x, np.float64))
+                                for x in jax.tree.leaves(t)] or [np.zeros(0)])
+                for t in (tree, ref))
+        if np.linalg.norm(b) > 0:
+            errors.append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+    return errors

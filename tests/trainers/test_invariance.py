@@ -186,3 +186,20 @@ def test_layer_state_is_per_device_as_in_trax(trainer_name):
     moving_mean = [leaf for leaf in jax.tree.leaves(whole.state) if np.ndim(leaf) == 1][0]
     assert not np.allclose(
         moving_mean, [leaf for leaf in jax.tree.leaves(two.state) if np.ndim(leaf) == 1][0])
+
+
+@pytest.mark.parametrize("trainer_name", ["ReversibleSerialTrainer", "MemoryEfficientTrainer"])
+def test_exact_global_norm_clipping_does_not_depend_on_the_device_count(trainer_name):
+    """``clip_global_norm`` gives `Trainer`'s clipped step on 1 and 4 devices."""
+    batch = _batch("uneven")
+
+    def build(n_devices):
+        return TRAINERS[trainer_name](*_model_and_loss(), _sgd, n_devices=n_devices,
+                                      clip_global_norm=0.05)
+
+    plain = _two_steps(_build("Trainer", 1, _clipped_sgd), batch)
+    for n in (1, 4):
+        losses, norms, weights = _two_steps(build(n), batch)
+        np.testing.assert_allclose(losses, plain[0], rtol=1e-5, err_msg=f"{n} devices")
+        np.testing.assert_allclose(norms, plain[1], rtol=1e-5, err_msg=f"{n} devices")
+        assert_trees_close(weights, plain[2], rtol=1e-5, atol=1e-5)

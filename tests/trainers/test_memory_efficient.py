@@ -61,7 +61,7 @@ def test_weights_and_slots_live_in_host_memory_between_steps(batch):
         # Dispatch is asynchronous: wait for the step's last functions (every layer's stats
         # come from its fbo), which hold their inputs (e.g. rng slices) until they finish.
         jax.block_until_ready(stats)
-        assert met.device_footprint() == (0, 0, 0)
+        assert met.device_footprint() == (0, 0, 0, 0)
         assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(met.train_state))
         shapes = _weight_buffers(met)
         new = [a for a in jax.live_arrays() if id(a) not in before]
@@ -79,7 +79,7 @@ def test_at_most_one_plus_n_async_layers_on_device(n_async_layers, batch):
     met.one_step(batch, jax.random.key(0))
     assert met.max_resident_layers == min(1 + n_async_layers, len(met.layers))
     # Between steps (free_accelerators_on_step) no weights or slots stay on the device.
-    assert met.device_footprint() == (0, 0, 0)
+    assert met.device_footprint() == (0, 0, 0, 0)
 
 
 def test_logs_host_rss_and_device_bytes(batch):

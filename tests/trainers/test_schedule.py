@@ -1,4 +1,6 @@
 """Tests for revtrain.trainers.schedule: the ops of one step."""
+import pytest
+
 from revtrain.trainers import build_schedule
 
 
@@ -19,3 +21,31 @@ def test_every_layer_has_one_forward_and_one_update():
     updates = sorted(op.layer for op in ops if op.kind != "forward")
     assert updates == list(range(n_layers))
     assert sorted(op.layer for op in ops if op.kind == "forward") == list(range(n_layers - 1))
+
+
+def test_keep_every_turns_every_kth_reversal_into_a_recompute_from_a_kept_copy():
+    ops = build_schedule([5, 2], keep_every=2)
+    kept = [op.layer for op in ops if op.kind == "forward" and op.keep_point]
+    assert kept == [3, 5]  # Reversible layers 2 and 4 of block 0 (flat 1..5).
+    backward = [(op.kind, op.layer) for op in ops[ops.index(
+        next(op for op in ops if op.kind == "loss")) + 1:]]
+    assert backward == [("reverse", 8), ("reverse", 7), ("fbo", 6), ("fbo", 5),
+                        ("reverse", 4), ("fbo", 3), ("reverse", 2), ("reverse", 1),
+                        ("fbo", 0)]
+    assert build_schedule([5, 2], keep_every=8) == build_schedule([5, 2])
+
+
+def test_clip_global_norm_runs_the_backward_ops_twice_first_norm_only():
+    plain = build_schedule([2, 1])
+    ops = build_schedule([2, 1], clip_global_norm=True)
+    n_forward = sum(op.kind == "forward" for op in plain)
+    update = plain[n_forward:]
+    assert ops[:n_forward] == plain[:n_forward] and ops[-len(update):] == update
+    norm = ops[n_forward:-len(update)]
+    assert [(op.kind, op.layer) for op in norm] == [(op.kind, op.layer) for op in update]
+    assert all(op.norm_only and op.label.startswith("norm/") for op in norm)
+
+
+def test_keep_every_below_one_is_rejected():
+    with pytest.raises(ValueError, match="keep_every=0"):
+        build_schedule([2], keep_every=0)

@@ -53,7 +53,7 @@ def test_host_store_keeps_at_most_the_window_on_the_device(free, batch):
     assert max(f.total_bytes for f in footprints) < weights + slots
     assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(trainer.train_state))
     if free:
-        assert trainer.device_footprint() == (0, 0, 0)
+        assert trainer.device_footprint() == (0, 0, 0, 0)
 
 
 def test_observers_see_every_dispatch_and_the_phases(batch):
