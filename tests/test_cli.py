@@ -19,7 +19,7 @@ TINY = [  # Shrinks configs/copy_task.gin to seconds on CPU; batch 4 fits 1, 2 o
     "ReversibleTransformerLM.d_ff=16", "ReversibleTransformerLM.n_layers=1",
     "ReversibleTransformerLM.n_heads=2", "ReversibleTransformerLM.max_len=16",
     "CopyTask.vocab_size=8", "CopyTask.length=4", "CopyTask.batch_size=4",
-    "train.eval_steps=1", "train.log_every=2", "train.progress=False",
+    "EvalConfig.steps=1", "LogConfig.every=2", "LogConfig.progress=False",
 ]
 TRAINERS = ["Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer"]
 
@@ -44,14 +44,14 @@ def _steps(output_dir):
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_train_checkpoints_and_resume(tmp_path, capsys, trainer):
     out = str(tmp_path)
-    common = (f"train.trainer_class=@{trainer}", "train.checkpoint_every=2",
-              "train.eval_every=2")
+    common = (f"RunConfig.trainer_class=@{trainer}", "CheckpointConfig.every=2",
+              "EvalConfig.every=2")
     assert _train(out, "train.steps=4", *common) == 0
     assert "final eval at step 4: loss" in capsys.readouterr().out
     assert _steps(out) == [2, 4]
     with open(os.path.join(out, "config.gin")) as f:
         config = f.read()
-    assert f"train.trainer_class = @{trainer}" in config and "train.steps = 4" in config
+    assert f"RunConfig.trainer_class = @{trainer}" in config and "train.steps = 4" in config
     assert _train(out, "train.steps=6", *common) == 0
     captured = capsys.readouterr()
     assert "restored the checkpoint of step 4" in captured.err
@@ -62,9 +62,9 @@ def test_train_checkpoints_and_resume(tmp_path, capsys, trainer):
 
 def test_20_then_10_steps_equal_30_steps(tmp_path):
     resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
-    assert _train(resumed, "train.steps=20", "train.eval_steps=0") == 0
-    assert _train(resumed, "train.steps=30", "train.eval_steps=0") == 0
-    assert _train(straight, "train.steps=30", "train.eval_steps=0") == 0
+    assert _train(resumed, "train.steps=20", "EvalConfig.steps=0") == 0
+    assert _train(resumed, "train.steps=30", "EvalConfig.steps=0") == 0
+    assert _train(straight, "train.steps=30", "EvalConfig.steps=0") == 0
     a, b = _checkpoint(resumed, 30), _checkpoint(straight, 30)
     assert sorted(a) == sorted(b)
     for key in a:
@@ -77,8 +77,8 @@ def test_nan_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path, capsys):
     assert _train(out, "train.steps=2") == 0
     before = _checkpoint(out, 2)
     capsys.readouterr()
-    status = _train(out, "train.steps=10", "train.learning_rate=1e30",
-                    "train.checkpoint_every=1")
+    status = _train(out, "train.steps=10", "RunConfig.schedule=1e30",
+                    "CheckpointConfig.every=1")
     err = capsys.readouterr().err
     assert status == 1
     line = [x for x in err.splitlines() if "error" in x]
@@ -109,7 +109,7 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys, argv_tail, message):
 
 
 def test_missing_data_file_is_one_line_runtime_error(tmp_path, capsys):
-    status = _train(str(tmp_path), "train.inputs=@TextFiles",
+    status = _train(str(tmp_path), "RunConfig.inputs=@TextFiles",
                     f"TextFiles.paths=['{tmp_path / 'missing.txt'}']")
     err = capsys.readouterr().err.strip()
     assert status == 1 and len(err.splitlines()) == 1
@@ -125,7 +125,7 @@ def test_help_prints_flags(capsys):
 
 def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
     out = str(tmp_path)
-    lm = ["ReversibleTransformerLM.vocab_size=256", "train.inputs=@TextFiles",
+    lm = ["ReversibleTransformerLM.vocab_size=256", "RunConfig.inputs=@TextFiles",
           "TextFiles.sequence_length=8", "TextFiles.batch_size=4", "train.steps=2"]
     assert _train(out, *lm) == 0
     final = capsys.readouterr().out
@@ -147,7 +147,7 @@ def test_console_script_runs_and_sigterm_saves(tmp_path):
     out = str(tmp_path)
     argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
     argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=100000",
-                                                    "train.checkpoint_every=0"]]
+                                                    "CheckpointConfig.every=0"]]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:  # Wait for the first train log line, then ask it to stop.
         if " train: loss" in line:
@@ -178,7 +178,7 @@ def test_every_config_parses_with_model_and_inputs(name):
 def test_text_configs_train_two_tiny_steps(tmp_path, capsys, name, model):
     shrink = [f"{model}.d_model=16", f"{model}.d_ff=32", f"{model}.n_heads=2",
               f"{model}.n_layers=1", "TextFiles.sequence_length=16", "TextFiles.batch_size=4",
-              "train.steps=2", "train.eval_steps=1", "train.progress=False"]
+              "train.steps=2", "EvalConfig.steps=1", "LogConfig.progress=False"]
     argv = ["revtrain-train", f"--config_file={os.path.join(CONFIGS, name)}",
             f"--output_dir={tmp_path}"] + [f"--gin_bindings={b}" for b in shrink]
     assert cli.train_main(argv) == 0
@@ -190,8 +190,8 @@ def test_verbosity_and_gin_file_flags(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["revtrain-train", "--gin_file=copy_task.gin", f"--output_dir={out}",
             "--verbosity=1", f"--log_dir={tmp_path / 'logs'}", "--alsologtostderr"]
-    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=2", "train.eval_steps=0",
-                                                    "train.log_every=1"]]
+    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=2", "EvalConfig.steps=0",
+                                                    "LogConfig.every=1"]]
     assert cli.train_main(argv) == 0
     err = capsys.readouterr().err
     assert "step 2 train: loss" in err and "Path not found" not in err
@@ -204,8 +204,8 @@ def test_verbosity_and_gin_file_flags(tmp_path, capsys):
 
 
 def test_memory_efficient_trainer_log_lines_are_shown(tmp_path, capsys):
-    assert _train(str(tmp_path), "train.steps=1", "train.eval_steps=0",
-                  "train.trainer_class=@MemoryEfficientTrainer",
+    assert _train(str(tmp_path), "train.steps=1", "EvalConfig.steps=0",
+                  "RunConfig.trainer_class=@MemoryEfficientTrainer",
                   "MemoryEfficientTrainer.n_steps_per_log=1") == 0
     assert "host RSS" in capsys.readouterr().err
 

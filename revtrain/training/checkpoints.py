@@ -332,6 +332,47 @@ class Checkpointer:
         flat = self._manager.restore(step, args=ocp.args.StandardRestore(expected))
         return unflatten_tree(flat, template)
 
+    def reload(self) -> None:
+        """Re-reads the directory: sees checkpoints other processes saved or deleted since."""
+        self._manager.reload()
+
+    def restore_values(self, template: Mapping[str, Any], step: int) -> dict[str, Any]:
+        """Restores only ``template``'s top-level entries of the checkpoint of ``step``.
+
+        For programs that need a model's values but no optimizer (``revtrain-eval``,
+        ``revtrain-decode``): ``template`` is e.g. ``{'weights': ..., 'state': ...}``; the
+        other entries of the checkpoint (``slots``, ``step``, ``rng``) are read by orbax
+        but never built into trees.
+
+        Raises:
+          FileNotFoundError: when there is no checkpoint of ``step`` (e.g. retention deleted
+            it after it was listed).
+          CheckpointMismatchError: naming the first path whose shape or dtype differs, or
+            that is missing.
+        """
+        if step not in self._manager.all_steps():
+            raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
+        where = os.path.join(self.directory, str(step))
+        try:
+            metadata = self._manager.metadata(step).item_metadata
+            metadata = getattr(metadata, "tree", None) if metadata is not None else None
+            if metadata is None:
+                raise FileNotFoundError(f"{where} has no readable metadata")
+            expected = flatten_tree(template)
+            found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in metadata.items()
+                     if k.split(SEPARATOR)[0] in template}
+            check_matches(_signatures(expected), found, f"checkpoint {where}")
+            target = {k: expected[k] if k in expected else np.zeros(m.shape, m.dtype)
+                      for k, m in metadata.items()}
+            flat = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001  A step deleted meanwhile fails in many ways.
+            if not os.path.isdir(where):
+                raise FileNotFoundError(f"{where} was deleted while it was read") from e
+            raise
+        return unflatten_tree({k: flat[k] for k in expected}, template)
+
     def wait_until_finished(self) -> None:
         """Blocks until an asynchronous save has finished."""
         self._manager.wait_until_finished()

@@ -6,17 +6,20 @@ One step of the loop, at global step ``k`` (the number of steps already taken):
    per step, so the step alone is the data position);
 2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``;
 3. stop with `NonFiniteLossError` if the loss is NaN or inf (nothing is saved after it);
-4. ``k += 1``; log train metrics every ``log_every`` steps, evaluate every ``eval_every``
-   steps and save a checkpoint every ``checkpoint_every`` steps.
+4. ``k += 1``; log train metrics every ``LogConfig.every`` steps, evaluate every
+   ``EvalConfig.every`` steps and save a checkpoint every ``CheckpointConfig.every`` steps.
+
+The schedule is optional: without one (``RunConfig.schedule = None``) the trainer keeps
+the optimizer's own learning rate.
 
 At the end (and when SIGINT/SIGTERM asked to stop) it saves a checkpoint, evaluates if the
 last step was not evaluated yet, and returns the last eval metrics. On construction it
 restores the newest checkpoint of ``output_dir`` -- weights, optimizer slots, layer state,
 step and rng -- so ``run(20)`` then ``run(30)`` (even in a new process) ends with the same
 weights as ``run(30)``, as with Trax's ``train`` whose ``steps`` is the total step count.
-A checkpoint that cannot be read is skipped with a warning (`Checkpointer.restore`). Before
-anything is written, the first batch is checked against the model and the devices
-(`revtrain.training.validation`).
+A checkpoint that cannot be read is skipped with a warning (`Checkpointer.restore`).
+`revtrain.training.builder.build_loop` checks the first batch against the model and the
+devices before anything is written (`revtrain.training.validation`).
 
 All trainers see the model as the flat layer list of ``extract_reversible_blocks`` (the
 plain `Trainer` gets ``Serial`` of it), so every trainer gives layer ``i`` the same rng and
@@ -25,7 +28,6 @@ checkpoints' ``weights`` have the same structure for all three.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -41,21 +43,13 @@ import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from revtrain.data.inputs import Inputs
-from revtrain.layers import (
-    Accuracy,
-    Layer,
-    Serial,
-    WeightedCategoryCrossEntropy,
-    nest_flat_values,
-    signature_of,
-)
+from revtrain.layers import Layer, Serial
 from revtrain.trainers import Trainer, TrainState, blocks_to_layers, extract_reversible_blocks
 from revtrain.training.checkpoints import Checkpointer
-from revtrain.training.evaluation import BYTE_VOCAB_SIZE, Evaluator, bits_per_byte
+from revtrain.training.config import EvalConfig, LogConfig
+from revtrain.training.evaluation import Evaluator, bits_per_byte, eval_batches
 from revtrain.training.interrupts import StopOnSignals
 from revtrain.training.metrics_writer import MetricsWriter
-from revtrain.training.optimizers import optimizer_fn as default_optimizer_fn
-from revtrain.training.validation import check_batch_divides, check_first_batch
 
 logger = logging.getLogger(__name__)
 
@@ -94,30 +88,23 @@ def _global_l2(stats: Mapping[str, Any], name: str) -> float | None:
 class Loop:
     """Runs training steps, evaluation, checkpointing and metric logging.
 
+    A `Loop` is given its collaborators; `revtrain.training.builder.build_loop` builds them
+    from a run's configuration.
+
     Args:
-      model: the model function, called as ``model(mode='train')`` and
-        ``model(mode='eval')`` (e.g. ``functools.partial(ReversibleTransformerLM, ...)``).
-      inputs: an `Inputs` (or a function returning one) with ``train_stream(start_step)``
-        and ``eval_stream()``.
-      optimizer_fn: ``() -> optax.GradientTransformation`` built with
-        ``optax.inject_hyperparams`` (see `revtrain.training.optimizer_fn`).
-      trainer_class: `Trainer`, `ReversibleSerialTrainer` or `MemoryEfficientTrainer`.
-      loss: the loss layer (or a function returning one); default
-        ``WeightedCategoryCrossEntropy()`` (works on logits and on log-probabilities).
-      learning_rate: a float or an optax schedule ``step -> rate``; None keeps the
-        optimizer's own rate.
-      output_dir: where checkpoints (``checkpoints/``), ``metrics.jsonl`` and TensorBoard
-        files go; None keeps nothing.
-      eval_every: evaluate every this many steps (0: only at the end).
-      eval_steps: eval batches per evaluation (0: never evaluate).
+      trainer: a trainer of ``model`` (`Trainer`, `ReversibleSerialTrainer` or
+        `MemoryEfficientTrainer`); the loop reads and restores its ``train_state``.
+      inputs: the run's data (train batches; the ``'eval'`` split).
+      model: the `revtrain.training.builder.BuiltModel` the trainer was built from.
+      evaluator: scores the eval-mode model (`Evaluator`).
+      splits: eval split name -> `Inputs`; default ``{'eval': inputs}``.
+      checkpointer: saves and restores checkpoints; None keeps none.
+      writer: writes ``metrics.jsonl`` and TensorBoard; None writes nothing.
+      schedule: ``step -> learning rate``; None keeps the optimizer's own rate.
+      eval_config: when and how much to evaluate (`EvalConfig`).
       checkpoint_every: save every this many steps (0: only at the end).
-      max_to_keep, keep_period, keep_time_interval: checkpoint retention (see
-        `Checkpointer`).
-      log_every: write train metrics every this many steps; default ``eval_every`` or 100.
-      seed: seeds the weight initialisation and the per-step rngs.
-      n_devices: devices per process (default: all local devices).
-      trainer_kwargs: extra keyword arguments of ``trainer_class``.
-      progress: show a tqdm progress bar; None shows it when stderr is a terminal.
+      log: train-metric interval and progress bar (`LogConfig`).
+      seed: seeds the per-step rngs (as in `RunConfig`).
 
     Attributes:
       step: the number of steps taken (restored from the checkpoint).
@@ -126,55 +113,35 @@ class Loop:
         trainer owns the trained ones (``trainer.train_state``; `model_values` gives them
         in the model's structure; ``trainer.sync_to()`` writes them into the layers).
       interrupted_by: the signal number that stopped the last `run`, or None.
-      last_eval_metrics: the metrics of the last evaluation ({} before any).
+      last_eval_metrics: the metrics of the last evaluation of split ``'eval'`` ({}
+        before any).
       restored_step: the step of the checkpoint restored on construction, or None.
     """
 
-    def __init__(self, model: Callable[..., Layer], inputs: Inputs | Callable[[], Inputs],
-                 optimizer_fn: Callable[[], optax.GradientTransformation] = default_optimizer_fn,
-                 *, trainer_class: Callable[..., Any] = Trainer,
-                 loss: Layer | Callable[[], Layer] | None = None,
-                 learning_rate: float | optax.Schedule | None = 1e-3,
-                 output_dir: str | None = None, eval_every: int = 100, eval_steps: int = 10,
-                 checkpoint_every: int = 100, max_to_keep: int | None = 3,
-                 keep_period: int | None = None, keep_time_interval: float | None = None,
-                 log_every: int | None = None, seed: int = 0, n_devices: int | None = None,
-                 trainer_kwargs: Mapping[str, Any] | None = None,
-                 progress: bool | None = None):
-        for name, value in (("eval_every", eval_every), ("eval_steps", eval_steps),
-                            ("checkpoint_every", checkpoint_every)):
-            if value < 0:
-                raise ValueError(f"{name}={value} must be >= 0 (0 disables it)")
-        self.inputs = inputs if isinstance(inputs, Inputs) else inputs()
-        loss = WeightedCategoryCrossEntropy() if loss is None else loss
-        self._loss = loss if isinstance(loss, Layer) else loss()
-        self._schedule = (learning_rate if learning_rate is None or callable(learning_rate)
-                          else optax.constant_schedule(learning_rate))
-        self.output_dir = output_dir
-        self.eval_every, self.eval_steps = eval_every, eval_steps
+    def __init__(self, trainer: Any, inputs: Inputs, model: Any, evaluator: Evaluator,
+                 splits: Mapping[str, Inputs] | None = None, *,
+                 checkpointer: Checkpointer | None = None,
+                 writer: MetricsWriter | None = None,
+                 schedule: optax.Schedule | None = None,
+                 eval_config: EvalConfig | None = None, checkpoint_every: int = 100,
+                 log: LogConfig | None = None, seed: int = 0):
+        self.trainer, self.inputs, self._built = trainer, inputs, model
+        self.model, self._flat_layers = model.model, model.flat_layers
+        self._evaluator = evaluator
+        self._splits = dict(splits or {"eval": inputs})
+        self._checkpointer = checkpointer
+        self._writer = writer or MetricsWriter(None)
+        self._schedule = schedule
+        self.eval_config = eval_config or EvalConfig()
         self.checkpoint_every = checkpoint_every
-        self.log_every = log_every or eval_every or 100
-        self._progress = progress
+        log = log or LogConfig()
+        self.log_every = log.every or self.eval_config.every or 100
+        self._progress = log.progress
+        self._byte_level = inputs.byte_level
         self.interrupted_by: int | None = None
         self.last_eval_metrics: dict[str, float] = {}
         self._last_eval_step: int | None = None
-        init_rng, self._rng = jax.random.split(jax.random.key(seed))
-        self.model = model(mode="train")
-        self._batch_signature = self._init_model(init_rng)
-        check_batch_divides(self._batch_signature[0].shape[0], n_devices, self.inputs)
-        self.trainer = build_trainer(trainer_class, self.model, self._loss, optimizer_fn,
-                                     n_devices, **dict(trainer_kwargs or {}))
-        self._flat_layers = blocks_to_layers(*extract_reversible_blocks([self.model,
-                                                                         self._loss]))
-        byte_lm = getattr(self.inputs, "vocab_size", None) == BYTE_VOCAB_SIZE
-        self._byte_lm = byte_lm
-        self._evaluator = Evaluator(model(mode="eval"),
-                                    {"loss": self._loss, "accuracy": Accuracy()}, byte_lm)
-        is_chief = jax.process_index() == 0
-        self._writer = MetricsWriter(output_dir, enabled=is_chief)
-        self._checkpointer = None if output_dir is None else Checkpointer(
-            os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=max_to_keep,
-            keep_period=keep_period, keep_time_interval=keep_time_interval)
+        _, self._rng = jax.random.split(jax.random.key(seed))
         self.step = 0
         self.restored_step: int | None = None
         try:
@@ -183,19 +150,15 @@ class Loop:
             self.close()  # Joins orbax's threads: no tracebacks from them at exit.
             raise
 
+    @property
+    def output_dir(self) -> str | None:
+        """The run directory (the checkpointer's parent), or None."""
+        if self._checkpointer is None:
+            return None
+        return os.path.dirname(self._checkpointer.directory)
+
     # ----------------------------------------------------------------------------------
     # Set-up and checkpoints.
-
-    def _init_model(self, rng: jax.Array) -> Any:
-        """Checks the first batch fits the model, then initialises the model (and loss)
-        from its shapes."""
-        batch = next(iter(self.inputs.train_stream(start_step=0)))
-        check_first_batch(batch, self.model, self.inputs)
-        signature = signature_of(tuple(batch))
-        self.model.init(signature[0], rng=rng)
-        output = self.model.output_signature(signature[0])
-        self._loss.init((output, signature[1], signature[2]))
-        return signature
 
     def _checkpoint_tree(self) -> dict[str, Any]:
         values = self.trainer.train_state
@@ -253,7 +216,8 @@ class Loop:
                                    stop.signum)
                     break
         self.save()
-        if self.interrupted_by is None and self.eval_steps and self._last_eval_step != self.step:
+        if (self.interrupted_by is None and self.eval_config.enabled
+                and self._last_eval_step != self.step):
             self.evaluate()
         self._writer.flush()
         return self.last_eval_metrics
@@ -277,11 +241,12 @@ class Loop:
 
     def _after_step(self, steps: int, window: _Window, bar: Any) -> None:
         if self.step % self.log_every == 0 or self.step == steps:
-            metrics = window.metrics(self._byte_lm)
+            metrics = window.metrics(self._byte_level)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
             self._write("train", metrics)
             window.reset()
-        if self.eval_every and self.eval_steps and self.step % self.eval_every == 0:
+        every = self.eval_config.every
+        if every and self.eval_config.enabled and self.step % every == 0:
             self.evaluate()
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save()
@@ -299,19 +264,30 @@ class Loop:
     # Evaluation and metrics.
 
     def evaluate(self, write: bool = True) -> dict[str, float]:
-        """Evaluates the current weights on ``eval_steps`` eval batches.
+        """Evaluates the current values on every split (and on a train batch if asked).
+
+        Each split ``name`` is scored on ``EvalConfig.steps`` batches (None: one exact
+        pass) and written as split ``name``; with ``EvalConfig.eval_train``, the eval-mode
+        model is also scored on the current step's train batch (split ``'eval_train'``).
 
         Returns:
-          ``{'loss', 'accuracy'}`` (plus ``'bits_per_byte'`` for byte LMs) as floats.
+          The ``'eval'`` split's ``{'loss', 'accuracy'}`` (plus ``'bits_per_byte'`` for
+          byte-level data) as floats.
         """
-        batches = itertools.islice(self.inputs.eval_stream(), max(self.eval_steps, 1))
         weights, state = self.model_values()
-        metrics = self._evaluator.evaluate(weights, state, batches)
-        self.last_eval_metrics = metrics
-        self._last_eval_step = self.step
+        results = {}
+        for name, inputs in self._splits.items():
+            batches = eval_batches(inputs, self.eval_config.steps)
+            results[name] = self._evaluator.evaluate(weights, state, batches)
+        if self.eval_config.eval_train:
+            batch = next(iter(self.inputs.train_stream(start_step=self.step)))
+            results["eval_train"] = self._evaluator.evaluate(weights, state, [batch])
         if write:
-            self._write("eval", metrics)
-        return metrics
+            for name, metrics in results.items():
+                self._write(name, metrics)
+        self.last_eval_metrics = results["eval"]
+        self._last_eval_step = self.step
+        return self.last_eval_metrics
 
     def model_values(self) -> tuple[Any, Any]:
         """The trainer's current ``(weights, state)`` in the model's tree structure.
@@ -320,19 +296,12 @@ class Loop:
         their initial values unless ``trainer.sync_to()`` is called.
         """
         values = self.trainer.train_state
-        return (nest_flat_values(self.model, self._flat_layers, values.weights),
-                nest_flat_values(self.model, self._flat_layers, values.state))
-
-    def eval_model(self) -> Layer:
-        """The eval-mode model (the evaluator's own object) holding the current values."""
-        model = self._evaluator.eval_model
-        model.weights, model.state = self.model_values()
-        return model
+        return self._built.nest(values.weights), self._built.nest(values.state)
 
     @property
     def batch_signature(self) -> Any:
         """``ShapeDtype`` signature of a train batch ``(inputs, targets, weights)``."""
-        return self._batch_signature
+        return self._built.batch_signature
 
     def _write(self, split: str, metrics: Mapping[str, float]) -> None:
         self._writer.write(self.step, split, metrics)
@@ -384,10 +353,10 @@ class _Window:
         self.unit = tokens[1]
         self.seconds += seconds
 
-    def metrics(self, byte_lm: bool) -> dict[str, float]:
+    def metrics(self, byte_level: bool) -> dict[str, float]:
         loss = float(np.mean(self.losses))
         metrics = {"loss": loss}
-        if byte_lm:
+        if byte_level:
             metrics["bits_per_byte"] = bits_per_byte(loss)
         if "learning_rate" in self.stats:
             metrics["learning_rate"] = float(self.stats["learning_rate"])

@@ -87,7 +87,7 @@ def test_eval_of_a_damaged_run_exits_cleanly(tmp_path):
     from tests.test_cli import _train
 
     out = str(tmp_path)
-    assert _train(out, "train.steps=4", "train.checkpoint_every=2", "train.eval_steps=0") == 0
+    assert _train(out, "train.steps=4", "CheckpointConfig.every=2", "EvalConfig.steps=0") == 0
     _damage(os.path.join(out, "checkpoints"), 4, "data")
     script = shutil.which("revtrain-eval", path=os.path.dirname(sys.executable))
     run = subprocess.run([script, f"--output_dir={out}"], capture_output=True, text=True,

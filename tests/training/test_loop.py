@@ -10,7 +10,17 @@ import pytest
 
 from revtrain import trainers
 from revtrain.data import CopyTask, StreamInputs
-from revtrain.training import Checkpointer, Loop, NonFiniteLossError, read_metrics
+from revtrain.training import (
+    CheckpointConfig,
+    Checkpointer,
+    EvalConfig,
+    LogConfig,
+    NonFiniteLossError,
+    RunConfig,
+    build_loop,
+    optimizer_fn,
+    read_metrics,
+)
 from tests.training.tiny_models import tiny_reversible_lm
 from tests.tree_utils import assert_trees_close
 
@@ -23,11 +33,15 @@ def _inputs():
     return CopyTask(vocab_size=16, length=4, batch_size=4, seed=1)
 
 
-def _loop(output_dir, trainer_class=trainers.ReversibleSerialTrainer, **kwargs):
-    defaults = dict(trainer_class=trainer_class, output_dir=output_dir, eval_every=10,
-                    eval_steps=1, checkpoint_every=10, learning_rate=3e-3, progress=False)
-    defaults.update(kwargs)
-    return Loop(tiny_reversible_lm, _inputs(), **defaults)
+def _loop(output_dir, trainer_class=trainers.ReversibleSerialTrainer, model=tiny_reversible_lm,
+          inputs=None, eval_every=10, eval_steps=1, checkpoint_every=10, learning_rate=3e-3,
+          log_every=None, progress=False, eval_train=False):
+    run = RunConfig(model=model, inputs=inputs or _inputs(), trainer_class=trainer_class,
+                    schedule=learning_rate)
+    return build_loop(run, EvalConfig(every=eval_every, steps=eval_steps,
+                                      eval_train=eval_train),
+                      CheckpointConfig(every=checkpoint_every),
+                      LogConfig(every=log_every, progress=progress), output_dir)
 
 
 @pytest.mark.parametrize("trainer_class", TRAINERS, ids=lambda c: c.__name__)
@@ -100,7 +114,7 @@ def test_restore_into_different_model_names_path(tmp_path):
     wider = functools.partial(tiny_reversible_lm, d_model=12)
     with pytest.raises(ValueError, match=r"at path 'weights/0/0': saved float32\[16,8\], "
                                          r"model float32\[16,12\]"):
-        Loop(wider, _inputs(), output_dir=str(tmp_path), progress=False)
+        _loop(str(tmp_path), model=wider)
 
 
 def test_sigterm_saves_and_stops_after_current_step(tmp_path):
@@ -113,8 +127,7 @@ def test_sigterm_saves_and_stops_after_current_step(tmp_path):
             yield batch
 
     inputs = StreamInputs(train_stream, base.eval_stream, vocab_size=16)
-    loop = Loop(tiny_reversible_lm, inputs, output_dir=str(tmp_path), eval_steps=0,
-                checkpoint_every=0, progress=False)
+    loop = _loop(str(tmp_path), inputs=inputs, eval_steps=0, checkpoint_every=0)
     loop.run(10)
     loop.close()
     assert loop.interrupted_by == signal.SIGTERM
@@ -125,16 +138,37 @@ def test_sigterm_saves_and_stops_after_current_step(tmp_path):
 
 def test_eval_metrics_are_bits_per_byte_for_byte_lm(tmp_path):
     base = _inputs()
-    inputs = StreamInputs(base.train_stream, base.eval_stream, vocab_size=256)
-    model = functools.partial(tiny_reversible_lm, vocab_size=256)
-    with Loop(model, inputs, eval_steps=2, progress=False) as loop:
-        metrics = loop.evaluate()
-    assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / np.log(2))
+    # Bits per byte follow the data's byte_level property, not the vocabulary size.
+    for byte_level in (True, False):
+        inputs = StreamInputs(base.train_stream, base.eval_stream, vocab_size=256,
+                              byte_level=byte_level)
+        model = functools.partial(tiny_reversible_lm, vocab_size=256)
+        with _loop(None, model=model, inputs=inputs, eval_steps=2) as loop:
+            metrics = loop.evaluate()
+        assert ("bits_per_byte" in metrics) == byte_level
+    assert metrics["loss"] > 0
 
 
-def test_negative_interval_is_an_error():
-    with pytest.raises(ValueError, match="eval_every=-1"):
-        Loop(tiny_reversible_lm, _inputs(), eval_every=-1)
+def test_schedule_none_keeps_the_optimizers_rate(tmp_path):
+    run = RunConfig(model=tiny_reversible_lm, inputs=_inputs(),
+                    optimizer=lambda: optimizer_fn("sgd", learning_rate=0.25))
+    with build_loop(run, EvalConfig(steps=0), log=LogConfig(every=1, progress=False),
+                    output_dir=str(tmp_path)) as loop:
+        loop.run(2)
+    rates = [r["learning_rate"] for r in read_metrics(str(tmp_path), "train")]
+    np.testing.assert_allclose(rates, [0.25, 0.25])
+
+
+def test_eval_train_and_named_splits_write_their_own_records(tmp_path):
+    run = RunConfig(model=tiny_reversible_lm, inputs=_inputs(), schedule=1e-3)
+    other = CopyTask(vocab_size=16, length=4, batch_size=4, seed=7)
+    eval_config = EvalConfig(every=2, steps=1, splits={"other": other}, eval_train=True)
+    with build_loop(run, eval_config, log=LogConfig(progress=False),
+                    output_dir=str(tmp_path)) as loop:
+        loop.run(2)
+    for split in ("eval", "other", "eval_train"):
+        assert [r["step"] for r in read_metrics(str(tmp_path), split)] == [2], split
+        assert os.path.isdir(tmp_path / "tensorboard" / split)
 
 
 def test_progress_bar_does_not_break_run(tmp_path, capsys):
