@@ -38,6 +38,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import gin
@@ -86,6 +87,11 @@ def _train(fv: flags.FlagValues) -> int:
     _parse_gin(fv.config_file, fv.gin_bindings)
     from revtrain import configurables
 
+    from revtrain.training.config import legacy_binding_error
+
+    removed = sorted(set(gin.get_bindings("train")) - {"steps"})
+    if removed:  # A usage error, before anything is built.
+        raise UsageError(str(legacy_binding_error(removed)))
     output_dir = os.path.abspath(fv.output_dir)
     loop = configurables.train(output_dir=output_dir,
                                callbacks=[_write_operative_config(output_dir)],
@@ -117,6 +123,9 @@ def _read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
         raise UsageError("--output_dir is required (the directory revtrain-train wrote)")
     output_dir = os.path.abspath(fv.output_dir)
     config = os.path.join(output_dir, CONFIG_FILE)
+    if getattr(fv, "wait", False):  # revtrain-eval --wait may start before the training.
+        while not os.path.isfile(config):
+            time.sleep(min(fv.poll_seconds, 600.0))
     if not os.path.isfile(config):
         raise UsageError(f"{config} not found; is {output_dir} a revtrain-train output_dir?")
     _initialize_distributed(fv)
@@ -164,10 +173,12 @@ def _eval(fv: flags.FlagValues) -> int:
 def eval_main(argv: Sequence[str] | None = None) -> int:
     """``revtrain-eval``: evaluates the checkpoints of ``--output_dir`` without eval records."""
     fv = _common_flags("The output_dir of a revtrain-train run.")
-    flags.DEFINE_boolean("wait", False, "Keep polling for new checkpoints; exit after the "
-                         "run's final step (train.steps) is evaluated.", flag_values=fv)
+    flags.DEFINE_boolean("wait", False, "Keep polling for new checkpoints (and, first, for "
+                         "the run's config.gin); exit after the run's final step "
+                         "(train.steps) is evaluated.", flag_values=fv)
     flags.DEFINE_float("poll_seconds", 10.0, "Seconds between looks for new checkpoints "
-                       "with --wait, in (0, 600].", flag_values=fv)
+                       "with --wait, in (0, 600].", flag_values=fv, lower_bound=0.001,
+                       upper_bound=600.0)
     flags.DEFINE_integer("step", None, "Evaluate only the checkpoint of this step.",
                          flag_values=fv)
     flags.DEFINE_string("split", None, "Evaluate only this eval split (default: all).",

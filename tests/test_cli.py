@@ -1,4 +1,5 @@
 """End-to-end tests of revtrain/cli.py: revtrain-train / -eval / -decode on tiny configs."""
+import json
 import logging
 import os
 import shutil
@@ -93,7 +94,10 @@ def test_nan_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path, capsys):
 @pytest.mark.parametrize("argv_tail, message", [
     (["--config_file=nope.gin", "--output_dir=X"], "config file 'nope.gin' not found"),
     ([f"--config_file={COPY_TASK}", "--output_dir=X", "--gin_bindings=train.stepz=3"],
-     "doesn't have a parameter named 'stepz'"),
+     "train.stepz is not a parameter of train"),
+    ([f"--config_file={COPY_TASK}", "--output_dir=X", "--gin_bindings=train.eval_every=3"],
+     "train.eval_every is now EvalConfig.every; change the gin binding train.eval_every to "
+     "EvalConfig.every"),
     ([f"--config_file={COPY_TASK}", "--output_dir=X", "--gin_bindings=Nope.x=3"],
      "No configurable matching 'Nope'"),
     ([f"--config_file={COPY_TASK}", "--bogus_flag=1"], "Unknown command line flag"),
@@ -131,12 +135,19 @@ def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
     final = capsys.readouterr().out
     assert "bits_per_byte" in final
     assert cli.eval_main(["revtrain-eval", f"--output_dir={out}"]) == 0
+    assert "nothing to evaluate" in capsys.readouterr().out  # Training evaluated step 2.
+    os.rename(os.path.join(out, "metrics.jsonl"), os.path.join(out, "train_metrics.jsonl"))
+    assert cli.eval_main(["revtrain-eval", f"--output_dir={out}"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("eval at step 2: loss")
     assert printed.split(": ", 1)[1] == final.split(": ", 1)[1]  # Same weights, same data.
+    assert [r["step"] for r in read_metrics(out, "eval")] == [2]
     assert cli.decode_main(["revtrain-decode", f"--output_dir={out}", "--prompt=def ",
                             "--max_new_bytes=5"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+    with open(os.path.join(out, "decoder_out", "step_2.jsonl")) as f:
+        record = json.loads(f.read())
+    assert record["prompt"] == "def " and len(record["tokens"]) == 5
     assert cli.eval_main(["revtrain-eval", f"--output_dir={tmp_path / 'none'}"]) == 2
     assert "config.gin not found" in capsys.readouterr().err
 

@@ -56,11 +56,11 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
     finally:
         checkpointer.close()
     weights, state = built.nest(values["weights"]), built.nest(values["state"])
-    length = built.batch_signature[0].shape[-1]
-    max_len = getattr(built.model, "max_len", None) or length
+    # The model's max_len (else the training length) for both, so they see the same context.
+    max_len = getattr(built.model, "max_len", None) or built.batch_signature[0].shape[-1]
     if cache:
         return CachedDecoder(run.model(mode="predict"), weights, max_len), step or 0
-    return Decoder(run.model(mode="eval"), weights, state, length), step or 0
+    return Decoder(run.model(mode="eval"), weights, state, max_len), step or 0
 
 
 def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], path: str,
