@@ -181,7 +181,8 @@ def test_bad_arguments(corpus_path, kwargs):
 def test_eval_pass_scores_each_window_once_and_masks_the_padding(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes(bytes(range(200)) * 2)
-    data = TextFiles(paths=[str(path)], sequence_length=4, batch_size=4, eval_fraction=0.1)
+    data = text.TextFiles(paths=[str(path)], sequence_length=4, batch_size=4,
+                          eval_fraction=0.1)
     n_windows = (len(data.eval_bytes) - 1) // 4  # 40 eval bytes: 9 windows.
     batches = list(data.eval_pass())
     assert len(batches) == 3 and all(b[0].shape == (4, 4) for b in batches)
