@@ -86,7 +86,6 @@ def _train(fv: flags.FlagValues) -> int:
     _initialize_distributed(fv)
     _parse_gin(fv.config_file, fv.gin_bindings)
     from revtrain import configurables
-
     from revtrain.training.config import legacy_binding_error
 
     removed = sorted(set(gin.get_bindings("train")) - {"steps"})

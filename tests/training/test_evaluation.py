@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from revtrain import layers as tl
-from revtrain.training import Evaluator, bits_per_byte
 from revtrain.data import StreamInputs
+from revtrain.training import Evaluator, bits_per_byte
 from revtrain.training.evaluation import eval_batches
 
 
