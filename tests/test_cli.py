@@ -176,9 +176,10 @@ def test_every_config_parses_with_model_and_inputs(name):
     import gin
 
     cli._parse_gin([os.path.join(CONFIGS, name)], [])
-    bindings = gin.get_bindings("train")
-    assert callable(bindings["model"]) and callable(bindings["inputs"])
-    assert bindings["steps"] > 0 and callable(bindings["learning_rate"])
+    run = gin.get_bindings("RunConfig")
+    assert callable(run["model"]) and callable(run["inputs"])
+    assert gin.get_bindings("train")["steps"] > 0 and callable(run["schedule"])
+    assert set(gin.get_bindings("train")) == {"steps"}  # The rest is the run configuration.
 
 
 @pytest.mark.parametrize("name, model", [

@@ -25,7 +25,12 @@ from revtrain.training.builder import (
     build_model,
     resolve_inputs,
 )
-from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.checkpoints import (
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointUnreadableError,
+    _reason,
+)
 from revtrain.training.config import EvalConfig, RunConfig
 from revtrain.training.evaluation import eval_batches
 from revtrain.training.loop import CHECKPOINT_DIR
@@ -66,6 +71,7 @@ class CheckpointEvaluator:
         self.checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR),
                                          max_to_keep=None)
         self._writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
+        self.unreadable_steps: set[int] = set()
 
     def evaluated_steps(self) -> set[int]:
         """Steps that have a record of every split in ``metrics.jsonl``."""
@@ -78,18 +84,36 @@ class CheckpointEvaluator:
         self.checkpointer.reload()
         done = self.evaluated_steps()
         return [s for s in self.checkpointer.all_steps()
-                if s not in done and (step is None or s == step)]
+                if s not in done and s not in self.unreadable_steps
+                and (step is None or s == step)]
 
     def evaluate_step(self, step: int) -> dict[str, dict[str, float]] | None:
         """Evaluates the checkpoint of ``step`` and writes its records.
 
+        A checkpoint that cannot be read (a missing or damaged file) is skipped with a
+        warning naming it and the reason, and listed in `unreadable_steps`.
+
         Returns:
-          ``{split: metrics}``, or None when the checkpoint was deleted before it was read.
+          ``{split: metrics}``, or None when the checkpoint was deleted before it was read
+          or cannot be read.
+
+        Raises:
+          CheckpointMismatchError: the checkpoint holds another model.
         """
+        where = os.path.join(self.checkpointer.directory, str(step))
         try:
             values = self.checkpointer.restore_values(self.built.initial_values(), step)
+        except CheckpointMismatchError:
+            raise
         except FileNotFoundError as e:
-            logger.warning("skipping the checkpoint of step %d: %s", step, e)
+            if os.path.isdir(where):  # Present but incomplete: damaged.
+                self.unreadable_steps.add(step)
+            logger.warning("skipping the checkpoint %s: %s", where, _reason(e))
+            return None
+        except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
+            self.unreadable_steps.add(step)
+            logger.warning("skipping the checkpoint %s: it cannot be read (%s)", where,
+                           _reason(e))
             return None
         weights, state = self.built.nest(values["weights"]), self.built.nest(values["state"])
         results = {}
@@ -101,11 +125,23 @@ class CheckpointEvaluator:
         return results
 
     def run(self, step: int | None = None) -> Iterator[tuple[int, dict]]:
-        """Evaluates the pending checkpoints once, in step order; yields ``(step, results)``."""
-        for pending in self.pending_steps(step):
-            results = self.evaluate_step(pending)
+        """Evaluates the pending checkpoints once, in step order; yields ``(step, results)``.
+
+        Raises:
+          CheckpointUnreadableError: when checkpoints were pending and none could be read.
+        """
+        pending = self.pending_steps(step)
+        evaluated = 0
+        for each in pending:
+            results = self.evaluate_step(each)
             if results is not None:
-                yield pending, results
+                evaluated += 1
+                yield each, results
+        unreadable = [s for s in pending if s in self.unreadable_steps]
+        if pending and not evaluated and len(unreadable) == len(pending):
+            raise CheckpointUnreadableError(
+                f"none of the {len(pending)} checkpoints to evaluate in "
+                f"{self.checkpointer.directory} can be read (steps {pending})")
 
     def follow(self, final_step: int, poll_seconds: float = 10.0,
                sleep: Callable[[float], None] = time.sleep) -> Iterator[tuple[int, dict]]:
@@ -125,7 +161,7 @@ class CheckpointEvaluator:
                              f"{MAX_POLL_SECONDS:g}]; pass a shorter interval")
         while True:
             yield from self.run()
-            done = self.evaluated_steps()
+            done = self.evaluated_steps() | self.unreadable_steps
             if done and max(done) >= final_step:
                 return
             sleep(poll_seconds)
