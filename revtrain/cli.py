@@ -76,6 +76,12 @@ def _write_operative_config(output_dir: str) -> Callable:
     return write
 
 
+def _print_summary(loop) -> None:
+    """A `Loop` callback printing the parameter count and per-layer summary (stdout)."""
+    if _is_chief():
+        print(loop.summary, flush=True)
+
+
 def _train(fv: flags.FlagValues) -> int:
     if not fv.output_dir:
         raise UsageError("--output_dir is required (checkpoints, metrics and config.gin go "
@@ -93,7 +99,8 @@ def _train(fv: flags.FlagValues) -> int:
         raise UsageError(str(legacy_binding_error(removed)))
     output_dir = os.path.abspath(fv.output_dir)
     loop = configurables.train(output_dir=output_dir,
-                               callbacks=[_write_operative_config(output_dir)],
+                               callbacks=[_write_operative_config(output_dir),
+                                          _print_summary],
                                **configurables.run_configs())
     if loop.interrupted_by is not None:
         name = signal.Signals(loop.interrupted_by).name

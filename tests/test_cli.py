@@ -132,7 +132,9 @@ def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
     lm = ["ReversibleTransformerLM.vocab_size=256", "RunConfig.inputs=@TextFiles",
           "TextFiles.sequence_length=8", "TextFiles.batch_size=4", "train.steps=2"]
     assert _train(out, *lm) == 0
-    final = capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert printed.startswith("model: ") and " parameters in " in printed  # The summary.
+    final = printed.splitlines()[-1] + "\n"
     assert "bits_per_byte" in final
     assert cli.eval_main(["revtrain-eval", f"--output_dir={out}"]) == 0
     assert "nothing to evaluate" in capsys.readouterr().out  # Training evaluated step 2.

@@ -1,6 +1,12 @@
 """revtrain.training: the training loop, checkpoints, metrics, optimizers and schedules."""
 
-from revtrain.training.builder import BuiltModel, build_evaluator, build_loop, build_model
+from revtrain.training.builder import (
+    BuiltModel,
+    build_evaluator,
+    build_loop,
+    build_model,
+    build_trainer,
+)
 from revtrain.training.checkpoints import (
     Checkpointer,
     CheckpointMismatchError,
@@ -13,7 +19,7 @@ from revtrain.training.decoding import CachedDecoder, Decoder, decode_text
 from revtrain.training.eval_program import CheckpointEvaluator
 from revtrain.training.evaluation import Evaluator, bits_per_byte
 from revtrain.training.interrupts import StopOnSignals
-from revtrain.training.loop import Loop, NonFiniteLossError, build_trainer
+from revtrain.training.loop import Loop, NonFiniteLossError
 from revtrain.training.metrics_writer import MetricsWriter, read_metrics
 from revtrain.training.optimizers import optimizer_fn
 from revtrain.training.run_lock import RunLock, RunLockError

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -21,17 +21,35 @@ from revtrain.data.inputs import Inputs
 from revtrain.layers import (
     Accuracy,
     Layer,
+    Serial,
     WeightedCategoryCrossEntropy,
     nest_flat_values,
     signature_of,
 )
-from revtrain.trainers import blocks_to_layers, extract_reversible_blocks
+from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
 from revtrain.training.checkpoints import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.evaluation import Evaluator
-from revtrain.training.loop import CHECKPOINT_DIR, Loop, build_trainer
+from revtrain.training.loop import CHECKPOINT_DIR, Loop
 from revtrain.training.metrics_writer import MetricsWriter
 from revtrain.training.validation import check_batch_divides, check_first_batch
+
+
+def build_trainer(trainer_class: Callable[..., Any], model: Layer, loss_layer: Layer,
+                  optimizer_fn: Callable[[], optax.GradientTransformation],
+                  n_devices: int | None = None, **trainer_kwargs: Any) -> Any:
+    """Builds ``trainer_class`` for an initialised ``model`` followed by ``loss_layer``.
+
+    `Trainer` (or a subclass) gets ``Serial(*flat_layers)``; any other class is called as
+    the block trainers are, ``trainer_class(blocks, loss_layer, optimizer_fn, n_devices,
+    **trainer_kwargs)``, with ``blocks, loss_layer = extract_reversible_blocks([model,
+    loss_layer])``.
+    """
+    blocks, loss = extract_reversible_blocks([model, loss_layer])
+    if isinstance(trainer_class, type) and issubclass(trainer_class, Trainer):
+        return trainer_class(Serial(*blocks_to_layers(blocks, loss)), optimizer_fn,
+                             n_devices=n_devices, **trainer_kwargs)
+    return trainer_class(blocks, loss, optimizer_fn, n_devices=n_devices, **trainer_kwargs)
 
 
 @dataclasses.dataclass
@@ -127,11 +145,31 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     splits = {"eval": inputs} | {name: resolve_inputs(split) for name, split in
                                   (eval_config.splits or {}).items()}
     checkpoint = checkpoint or CheckpointConfig()
+    # The training run holds the run lock, so temporary directories are a crashed save's.
     checkpointer = None if output_dir is None else Checkpointer(
         os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=checkpoint.max_to_keep,
-        keep_period=checkpoint.keep_period, keep_time_interval=checkpoint.keep_time_interval)
+        keep_period=checkpoint.keep_period, keep_time_interval=checkpoint.keep_time_interval,
+        async_save=checkpoint.async_save, cleanup_tmp=True)
+    init = None
+    if checkpoint.init_checkpoint_dir is not None:
+        init = Checkpointer(checkpoint_directory(checkpoint.init_checkpoint_dir),
+                            max_to_keep=None)
     writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
     return Loop(trainer, inputs, built, build_evaluator(run, built, inputs), splits,
-                checkpointer=checkpointer, writer=writer, schedule=_schedule(run),
-                eval_config=eval_config, checkpoint_every=checkpoint.every,
+                checkpointer=checkpointer, init_checkpointer=init, writer=writer,
+                schedule=_schedule(run), eval_config=eval_config, checkpoint=checkpoint,
                 log=log or LogConfig(), seed=run.seed)
+
+
+def checkpoint_directory(path: str) -> str:
+    """A run directory's ``checkpoints/`` (or ``path`` itself when it holds the steps).
+
+    Raises:
+      FileNotFoundError: naming ``CheckpointConfig.init_checkpoint_dir`` when ``path`` is
+        not a directory.
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir={path!r} is not a "
+                                f"directory; give the output_dir of another run")
+    inner = os.path.join(path, CHECKPOINT_DIR)
+    return inner if os.path.isdir(inner) else path

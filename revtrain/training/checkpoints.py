@@ -198,6 +198,8 @@ class Checkpointer:
       async_save: write in a background thread (orbax async checkpointing); `save`
         returns once the arrays are copied. Call `wait_until_finished` or `close` before
         exiting.
+      cleanup_tmp: delete temporary directories left by a crashed save when opening
+        (orbax's ``cleanup_tmp_directories``); only for the one process that saves.
 
     Raises:
       ValueError: for ``max_to_keep < 1``, ``keep_period < 1`` or a non-positive interval.
@@ -206,13 +208,13 @@ class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int | None = 3,
                  keep_period: int | None = None,
                  keep_time_interval: float | datetime.timedelta | None = None,
-                 async_save: bool = False):
+                 async_save: bool = False, cleanup_tmp: bool = False):
         self.directory = os.path.abspath(directory)
         self._keep = (keep_period, keep_time_interval)
         self._promises = retention.read_promises(self.directory)
         kept = retention.promised_steps(self._promises, _step_dirs(self.directory))
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,
             preservation_policy=retention.preservation_policy(
                 max_to_keep, keep_period, keep_time_interval, kept))
         self.unreadable_steps: list[int] = []

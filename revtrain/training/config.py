@@ -149,15 +149,29 @@ class CheckpointConfig:
         this; None disables.
       keep_time_interval: also keep, permanently, one checkpoint per this many seconds;
         None disables.
+      restore_step: on start, restore this step instead of the newest (Paxml's
+        ``restore_step``); saves of steps up to the newest existing one are skipped.
+      init_checkpoint_dir: warm start: when the run has no checkpoint yet, start from the
+        newest checkpoint of this run directory (Paxml's ``init_checkpoint``); its
+        structure must match the model's (the error names the first mismatching path).
+      init_weights_only: warm-start weights and layer state only (fresh optimizer slots,
+        step 0); False restores everything, step and optimizer slots included.
+      async_save: save in a background thread (orbax asynchronous checkpointing); the
+        loop waits for the last save before it exits.
 
     Raises:
-      ValueError: for a value below its limit (``every >= 0``, the others >= 1 or > 0).
+      ValueError: for a value below its limit (``every``, ``restore_step >= 0``, the
+        others >= 1 or > 0).
     """
 
     every: int = 100
     max_to_keep: int | None = 3
     keep_period: int | None = None
     keep_time_interval: float | None = None
+    restore_step: int | None = None
+    init_checkpoint_dir: str | None = None
+    init_weights_only: bool = True
+    async_save: bool = False
 
     def __post_init__(self):
         check_arguments(_fields(self), "CheckpointConfig")
@@ -171,16 +185,26 @@ class LogConfig:
       every: write train metrics every this many steps; None: ``EvalConfig.every``, or
         100 when that is 0.
       progress: show a tqdm progress bar; None shows it when stderr is a terminal.
+      profile_steps: ``(first, last)``: record a ``jax.profiler`` trace of steps
+        ``first..last`` (1-based, as the log lines count) into ``output_dir/profile``
+        (TensorBoard's profile plugin reads it). Every step is annotated
+        (``StepTraceAnnotation``) in any trace.
 
     Raises:
-      ValueError: for ``every < 1``.
+      ValueError: for ``every < 1`` or ``profile_steps`` not ``1 <= first <= last``.
     """
 
     every: int | None = None
     progress: bool | None = None
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self):
         check_arguments(_fields(self), "LogConfig")
+        steps = self.profile_steps
+        if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"LogConfig.profile_steps={steps!r} must be (first, last) with "
+                             f"1 <= first <= last; change the gin binding "
+                             f"LogConfig.profile_steps")
 
 
 

@@ -34,6 +34,7 @@ _RANGES: dict[str, dict[str, tuple[str, float, bool]]] = {
         "max_to_keep": ("int", 1, True),
         "keep_period": ("int", 1, True),
         "keep_time_interval": ("float", math.ulp(0.0), True),
+        "restore_step": ("int", 0, True),
     },
     "LogConfig": {"every": ("int", 1, True)},
 }
