@@ -272,12 +272,12 @@ class Loop:
 
     def _check_batch(self, batch: Any) -> None:
         """Raises when a batch's shapes differ from the first batch's (a silent recompile)."""
-        found = tuple((tuple(np.shape(x)), np.result_type(x).name) for x in batch)
-        first = tuple((tuple(s.shape), np.dtype(s.dtype).name)
-                      for s in self._built.batch_signature)
+        found = ", ".join(f"{np.result_type(x).name}{list(np.shape(x))}" for x in batch)
+        first = ", ".join(f"{np.dtype(s.dtype).name}{list(s.shape)}"
+                          for s in self._built.batch_signature)
         if found != first:
-            raise ValueError(f"the train batch of step {self.step + 1} has shapes {found}; the "
-                             f"first batch had {first}; every batch must have the first's "
+            raise ValueError(f"the train batch of step {self.step + 1} is ({found}); the first "
+                             f"batch was ({first}); every batch must have the first's "
                              f"shapes (pad a short last batch) or each change recompiles")
 
     def _check_finite(self, window: Window) -> None:

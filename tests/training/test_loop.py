@@ -13,6 +13,7 @@ from revtrain.data import CopyTask, StreamInputs
 from revtrain.training import (
     CheckpointConfig,
     Checkpointer,
+    CheckpointMismatchError,
     EvalConfig,
     LogConfig,
     NonFiniteLossError,
@@ -198,3 +199,89 @@ def test_evaluation_reads_the_trainers_values_not_the_layer_objects():
         loop.trainer.sync_to()
         assert_trees_close(loop.model.weights, weights, rtol=0, atol=0)
         assert loop.evaluate(write=False) == after
+
+
+# Checkpoint handling beyond resume: warm start, chosen step, crashed saves, async, shapes.
+
+def _ckpt_run(model=tiny_reversible_lm, inputs=None):
+    inputs = inputs or CopyTask(vocab_size=16, length=4, batch_size=4, seed=1)
+    return RunConfig(model=model, inputs=inputs, schedule=3e-3)
+
+
+def _ckpt_loop(output_dir, run=None, **checkpoint):
+    return build_loop(run or _ckpt_run(), EvalConfig(steps=0), CheckpointConfig(**checkpoint),
+                      LogConfig(progress=False), output_dir)
+
+
+def test_warm_start_weights_only_and_full_state(tmp_path):
+    source = str(tmp_path / "source")
+    with _ckpt_loop(source, every=3) as loop:
+        loop.run(3)
+        trained = loop.trainer.train_state
+    with _ckpt_loop(None) as fresh:
+        initial_slots = fresh.trainer.train_state.slots
+    with _ckpt_loop(str(tmp_path / "weights"), init_checkpoint_dir=source) as loop:
+        assert loop.step == 0 and loop.restored_step is None
+        assert_trees_close(loop.trainer.train_state.weights, trained.weights, rtol=0, atol=0)
+        assert_trees_close(loop.trainer.train_state.slots, initial_slots, rtol=0, atol=0)
+    with _ckpt_loop(str(tmp_path / "full"), init_checkpoint_dir=source,
+               init_weights_only=False) as loop:
+        assert loop.step == 3
+        assert_trees_close(loop.trainer.train_state.slots, trained.slots, rtol=0, atol=0)
+
+
+def test_warm_start_from_another_model_names_the_first_mismatching_path(tmp_path):
+    source = str(tmp_path / "source")
+    with _ckpt_loop(source) as loop:
+        loop.run(1)
+    wider = _ckpt_run(model=lambda mode: tiny_reversible_lm(d_model=12, mode=mode))
+    with pytest.raises(CheckpointMismatchError, match=r"at path 'weights/0/0': saved "
+                                                      r"float32\[16,8\], model float32\[16,12\]"):
+        _ckpt_loop(str(tmp_path / "b"), wider, init_checkpoint_dir=source)
+
+
+def test_restore_step_and_stale_temporary_checkpoint(tmp_path):
+    out = str(tmp_path)
+    with _ckpt_loop(out, every=1, max_to_keep=None) as loop:
+        loop.run(3)
+        weights_at_3 = loop.trainer.train_state.weights
+    stale = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1700000000"
+    stale.mkdir()  # What a save that crashed would leave.
+    with _ckpt_loop(out, restore_step=2) as loop:
+        assert loop.step == 2 and loop.restored_step == 2
+        assert not stale.exists()
+        loop.run(3)  # Step 3 retrained from step 2: the same weights (deterministic).
+        assert_trees_close(loop.trainer.train_state.weights, weights_at_3, rtol=1e-6,
+                           atol=1e-7)
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 9"):
+        _ckpt_loop(out, restore_step=9)
+
+
+def test_async_saves_are_complete_after_close(tmp_path):
+    with _ckpt_loop(str(tmp_path), every=2, async_save=True) as loop:
+        loop.run(4)
+    assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2, 4]
+
+
+def test_a_changed_batch_shape_is_an_error_naming_both(tmp_path):
+    base = CopyTask(vocab_size=16, length=4, batch_size=4, seed=1)
+
+    def train_stream(start_step=0):
+        for step, batch in enumerate(base.train_stream(start_step), start_step):
+            yield tuple(x[:, :-1] for x in batch) if step == 2 else batch
+
+    run = _ckpt_run(inputs=StreamInputs(train_stream, base.eval_stream, vocab_size=16))
+    with _ckpt_loop(None, run) as loop, pytest.raises(
+            ValueError, match=r"batch of step 3 is \(int32\[4, 7\], int32\[4, 7\], "
+                              r"float32\[4, 7\]\); the first batch was \(int32\[4, 8\]"):
+        loop.run(4)
+    assert loop.step == 2
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+    log = LogConfig(progress=False, profile_steps=(2, 2))
+    with build_loop(_ckpt_run(), EvalConfig(steps=0), log=log, output_dir=str(tmp_path)) as loop:
+        loop.run(3)
+    assert any(files for _, _, files in os.walk(tmp_path / "profile"))
+    with pytest.raises(ValueError, match="LogConfig.profile_steps=\\(3, 2\\) must be"):
+        LogConfig(profile_steps=(3, 2))
