@@ -352,6 +352,7 @@ class Checkpointer:
           CheckpointMismatchError: naming the first path whose shape or dtype differs, or
             that is missing.
         """
+        _drop_closed_event_loop_reports()  # A damaged file's leftover reads, as `restore`.
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         where = os.path.join(self.directory, str(step))

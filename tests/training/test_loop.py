@@ -285,3 +285,30 @@ def test_profile_steps_write_a_trace(tmp_path):
     assert any(files for _, _, files in os.walk(tmp_path / "profile"))
     with pytest.raises(ValueError, match="LogConfig.profile_steps=\\(3, 2\\) must be"):
         LogConfig(profile_steps=(3, 2))
+
+
+def test_losses_are_read_back_only_on_logging_and_checkpoint_steps(tmp_path):
+    reads = []
+
+    class CountedLoss:
+        """A loss that records when the loop reads it back (a device sync)."""
+
+        def __init__(self, value, step):
+            self.value, self.step = value, step
+
+        def __float__(self):
+            reads.append((self.step, loop.step))  # (the loss's step, when it is read)
+            return float(self.value)
+
+    with _ckpt_loop(str(tmp_path), every=3) as loop:
+        one_step = loop.trainer.one_step
+
+        def counted(batch, rng, step=0, learning_rate=None):
+            loss, stats = one_step(batch, rng, step=step, learning_rate=learning_rate)
+            return CountedLoss(loss, step + 1), stats
+
+        loop.trainer.one_step = counted
+        loop.log_every = 5
+        loop.run(5)
+    # Steps 1-3 are read at the checkpoint of step 3, steps 4-5 at the log of step 5.
+    assert reads == [(1, 3), (2, 3), (3, 3), (4, 5), (5, 5)]
