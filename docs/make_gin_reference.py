@@ -23,13 +23,11 @@ from collections.abc import Callable
 import docstring_parser
 
 from revtrain import configurables, models
-from revtrain.training import checkpoints, loop
 
 OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_reference.md")
 # Where a constructor's docstring defers to another's ("Arguments as `X`").
 _SEE_ALSO: dict[Callable, tuple[Callable, ...]] = {
     models.TransformerLM: (models.ReversibleTransformerLM,),
-    configurables.train_lib.train: (loop.Loop, checkpoints.Checkpointer),
 }
 _HEADER = """# Gin reference
 

@@ -8,9 +8,10 @@ once the run is set up, and prints the final eval metrics. Running it again on t
 ``output_dir`` resumes from the newest checkpoint. The first Ctrl-C or SIGTERM saves a
 checkpoint after the current step and exits with status ``128 + signal``.
 
-``revtrain-eval --output_dir=...`` rebuilds the run from ``output_dir/config.gin``, restores
-the newest checkpoint and prints eval metrics; ``revtrain-decode --output_dir=...
---prompt='def '`` continues a prompt with a byte-level LM.
+``revtrain-eval --output_dir=... [--wait]`` rebuilds the run from ``output_dir/config.gin``
+and evaluates every checkpoint without eval records (following the run with ``--wait``);
+``revtrain-decode --output_dir=... --prompt='def '`` continues prompts with a byte-level LM
+and writes ``output_dir/decoder_out/step_<N>.jsonl``.
 
 Multi-host: ``--coordinator_address=host:port --num_processes=N --process_id=i`` (or the
 environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
@@ -33,244 +34,28 @@ Each ``*_main(argv)`` builds its own flag set, so the tools can be called in-pro
 
 from __future__ import annotations
 
-import contextlib
-import importlib.resources
-import logging
 import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import gin
 from absl import app, flags
-from absl import logging as absl_logging
 
-import revtrain
-
-CONFIG_FILE = "config.gin"
-TENSORBOARD_CONFIG_DIR = os.path.join("tensorboard", "config")
-# The shipped configs are package data (a regular directory in every pip install).
-_CONFIGS_DIR = str(importlib.resources.files("revtrain") / "configs")
-# absl's logging flags (--verbosity, --log_dir, ...), shared with each tool's flag set.
-_ABSL_FLAG_MODULES = ("absl.logging",)
-# Libraries' loggers that show only warnings unless --verbosity is given.
-_QUIET_LOGGERS = ("absl", "jax", "orbax")
-
-
-class UsageError(Exception):
-    """A command-line mistake: reported in one line with exit status 2."""
-
-
-# --------------------------------------------------------------------------------------
-# Flags.
-
-def _common_flags(output_dir_help: str) -> flags.FlagValues:
-    fv = flags.FlagValues()
-    flags.DEFINE_string("output_dir", None, output_dir_help, flag_values=fv)
-    flags.DEFINE_multi_string("config_file", [], "A gin config file, or the name of one "
-                              "shipped in revtrain/configs; repeat for several (later files "
-                              "override earlier ones).", flag_values=fv)
-    flags.DEFINE_alias("gin_file", "config_file", flag_values=fv)
-    flags.DEFINE_multi_string("gin_bindings", [], "A gin binding such as 'train.steps=20'; "
-                              "repeat for several; applied after the config files.",
-                              flag_values=fv)
-    flags.DEFINE_string("coordinator_address", None, "host:port of the JAX distributed "
-                        "coordinator (process 0) for multi-host runs.", flag_values=fv)
-    flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-host run.",
-                         flag_values=fv)
-    flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run.",
-                         flag_values=fv)
-    flags.DEFINE_boolean("traceback", False, "Show the full traceback of an error.",
-                         flag_values=fv)
-    flags.DEFINE_boolean("version", False, "Print the revtrain version and exit.",
-                         flag_values=fv)
-    for module in _ABSL_FLAG_MODULES:
-        for flag in flags.FLAGS.get_flags_for_module(module):
-            flag.unparse()  # Defaults again: an earlier in-process call may have set it.
-            fv[flag.name] = flag  # The same Flag object: absl reads what we parse.
-            fv.register_flag_by_module(module, flag)  # Listed under it in --help.
-    return fv
-
-
-def _parse_flags(fv: flags.FlagValues, argv: Sequence[str]) -> bool:
-    """Parses ``argv`` (argv[0] is the program); returns False when help was printed.
-
-    Raises:
-      flags.Error: for an unknown flag or a bad value.
-      UsageError: for positional arguments.
-    """
-    if any(arg in ("-h", "--help", "--helpshort", "--helpfull") for arg in argv[1:]):
-        print(f"usage: {os.path.basename(argv[0])} [flags]\n\n{fv.get_help()}")
-        return False
-    rest = fv(list(argv))
-    if len(rest) > 1:
-        raise UsageError(f"unexpected arguments {rest[1:]}; every option is a --flag")
-    flags.FLAGS.mark_as_parsed()  # absl.logging's flags were parsed through ``fv``.
-    if fv.version:
-        print(f"revtrain {revtrain.__version__}")
-        return False
-    return True
-
-
-# --------------------------------------------------------------------------------------
-# Shared set-up: logging, distributed runtime, gin.
-
-@contextlib.contextmanager
-def _absl_logging(prog: str, fv: flags.FlagValues) -> Iterator[None]:
-    """Routes Python logging (the ``revtrain.*`` loggers included) through absl's handler.
-
-    Without ``--verbosity``, INFO lines show (revtrain's progress, checkpoints, memory)
-    except those of the libraries' own loggers (absl's, which orbax uses, and jax's), which
-    show warnings only; ``--verbosity=0`` shows every library's INFO lines, ``--verbosity=1``
-    DEBUG lines too, ``--verbosity=-1`` warnings only. Lines go to the current
-    ``sys.stderr``, or to ``<log_dir>/<prog>.INFO`` (etc.) with ``--log_dir``, copied to
-    stderr with ``--alsologtostderr``. Handlers and levels are restored on exit, so
-    in-process calls (tests) leave logging as they found it.
-    """
-    root = logging.getLogger()
-    old_handlers, old_level = list(root.handlers), root.level
-    quiet = [logging.getLogger(name) for name in _QUIET_LOGGERS]
-    old_quiet_levels = [logger.level for logger in quiet]
-    absl_logging.use_absl_handler()  # Adds absl's handler and applies --verbosity.
-    if not fv["verbosity"].present:
-        absl_logging.set_verbosity(absl_logging.INFO)
-        for logger in quiet:
-            logger.setLevel(logging.WARNING)
-    handler = absl_logging.get_absl_handler()
-    old_stream = handler.python_handler.setStream(sys.stderr)
-    if fv.log_dir:
-        os.makedirs(fv.log_dir, exist_ok=True)  # absl only writes into an existing one.
-        handler.use_absl_log_file(program_name=prog, log_dir=fv.log_dir)
-    try:
-        yield
-    finally:
-        handler.flush()
-        if fv.log_dir:
-            handler.python_handler.stream.close()
-        handler.python_handler.setStream(old_stream or sys.stderr)
-        root.handlers[:] = old_handlers
-        root.setLevel(old_level)
-        for logger, level in zip(quiet, old_quiet_levels, strict=True):
-            logger.setLevel(level)
-
-
-def _initialize_distributed(fv: flags.FlagValues) -> None:
-    """Calls ``jax.distributed.initialize`` when flags or environment ask for it."""
-    address = fv.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = fv.num_processes or _env_int("JAX_NUM_PROCESSES")
-    process_id = fv.process_id if fv.process_id is not None else _env_int("JAX_PROCESS_ID")
-    if not address and num_processes is None:
-        return
-    if not address or num_processes is None or process_id is None:
-        raise UsageError("a multi-host run needs --coordinator_address, --num_processes and "
-                         "--process_id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
-                         "JAX_PROCESS_ID)")
-    import jax
-
-    jax.distributed.initialize(coordinator_address=address, num_processes=num_processes,
-                               process_id=process_id)
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError as e:
-        raise UsageError(f"environment variable {name}={value!r} is not an integer") from e
-
-
-def resolve_config_file(path: str) -> str:
-    """``path`` if it exists, else the same name among the configs shipped in the package.
-
-    Args:
-      path: a gin file's path, or the name of a shipped config such as ``copy_task.gin``
-        (see ``revtrain/configs``).
-
-    Returns:
-      The path of an existing file.
-
-    Raises:
-      UsageError: when neither exists.
-    """
-    if os.path.isfile(path):
-        return path
-    candidate = os.path.join(_CONFIGS_DIR, path)
-    if os.path.isfile(candidate):
-        return candidate
-    raise UsageError(f"config file {path!r} not found (also looked in {_CONFIGS_DIR})")
-
-
-def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
-    """Clears gin and parses files then bindings; gin errors become one-line ValueErrors."""
-    from revtrain import configurables  # noqa: F401  (registers the gin configurables)
-
-    files = [resolve_config_file(path) for path in config_files]
-    gin.clear_config()
-    # `include 'x.gin'` finds files next to the including config or in the shipped configs;
-    # shipped configs include each other as 'revtrain/configs/x.gin', which gin resolves
-    # through the package wherever it is installed.
-    for directory in dict.fromkeys([os.path.dirname(os.path.abspath(f)) for f in files]
-                                   + [_CONFIGS_DIR]):
-        known = getattr(gin.config, "_LOCATION_PREFIXES", ())  # Avoid repeats in-process.
-        if os.path.isdir(directory) and directory not in known:
-            gin.add_config_file_search_path(directory)
-    try:
-        gin.parse_config_files_and_bindings(files, list(bindings), finalize_config=False)
-    except (ValueError, KeyError, SyntaxError, TypeError, OSError) as e:
-        raise UsageError(f"gin config: {_one_line(e)}") from e
-
-
-def _one_line(error: BaseException) -> str:
-    """The error message on one line, without gin's "In call to configurable" notes."""
-    lines = [line.strip() for line in str(error).splitlines()]
-    text = " ".join(line for line in lines
-                    if line and not line.startswith("In call to configurable"))
-    return text or type(error).__name__
-
-
-def _is_chief() -> bool:
-    import jax
-
-    return jax.process_index() == 0
-
-
-def _print_metrics(prefix: str, metrics: dict[str, float]) -> None:
-    if _is_chief():
-        text = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        print(f"{prefix}: {text}", flush=True)
-
-
-def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
-         body: Callable[[flags.FlagValues], int]) -> int:
-    """Parses flags and runs ``body``, turning errors into one line and an exit status."""
-    argv = list(sys.argv if argv is None else argv)
-    try:
-        if not _parse_flags(fv, argv):
-            return 0
-    except (flags.Error, UsageError) as e:
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    with _absl_logging(prog, fv):
-        try:
-            return body(fv)
-        except UsageError as e:
-            if fv.traceback:
-                raise
-            print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print(f"{prog}: interrupted", file=sys.stderr)
-            return 128 + signal.SIGINT
-        except Exception as e:  # One line for users; --traceback for developers.
-            if fv.traceback:
-                raise
-            print(f"{prog}: error: {type(e).__name__}: {_one_line(e)} (rerun with "
-                  f"--traceback for details)", file=sys.stderr)
-            return 1
-
+from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: used by tests)
+    CONFIG_FILE,
+    TENSORBOARD_CONFIG_DIR,
+    UsageError,
+    _absl_logging,
+    _common_flags,
+    _initialize_distributed,
+    _is_chief,
+    _parse_gin,
+    _print_metrics,
+    _run,
+)
 
 # --------------------------------------------------------------------------------------
 # revtrain-train.
@@ -291,6 +76,12 @@ def _write_operative_config(output_dir: str) -> Callable:
     return write
 
 
+def _print_summary(loop) -> None:
+    """A `Loop` callback printing the parameter count and per-layer summary (stdout)."""
+    if _is_chief():
+        print(loop.summary, flush=True)
+
+
 def _train(fv: flags.FlagValues) -> int:
     if not fv.output_dir:
         raise UsageError("--output_dir is required (checkpoints, metrics and config.gin go "
@@ -301,10 +92,16 @@ def _train(fv: flags.FlagValues) -> int:
     _initialize_distributed(fv)
     _parse_gin(fv.config_file, fv.gin_bindings)
     from revtrain import configurables
+    from revtrain.training.config import legacy_binding_error
 
+    removed = sorted(set(gin.get_bindings("train")) - {"steps"})
+    if removed:  # A usage error, before anything is built.
+        raise UsageError(str(legacy_binding_error(removed)))
     output_dir = os.path.abspath(fv.output_dir)
     loop = configurables.train(output_dir=output_dir,
-                               callbacks=[_write_operative_config(output_dir)])
+                               callbacks=[_write_operative_config(output_dir),
+                                          _print_summary],
+                               **configurables.run_configs())
     if loop.interrupted_by is not None:
         name = signal.Signals(loop.interrupted_by).name
         if _is_chief():
@@ -326,75 +123,124 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------
 # revtrain-eval and revtrain-decode: rebuild the run from output_dir/config.gin.
 
-def _restored_loop(fv: flags.FlagValues, **overrides):
-    """The run's `Loop` from its config.gin (plus flags), with the newest checkpoint."""
+def _read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
+    """``(output_dir, run configs, train.steps)`` from the run's config.gin (plus flags)."""
     if not fv.output_dir:
         raise UsageError("--output_dir is required (the directory revtrain-train wrote)")
     output_dir = os.path.abspath(fv.output_dir)
     config = os.path.join(output_dir, CONFIG_FILE)
+    if getattr(fv, "wait", False):  # revtrain-eval --wait may start before the training.
+        while not os.path.isfile(config):
+            time.sleep(min(fv.poll_seconds, 600.0))
     if not os.path.isfile(config):
         raise UsageError(f"{config} not found; is {output_dir} a revtrain-train output_dir?")
     _initialize_distributed(fv)
     _parse_gin([config, *fv.config_file], fv.gin_bindings)
-    from revtrain.training import train_lib
+    from revtrain import configurables
 
-    kwargs = train_lib.loop_arguments(gin.get_bindings("train"))
-    kwargs.update(output_dir=output_dir, progress=False, **overrides)
-    loop = train_lib.make_loop(**kwargs)
-    if loop.restored_step is None:
-        loop.close()
-        raise UsageError(f"no checkpoint in {output_dir}/checkpoints to load")
-    return loop
+    bindings = gin.get_bindings("train")
+    return output_dir, configurables.run_configs(), int(bindings.get("steps", 1000))
 
 
 def _eval(fv: flags.FlagValues) -> int:
-    overrides = {} if fv.eval_steps is None else {"eval_steps": fv.eval_steps}
-    loop = _restored_loop(fv, **overrides)
+    import dataclasses
+
+    from revtrain.training.eval_program import CheckpointEvaluator
+
+    output_dir, configs, final_step = _read_run(fv)
+    eval_config = configs["eval_config"]
+    if fv.one_pass or fv.eval_steps is not None:
+        steps = None if fv.one_pass else fv.eval_steps
+        eval_config = dataclasses.replace(eval_config, steps=steps)
+    if not eval_config.enabled:
+        raise UsageError("this run has EvalConfig.steps=0 (no evaluation); pass "
+                         "--eval_steps=N or --one_pass")
+    evaluator = CheckpointEvaluator(configs["run"], eval_config, output_dir, fv.split)
     try:
-        metrics = loop.evaluate(write=False)
+        if fv.step is not None and fv.step not in evaluator.checkpointer.all_steps():
+            raise UsageError(f"--step={fv.step}: no checkpoint of that step in "
+                             f"{evaluator.checkpointer.directory}; it has "
+                             f"{evaluator.checkpointer.all_steps()}")
+        results = (evaluator.follow(final_step, fv.poll_seconds) if fv.wait else
+                   evaluator.run(fv.step))
+        count = 0
+        for step, metrics in results:
+            for split, values in metrics.items():
+                _print_metrics(f"{split} at step {step}", values)
+            count += 1
     finally:
-        loop.close()
-    _print_metrics(f"eval at step {loop.step}", metrics)
+        evaluator.close()
+    if count == 0 and _is_chief():
+        print(f"nothing to evaluate: every checkpoint in {output_dir} has its eval records "
+              f"in metrics.jsonl", flush=True)
     return 0
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
-    """``revtrain-eval``: prints eval metrics of the newest checkpoint of ``--output_dir``."""
+    """``revtrain-eval``: evaluates the checkpoints of ``--output_dir`` without eval records."""
     fv = _common_flags("The output_dir of a revtrain-train run.")
-    flags.DEFINE_integer("eval_steps", None, "Eval batches (default: the run's eval_steps).",
+    flags.DEFINE_boolean("wait", False, "Keep polling for new checkpoints (and, first, for "
+                         "the run's config.gin); exit after the run's final step "
+                         "(train.steps) is evaluated.", flag_values=fv)
+    flags.DEFINE_float("poll_seconds", 10.0, "Seconds between looks for new checkpoints "
+                       "with --wait, in (0, 600].", flag_values=fv, lower_bound=0.001,
+                       upper_bound=600.0)
+    flags.DEFINE_integer("step", None, "Evaluate only the checkpoint of this step.",
+                         flag_values=fv)
+    flags.DEFINE_string("split", None, "Evaluate only this eval split (default: all).",
+                        flag_values=fv)
+    flags.DEFINE_integer("eval_steps", None, "Eval batches per split (default: the run's "
+                         "EvalConfig.steps).", flag_values=fv, lower_bound=1)
+    flags.DEFINE_boolean("one_pass", False, "One exact pass over each (finite) split.",
                          flag_values=fv)
     return _run("revtrain-eval", fv, argv, _eval)
 
 
 def _decode(fv: flags.FlagValues) -> int:
-    from revtrain.training.decoding import Decoder, decode_text
+    from revtrain.training.decode_program import DECODER_DIR, decode_to_file, load_decoder
 
     if fv.max_new_bytes < 0 or not math.isfinite(fv.temperature) or fv.temperature < 0:
         raise UsageError("--max_new_bytes must be >= 0 and --temperature >= 0")
-    loop = _restored_loop(fv)
-    try:
-        if getattr(loop.inputs, "vocab_size", None) != 256:
-            raise UsageError(f"revtrain-decode needs a byte-level LM (vocab_size 256); this "
-                             f"run's inputs have vocab_size "
-                             f"{getattr(loop.inputs, 'vocab_size', None)}")
-        length = loop.batch_signature[0].shape[-1]
-        text = decode_text(Decoder(loop.eval_model(), length), fv.prompt, fv.max_new_bytes,
-                           fv.temperature, fv.seed)
-    finally:
-        loop.close()
+    if fv.prompts_file and fv["prompt"].present:
+        raise UsageError("give --prompt or --prompts_file, not both")
+    prompts = [fv.prompt]
+    if fv.prompts_file:
+        with open(fv.prompts_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    output_dir, configs, _ = _read_run(fv)
+    decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
+                                 fv.cache)
+    path = os.path.join(output_dir, DECODER_DIR, f"step_{step}.jsonl")
+    records = decode_to_file(decoder, prompts, path, fv.max_new_bytes, fv.temperature,
+                             fv.seed, fv.top_k, fv.top_p)
     if _is_chief():
-        print(fv.prompt + text, flush=True)
+        for record in records:
+            print(record["prompt"] + record["continuation"], flush=True)
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
 def decode_main(argv: Sequence[str] | None = None) -> int:
-    """``revtrain-decode``: continues ``--prompt`` with the newest checkpoint's byte LM."""
+    """``revtrain-decode``: continues prompts with a byte LM; writes decoder_out/step_N.jsonl."""
     fv = _common_flags("The output_dir of a revtrain-train run of a byte-level LM.")
     flags.DEFINE_string("prompt", "\n", "Text to continue.", flag_values=fv)
+    flags.DEFINE_string("prompts_file", None, "A UTF-8 file of prompts, one per line.",
+                        flag_values=fv)
     flags.DEFINE_integer("max_new_bytes", 200, "Bytes to generate.", flag_values=fv)
     flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding, else the sampling "
                        "temperature.", flag_values=fv)
-    flags.DEFINE_integer("seed", 0, "Seed for sampling.", flag_values=fv)
+    flags.DEFINE_integer("top_k", None, "Sample among the k most likely bytes.",
+                         flag_values=fv, lower_bound=1)
+    flags.DEFINE_float("top_p", None, "Nucleus sampling: the most likely bytes of this total "
+                       "probability.", flag_values=fv, lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_integer("seed", 0, "Seed for sampling (prompt i uses seed + i).",
+                         flag_values=fv)
+    flags.DEFINE_integer("step", None, "Decode with this checkpoint (default: the newest).",
+                         flag_values=fv)
+    flags.DEFINE_boolean("allow_random_init", False, "Decode with random weights when the "
+                         "run has no checkpoint.", flag_values=fv)
+    flags.DEFINE_boolean("cache", True, "Use the key/value cache (--nocache recomputes "
+                         "the window for every byte).", flag_values=fv)
     return _run("revtrain-decode", fv, argv, _decode)
 
 

@@ -7,14 +7,18 @@ Library code is never decorated; importing this module makes the names below usa
 * models: ``ReversibleTransformerLM``, ``TransformerLM``, ``RevNet``;
 * data: ``TextFiles``, ``TFDS``, ``CopyTask``, ``SyntheticSequences``;
 * trainers: ``Trainer``, ``ReversibleSerialTrainer``, ``MemoryEfficientTrainer``;
-* training: ``train`` (the entry point), ``optimizer_fn``, ``warmup_rsqrt_decay``,
+* training: ``train`` (the entry point; only ``train.steps`` is bound on it), the run
+  configuration ``RunConfig``, ``EvalConfig``, ``CheckpointConfig``, ``LogConfig``
+  (`revtrain.training.config`), ``optimizer_fn``, ``warmup_rsqrt_decay``,
   ``warmup_cosine_decay``, ``constant``;
 * layers: the losses/metrics ``CrossEntropyLoss``, ``WeightedCategoryCrossEntropy``,
   ``Accuracy`` and the activations ``Relu``, ``Gelu``, ``Tanh``, ``Sigmoid``;
 * constants ``%jnp.float32`` and ``%jnp.bfloat16`` (for ``compute_dtype``).
 
 `train` is the registered (gin-wrapped) version of `revtrain.training.train_lib.train`;
-call it, not the original, to get the bound parameters.
+call it with `run_configs()` -- the four dataclasses built through gin, so their bindings
+apply -- to get the bound run. ``train.eval_every`` and the other parameters ``train``
+had before are errors naming their new binding.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import gin
 import jax.numpy as jnp
 
 from revtrain import data, layers, models, trainers
-from revtrain.training import schedules, train_lib
+from revtrain.training import config, schedules, train_lib
 from revtrain.training.optimizers import optimizer_fn
 
 # (gin module, public constructors) registered below; docs/make_gin_reference.py documents
@@ -33,7 +37,8 @@ REGISTRY = (
     ("revtrain.data", (data.TextFiles, data.TFDS, data.CopyTask, data.SyntheticSequences)),
     ("revtrain.trainers", (trainers.Trainer, trainers.ReversibleSerialTrainer,
                            trainers.MemoryEfficientTrainer)),
-    ("revtrain.training", (optimizer_fn, schedules.warmup_rsqrt_decay,
+    ("revtrain.training", (config.RunConfig, config.EvalConfig, config.CheckpointConfig,
+                           config.LogConfig, optimizer_fn, schedules.warmup_rsqrt_decay,
                            schedules.warmup_cosine_decay, schedules.constant)),
     ("revtrain.layers", (layers.CrossEntropyLoss, layers.WeightedCategoryCrossEntropy,
                          layers.Accuracy, layers.Relu, layers.Gelu, layers.Tanh,
@@ -42,15 +47,39 @@ REGISTRY = (
 CONSTANTS = {"jnp.float32": jnp.float32, "jnp.bfloat16": jnp.bfloat16}
 
 
-def _register() -> None:
+_CONFIG_CLASSES = (config.RunConfig, config.EvalConfig, config.CheckpointConfig,
+                   config.LogConfig)
+
+
+def _register() -> dict:
+    registered = {}
     for module, constructors in REGISTRY:
         for constructor in constructors:
-            gin.external_configurable(constructor, module=module)
+            registered[constructor] = gin.external_configurable(constructor, module=module)
     for name, value in CONSTANTS.items():
         gin.constant(name, value)
+    return registered
 
 
-_register()
-train = gin.external_configurable(train_lib.train, name="train", module="revtrain.training")
+_REGISTERED = _register()
+# Only ``steps`` (and the removed parameters, to name their new bindings) bind on train;
+# the rest is the run configuration's.
+train = gin.external_configurable(
+    train_lib.train, name="train", module="revtrain.training",
+    denylist=["output_dir", "run", "eval_config", "checkpoint", "log", "callbacks"])
 
-__all__ = ["CONSTANTS", "REGISTRY", "train"]
+
+def run_configs() -> dict[str, object]:
+    """``{'run', 'eval_config', 'checkpoint', 'log'}`` built through gin (bindings applied).
+
+    Keyword arguments of `train` and of `revtrain.training.builder.build_loop`.
+
+    Raises:
+      ValueError: for a field out of range (one line naming the binding).
+    """
+    names = ("run", "eval_config", "checkpoint", "log")
+    return {name: _REGISTERED[cls]() for name, cls in zip(names, _CONFIG_CLASSES,
+                                                           strict=True)}
+
+
+__all__ = ["CONSTANTS", "REGISTRY", "run_configs", "train"]

@@ -1,4 +1,5 @@
 """End-to-end tests of revtrain/cli.py: revtrain-train / -eval / -decode on tiny configs."""
+import json
 import logging
 import os
 import shutil
@@ -19,7 +20,7 @@ TINY = [  # Shrinks configs/copy_task.gin to seconds on CPU; batch 4 fits 1, 2 o
     "ReversibleTransformerLM.d_ff=16", "ReversibleTransformerLM.n_layers=1",
     "ReversibleTransformerLM.n_heads=2", "ReversibleTransformerLM.max_len=16",
     "CopyTask.vocab_size=8", "CopyTask.length=4", "CopyTask.batch_size=4",
-    "train.eval_steps=1", "train.log_every=2", "train.progress=False",
+    "EvalConfig.steps=1", "LogConfig.every=2", "LogConfig.progress=False",
 ]
 TRAINERS = ["Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer"]
 
@@ -44,14 +45,14 @@ def _steps(output_dir):
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_train_checkpoints_and_resume(tmp_path, capsys, trainer):
     out = str(tmp_path)
-    common = (f"train.trainer_class=@{trainer}", "train.checkpoint_every=2",
-              "train.eval_every=2")
+    common = (f"RunConfig.trainer_class=@{trainer}", "CheckpointConfig.every=2",
+              "EvalConfig.every=2")
     assert _train(out, "train.steps=4", *common) == 0
     assert "final eval at step 4: loss" in capsys.readouterr().out
     assert _steps(out) == [2, 4]
     with open(os.path.join(out, "config.gin")) as f:
         config = f.read()
-    assert f"train.trainer_class = @{trainer}" in config and "train.steps = 4" in config
+    assert f"RunConfig.trainer_class = @{trainer}" in config and "train.steps = 4" in config
     assert _train(out, "train.steps=6", *common) == 0
     captured = capsys.readouterr()
     assert "restored the checkpoint of step 4" in captured.err
@@ -62,9 +63,9 @@ def test_train_checkpoints_and_resume(tmp_path, capsys, trainer):
 
 def test_20_then_10_steps_equal_30_steps(tmp_path):
     resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
-    assert _train(resumed, "train.steps=20", "train.eval_steps=0") == 0
-    assert _train(resumed, "train.steps=30", "train.eval_steps=0") == 0
-    assert _train(straight, "train.steps=30", "train.eval_steps=0") == 0
+    assert _train(resumed, "train.steps=20", "EvalConfig.steps=0") == 0
+    assert _train(resumed, "train.steps=30", "EvalConfig.steps=0") == 0
+    assert _train(straight, "train.steps=30", "EvalConfig.steps=0") == 0
     a, b = _checkpoint(resumed, 30), _checkpoint(straight, 30)
     assert sorted(a) == sorted(b)
     for key in a:
@@ -77,8 +78,8 @@ def test_nan_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path, capsys):
     assert _train(out, "train.steps=2") == 0
     before = _checkpoint(out, 2)
     capsys.readouterr()
-    status = _train(out, "train.steps=10", "train.learning_rate=1e30",
-                    "train.checkpoint_every=1")
+    status = _train(out, "train.steps=10", "RunConfig.schedule=1e30",
+                    "CheckpointConfig.every=1")
     err = capsys.readouterr().err
     assert status == 1
     line = [x for x in err.splitlines() if "error" in x]
@@ -93,7 +94,10 @@ def test_nan_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path, capsys):
 @pytest.mark.parametrize("argv_tail, message", [
     (["--config_file=nope.gin", "--output_dir=X"], "config file 'nope.gin' not found"),
     ([f"--config_file={COPY_TASK}", "--output_dir=X", "--gin_bindings=train.stepz=3"],
-     "doesn't have a parameter named 'stepz'"),
+     "train.stepz is not a parameter of train"),
+    ([f"--config_file={COPY_TASK}", "--output_dir=X", "--gin_bindings=train.eval_every=3"],
+     "train.eval_every is now EvalConfig.every; change the gin binding train.eval_every to "
+     "EvalConfig.every"),
     ([f"--config_file={COPY_TASK}", "--output_dir=X", "--gin_bindings=Nope.x=3"],
      "No configurable matching 'Nope'"),
     ([f"--config_file={COPY_TASK}", "--bogus_flag=1"], "Unknown command line flag"),
@@ -109,7 +113,7 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys, argv_tail, message):
 
 
 def test_missing_data_file_is_one_line_runtime_error(tmp_path, capsys):
-    status = _train(str(tmp_path), "train.inputs=@TextFiles",
+    status = _train(str(tmp_path), "RunConfig.inputs=@TextFiles",
                     f"TextFiles.paths=['{tmp_path / 'missing.txt'}']")
     err = capsys.readouterr().err.strip()
     assert status == 1 and len(err.splitlines()) == 1
@@ -125,18 +129,27 @@ def test_help_prints_flags(capsys):
 
 def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
     out = str(tmp_path)
-    lm = ["ReversibleTransformerLM.vocab_size=256", "train.inputs=@TextFiles",
+    lm = ["ReversibleTransformerLM.vocab_size=256", "RunConfig.inputs=@TextFiles",
           "TextFiles.sequence_length=8", "TextFiles.batch_size=4", "train.steps=2"]
     assert _train(out, *lm) == 0
-    final = capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert printed.startswith("model: ") and " parameters in " in printed  # The summary.
+    final = printed.splitlines()[-1] + "\n"
     assert "bits_per_byte" in final
+    assert cli.eval_main(["revtrain-eval", f"--output_dir={out}"]) == 0
+    assert "nothing to evaluate" in capsys.readouterr().out  # Training evaluated step 2.
+    os.rename(os.path.join(out, "metrics.jsonl"), os.path.join(out, "train_metrics.jsonl"))
     assert cli.eval_main(["revtrain-eval", f"--output_dir={out}"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("eval at step 2: loss")
     assert printed.split(": ", 1)[1] == final.split(": ", 1)[1]  # Same weights, same data.
+    assert [r["step"] for r in read_metrics(out, "eval")] == [2]
     assert cli.decode_main(["revtrain-decode", f"--output_dir={out}", "--prompt=def ",
                             "--max_new_bytes=5"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+    with open(os.path.join(out, "decoder_out", "step_2.jsonl")) as f:
+        record = json.loads(f.read())
+    assert record["prompt"] == "def " and len(record["tokens"]) == 5
     assert cli.eval_main(["revtrain-eval", f"--output_dir={tmp_path / 'none'}"]) == 2
     assert "config.gin not found" in capsys.readouterr().err
 
@@ -147,7 +160,7 @@ def test_console_script_runs_and_sigterm_saves(tmp_path):
     out = str(tmp_path)
     argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
     argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=100000",
-                                                    "train.checkpoint_every=0"]]
+                                                    "CheckpointConfig.every=0"]]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:  # Wait for the first train log line, then ask it to stop.
         if " train: loss" in line:
@@ -165,9 +178,10 @@ def test_every_config_parses_with_model_and_inputs(name):
     import gin
 
     cli._parse_gin([os.path.join(CONFIGS, name)], [])
-    bindings = gin.get_bindings("train")
-    assert callable(bindings["model"]) and callable(bindings["inputs"])
-    assert bindings["steps"] > 0 and callable(bindings["learning_rate"])
+    run = gin.get_bindings("RunConfig")
+    assert callable(run["model"]) and callable(run["inputs"])
+    assert gin.get_bindings("train")["steps"] > 0 and callable(run["schedule"])
+    assert set(gin.get_bindings("train")) == {"steps"}  # The rest is the run configuration.
 
 
 @pytest.mark.parametrize("name, model", [
@@ -178,7 +192,7 @@ def test_every_config_parses_with_model_and_inputs(name):
 def test_text_configs_train_two_tiny_steps(tmp_path, capsys, name, model):
     shrink = [f"{model}.d_model=16", f"{model}.d_ff=32", f"{model}.n_heads=2",
               f"{model}.n_layers=1", "TextFiles.sequence_length=16", "TextFiles.batch_size=4",
-              "train.steps=2", "train.eval_steps=1", "train.progress=False"]
+              "train.steps=2", "EvalConfig.steps=1", "LogConfig.progress=False"]
     argv = ["revtrain-train", f"--config_file={os.path.join(CONFIGS, name)}",
             f"--output_dir={tmp_path}"] + [f"--gin_bindings={b}" for b in shrink]
     assert cli.train_main(argv) == 0
@@ -190,8 +204,8 @@ def test_verbosity_and_gin_file_flags(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["revtrain-train", "--gin_file=copy_task.gin", f"--output_dir={out}",
             "--verbosity=1", f"--log_dir={tmp_path / 'logs'}", "--alsologtostderr"]
-    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=2", "train.eval_steps=0",
-                                                    "train.log_every=1"]]
+    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=2", "EvalConfig.steps=0",
+                                                    "LogConfig.every=1"]]
     assert cli.train_main(argv) == 0
     err = capsys.readouterr().err
     assert "step 2 train: loss" in err and "Path not found" not in err
@@ -204,8 +218,8 @@ def test_verbosity_and_gin_file_flags(tmp_path, capsys):
 
 
 def test_memory_efficient_trainer_log_lines_are_shown(tmp_path, capsys):
-    assert _train(str(tmp_path), "train.steps=1", "train.eval_steps=0",
-                  "train.trainer_class=@MemoryEfficientTrainer",
+    assert _train(str(tmp_path), "train.steps=1", "EvalConfig.steps=0",
+                  "RunConfig.trainer_class=@MemoryEfficientTrainer",
                   "MemoryEfficientTrainer.n_steps_per_log=1") == 0
     assert "host RSS" in capsys.readouterr().err
 

@@ -40,8 +40,8 @@ def test_installed_wheel_trains_a_config_by_name(wheel, tmp_path):
                     str(site), wheel], check=True)
     env = dict(os.environ, PYTHONPATH=str(site))
     bindings = ["ReversibleTransformerLM.d_model=16", "ReversibleTransformerLM.d_ff=16",
-                "ReversibleTransformerLM.n_layers=1", "train.steps=20", "train.eval_steps=1",
-                "train.progress=False"]
+                "ReversibleTransformerLM.n_layers=1", "train.steps=20", "EvalConfig.steps=1",
+                "LogConfig.progress=False"]
     argv = [str(site / "bin" / "revtrain-train"), "--config_file=copy_task.gin",
             f"--output_dir={tmp_path / 'run'}"] + [f"--gin_bindings={b}" for b in bindings]
     result = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env,

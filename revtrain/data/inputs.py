@@ -37,16 +37,23 @@ class Inputs(abc.ABC):
       sees at that step. The training loop restores the data position from the step alone.
     * `eval_stream()` is deterministic, starts from the beginning on every call and never
       ends; a caller takes as many batches as it wants to evaluate.
+    * `eval_pass()` (optional) yields one exact pass over finite eval data: every example
+      once, the last partial batch padded to the full batch with weight 0 (as Paxml's
+      eval over a finite split). Data without an end does not override it.
     * `vocab_size` is the number of token ids (`None` for images); `n_classes` is the number
-      of labels for classification data (`None` for sequences).
+      of labels for classification data (`None` for sequences); `byte_level` says that
+      tokens are bytes of text, so a loss in nats per token is one per byte (the loop
+      then reports bits per byte).
 
     Attributes:
       vocab_size: Size of the token vocabulary, or None when inputs are not tokens.
       n_classes: Number of classes for classification targets, or None.
+      byte_level: True when each token is one byte of text (UTF-8).
     """
 
     vocab_size: int | None = None
     n_classes: int | None = None
+    byte_level: bool = False
 
     @abc.abstractmethod
     def train_stream(self, start_step: int = 0) -> Iterator[Batch]:
@@ -55,6 +62,15 @@ class Inputs(abc.ABC):
     @abc.abstractmethod
     def eval_stream(self) -> Iterator[Batch]:
         """Yields evaluation batches from the beginning of the eval data, forever."""
+
+    def eval_pass(self) -> Iterator[Batch]:
+        """Yields one pass over the eval data, the last batch padded with weight 0.
+
+        Raises:
+          ValueError: the eval data has no end (the default); set `EvalConfig.steps`.
+        """
+        raise ValueError(f"{type(self).__name__}'s eval data has no end, so there is no "
+                         f"exact pass over it; set EvalConfig.steps to a number of batches")
 
 
 class StreamInputs(Inputs):
@@ -77,6 +93,8 @@ class StreamInputs(Inputs):
         eval_stream: Callable[[], Iterator[Batch]] | None = None,
         vocab_size: int | None = None,
         n_classes: int | None = None,
+        eval_pass: Callable[[], Iterator[Batch]] | None = None,
+        byte_level: bool = False,
     ):
         """Wraps stream functions.
 
@@ -87,9 +105,14 @@ class StreamInputs(Inputs):
             `train_stream(0)`, as Trax does when no eval stream is given.
           vocab_size: Token vocabulary size, or None.
           n_classes: Number of classes, or None.
+          eval_pass: `() -> Iterator[Batch]`, one finite pass over the eval data (see
+            `Inputs.eval_pass`); None when the eval data has no end.
+          byte_level: Tokens are bytes of text.
         """
         self._train_stream = train_stream
         self._eval_stream = eval_stream
+        self._eval_pass = eval_pass
+        self.byte_level = byte_level
         self.vocab_size = vocab_size
         self.n_classes = n_classes
 
@@ -102,3 +125,9 @@ class StreamInputs(Inputs):
         if self._eval_stream is None:
             return self._train_stream(0)
         return self._eval_stream()
+
+    def eval_pass(self) -> Iterator[Batch]:
+        """Calls the wrapped eval pass function (see `Inputs.eval_pass`)."""
+        if self._eval_pass is None:
+            return super().eval_pass()
+        return self._eval_pass()

@@ -87,11 +87,13 @@ class TextFiles(Inputs):
 
     Attributes:
       vocab_size: 256.
+      byte_level: True.
       train_bytes: uint8 `[n_train]`, the train part.
       eval_bytes: uint8 `[n_eval]`, the eval part.
     """
 
     vocab_size = BYTE_VOCAB_SIZE
+    byte_level = True
 
     def __init__(
         self,
@@ -162,6 +164,26 @@ class TextFiles(Inputs):
         if not len(self.eval_bytes):
             raise ValueError("TextFiles has no eval data; use eval_fraction > 0")
         return batching.indexed_stream(self._eval_batch, self.shard.rows)
+
+    def eval_pass(self) -> Iterator[Batch]:
+        """Yields the eval windows once each; the last batch is padded with weight 0.
+
+        The windows are those of `eval_stream` (``(n_eval - 1) // sequence_length`` of
+        them), in order, without cycling: padding rows repeat window 0 with weights 0, so
+        every eval byte after the first is scored exactly once per pass.
+
+        Raises:
+          ValueError: The dataset has no eval part (`eval_fraction=0`).
+        """
+        if not len(self.eval_bytes):
+            raise ValueError("TextFiles has no eval data; use eval_fraction > 0")
+        n_windows = (len(self.eval_bytes) - 1) // self.sequence_length
+        n_batches = -(-n_windows // self.shard.batch_size)
+        for step in range(n_batches):
+            inputs, targets, weights = self._eval_batch(step, self.shard.rows)
+            ids = np.arange(step * self.shard.batch_size,
+                            (step + 1) * self.shard.batch_size)[self.shard.rows]
+            yield inputs, targets, weights * (ids < n_windows)[:, None].astype(weights.dtype)
 
     def _train_batch(self, step: int, rows: slice) -> Batch:
         rng = batching.step_rng(self.seed, _TRAIN, step)

@@ -163,6 +163,7 @@ class TFDS(Inputs):
         if len(self.keys) == 1:
             self._check_text(sequence_length)
             self.vocab_size, self.n_classes = BYTE_VOCAB_SIZE, None
+            self.byte_level = True
         elif len(self.keys) == 2:
             if sequence_length is not None:
                 raise ValueError(

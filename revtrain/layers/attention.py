@@ -65,8 +65,15 @@ class CausalAttention(Layer):
       d_feature: model width; the last axis of the input.
       n_heads: number of heads; each has ``d_head = d_feature // n_heads``.
       dropout: drop rate for the attention probabilities, in ``[0, 1)``, ``'train'`` mode only.
-      mode: ``'train'``, ``'eval'`` or ``'predict'``. There is no incremental decoding cache:
-        ``'predict'`` behaves as ``'eval'`` (decode by re-running the whole prefix).
+      mode: ``'train'``, ``'eval'`` or ``'predict'``. In ``'predict'`` mode with ``max_len``
+        set, the layer decodes incrementally (Trax's predict mode): its state is a
+        key/value cache ``(keys, values: float32[batch, max_len, n_heads, d_head], index:
+        int32[])``, each call takes the next ``length`` positions (the whole prompt once,
+        then one token) and attends to the cached positions before them. A new token then
+        costs ``O(d_feature^2)`` for the projections plus ``O(max_len * d_feature)`` for
+        attention over the cache, instead of re-running ``O(length)`` positions.
+        Without ``max_len``, ``'predict'`` behaves as ``'eval'``.
+      max_len: cache length (longest decoded sequence) for ``'predict'`` mode.
 
     Integer inputs are computed in float32 (as `Dense` does); float inputs in their dtype.
 
@@ -77,7 +84,7 @@ class CausalAttention(Layer):
     """
 
     def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
-                 mode: str = "train"):
+                 mode: str = "train", max_len: int | None = None):
         super().__init__(n_in=1, n_out=1)
         for name, value in (("d_feature", d_feature), ("n_heads", n_heads)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -90,6 +97,9 @@ class CausalAttention(Layer):
         self._n_heads = n_heads
         self._dropout = check_rate(dropout, "CausalAttention")
         self._mode = check_mode(mode, "CausalAttention")
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"CausalAttention max_len={max_len} must be >= 1 or None")
+        self._cache_len = max_len if mode == "predict" else None
 
     def _check_input(self, shape: tuple[int, ...]) -> None:
         if len(shape) != 3 or shape[-1] != self._d_feature:
@@ -111,9 +121,24 @@ class CausalAttention(Layer):
             return a.reshape(batch, length, self._n_heads, d_head)
 
         q, k, v = (heads(project(pair, x)) for pair in weights[:3])
-        rate = self._dropout if self._mode == "train" else 0.0
-        attended = dot_product_attention(q, k, v, causal_mask(length), rate, rng)
+        if self._cache_len is not None:
+            attended, state = self._attend_cached(q, k, v, state)
+        else:
+            rate = self._dropout if self._mode == "train" else 0.0
+            attended = dot_product_attention(q, k, v, causal_mask(length), rate, rng)
         return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
+
+    def _attend_cached(self, q, k, v, state):
+        """Writes ``k, v`` at the cache index and attends to every position up to each query."""
+        keys, values, index = state
+        keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, index, 0, 0))
+        values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype),
+                                              (0, index, 0, 0))
+        query_positions = index + jnp.arange(q.shape[1])
+        mask = jnp.arange(self._cache_len)[None, :] <= query_positions[:, None]
+        attended = dot_product_attention(q, keys.astype(q.dtype), values.astype(v.dtype),
+                                         mask)
+        return attended, (keys, values, index + q.shape[1])
 
     def init_weights_and_state(self, input_signature, rng):
         self._check_input(input_signature.shape)
@@ -123,4 +148,9 @@ class CausalAttention(Layer):
             rng_w, rng_b = jax.random.split(key)
             pairs.append((GLOROT_UNIFORM(rng_w, (d, d), jnp.float32),
                           TINY_NORMAL(rng_b, (d,), jnp.float32)))
-        return tuple(pairs), ()
+        if self._cache_len is None:
+            return tuple(pairs), ()
+        shape = (input_signature.shape[0], self._cache_len, self._n_heads, d // self._n_heads)
+        cache = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+                 jnp.zeros((), jnp.int32))
+        return tuple(pairs), cache

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from revtrain.layers import (
@@ -37,6 +38,7 @@ from revtrain.layers import (
     Serial,
 )
 from revtrain.layers.attention import CausalAttention
+from revtrain.layers.core import sinusoidal_encoding
 from revtrain.layers.normalization import LayerNorm
 
 
@@ -72,8 +74,32 @@ def _check_arguments(n_layers: int, compute_dtype: Any) -> None:
                          f"jnp.bfloat16")
 
 
-def _attention(d_model: int, n_heads: int, dropout: float, mode: str) -> Layer:
-    return CausalAttention(d_model, n_heads=n_heads, dropout=dropout, mode=mode)
+def _attention(d_model: int, n_heads: int, dropout: float, mode: str, max_len: int) -> Layer:
+    """Causal attention; in ``'predict'`` mode with a key/value cache of ``max_len``."""
+    return CausalAttention(d_model, n_heads=n_heads, dropout=dropout, mode=mode,
+                           max_len=max_len if mode == "predict" else None)
+
+
+class _PositionalEncodingAt(Layer):
+    """`PositionalEncoding` for incremental decoding: adds the rows of the positions decoded.
+
+    Its state is the next position (int32[]), so ``[batch, length, d]`` inputs get rows
+    ``position .. position + length - 1`` of the same sinusoidal table (Trax's
+    ``PositionalEncoding`` in ``'predict'`` mode). No weights, as `PositionalEncoding`, so
+    train-mode weights load unchanged.
+    """
+
+    def __init__(self, max_len: int):
+        super().__init__(n_in=1, n_out=1, name="PositionalEncoding")
+        self._max_len = max_len
+
+    def forward_with_state(self, x, weights, state, rng):
+        table = jnp.asarray(sinusoidal_encoding(self._max_len, x.shape[-1]), x.dtype)
+        rows = jax.lax.dynamic_slice_in_dim(table, state, x.shape[1])
+        return x + rows[None], state + x.shape[1]
+
+    def init_weights_and_state(self, input_signature, rng):
+        return (), jnp.zeros((), jnp.int32)
 
 
 def _feed_forward(d_model: int, d_ff: int, dropout: float,
@@ -86,8 +112,9 @@ def _feed_forward(d_model: int, d_ff: int, dropout: float,
 
 def _embed(vocab_size: int, d_model: int, max_len: int, dropout: float,
            mode: str) -> list[Layer]:
-    return [Embedding(vocab_size, d_model), Dropout(dropout, mode=mode),
-            PositionalEncoding(max_len, dropout=dropout, mode=mode)]
+    position = (_PositionalEncodingAt(max_len) if mode == "predict" else
+                PositionalEncoding(max_len, dropout=dropout, mode=mode))
+    return [Embedding(vocab_size, d_model), Dropout(dropout, mode=mode), position]
 
 
 def _head(vocab_size: int) -> list[Layer]:
@@ -129,7 +156,9 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
       max_len: longest sequence accepted.
       dropout: rate for embedding, positional-encoding, attention and feed-forward dropout.
       ff_activation: a layer class (or function) giving the feed-forward activation.
-      mode: ``'train'`` (dropout on), ``'eval'`` or ``'predict'``.
+      mode: ``'train'`` (dropout on), ``'eval'`` or ``'predict'`` (incremental decoding:
+        attention keeps a key/value cache of ``max_len`` positions and the positional
+        encoding its position, in the layer state; see `revtrain.training.decoding`).
       compute_dtype: dtype inside the half-residuals: ``jnp.float32`` or ``jnp.bfloat16``
         (a dtype or its name, e.g. ``"bfloat16"`` from gin).
 
@@ -146,7 +175,8 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
     for _ in range(n_layers):
         blocks += [
             ReversibleHalfResidual(LayerNorm(), *_cast(compute_dtype),
-                                   attention_layer=_attention(d_model, n_heads, dropout, mode)),
+                                   attention_layer=_attention(d_model, n_heads, dropout, mode,
+                                                          max_len)),
             ReversibleSwap(),
             ReversibleHalfResidual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
                                                   compute_dtype)),
@@ -183,7 +213,7 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
     for _ in range(n_layers):
         blocks += [
             Residual(LayerNorm(), *_cast(compute_dtype),
-                     _attention(d_model, n_heads, dropout, mode), *back),
+                     _attention(d_model, n_heads, dropout, mode, max_len), *back),
             Residual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
                                     compute_dtype), *back),
         ]

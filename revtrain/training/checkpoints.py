@@ -198,6 +198,8 @@ class Checkpointer:
       async_save: write in a background thread (orbax async checkpointing); `save`
         returns once the arrays are copied. Call `wait_until_finished` or `close` before
         exiting.
+      cleanup_tmp: delete temporary directories left by a crashed save when opening
+        (orbax's ``cleanup_tmp_directories``); only for the one process that saves.
 
     Raises:
       ValueError: for ``max_to_keep < 1``, ``keep_period < 1`` or a non-positive interval.
@@ -206,13 +208,13 @@ class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int | None = 3,
                  keep_period: int | None = None,
                  keep_time_interval: float | datetime.timedelta | None = None,
-                 async_save: bool = False):
+                 async_save: bool = False, cleanup_tmp: bool = False):
         self.directory = os.path.abspath(directory)
         self._keep = (keep_period, keep_time_interval)
         self._promises = retention.read_promises(self.directory)
         kept = retention.promised_steps(self._promises, _step_dirs(self.directory))
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,
             preservation_policy=retention.preservation_policy(
                 max_to_keep, keep_period, keep_time_interval, kept))
         self.unreadable_steps: list[int] = []
@@ -331,6 +333,48 @@ class Checkpointer:
                       f"checkpoint {os.path.join(self.directory, str(step))}")
         flat = self._manager.restore(step, args=ocp.args.StandardRestore(expected))
         return unflatten_tree(flat, template)
+
+    def reload(self) -> None:
+        """Re-reads the directory: sees checkpoints other processes saved or deleted since."""
+        self._manager.reload()
+
+    def restore_values(self, template: Mapping[str, Any], step: int) -> dict[str, Any]:
+        """Restores only ``template``'s top-level entries of the checkpoint of ``step``.
+
+        For programs that need a model's values but no optimizer (``revtrain-eval``,
+        ``revtrain-decode``): ``template`` is e.g. ``{'weights': ..., 'state': ...}``; the
+        other entries of the checkpoint (``slots``, ``step``, ``rng``) are read by orbax
+        but never built into trees.
+
+        Raises:
+          FileNotFoundError: when there is no checkpoint of ``step`` (e.g. retention deleted
+            it after it was listed).
+          CheckpointMismatchError: naming the first path whose shape or dtype differs, or
+            that is missing.
+        """
+        _drop_closed_event_loop_reports()  # A damaged file's leftover reads, as `restore`.
+        if step not in self._manager.all_steps():
+            raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
+        where = os.path.join(self.directory, str(step))
+        try:
+            metadata = self._manager.metadata(step).item_metadata
+            metadata = getattr(metadata, "tree", None) if metadata is not None else None
+            if metadata is None:
+                raise FileNotFoundError(f"{where} has no readable metadata")
+            expected = flatten_tree(template)
+            found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in metadata.items()
+                     if k.split(SEPARATOR)[0] in template}
+            check_matches(_signatures(expected), found, f"checkpoint {where}")
+            target = {k: expected[k] if k in expected else np.zeros(m.shape, m.dtype)
+                      for k, m in metadata.items()}
+            flat = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001  A step deleted meanwhile fails in many ways.
+            if not os.path.isdir(where):
+                raise FileNotFoundError(f"{where} was deleted while it was read") from e
+            raise
+        return unflatten_tree({k: flat[k] for k in expected}, template)
 
     def wait_until_finished(self) -> None:
         """Blocks until an asynchronous save has finished."""

@@ -1,15 +1,28 @@
-"""Autoregressive decoding of a byte-level LM by recomputing the prefix each step.
+"""Autoregressive decoding of a language model: with a key/value cache, or by recomputing.
 
-Every new byte runs the eval-mode model on a fixed window of ``length`` tokens (the newest
-``length`` tokens, right-padded with 0 while the text is shorter) and reads the output at
-the last real position. A causal model's output there does not depend on the padding, and
-the fixed shape means one compilation. Costs ``O(length)`` model work per byte -- fine for
-a demo; a cache of attention keys and values (Trax's ``predict`` mode) would avoid it.
+Two decoders with one `decode` method:
+
+* `CachedDecoder` runs the ``mode='predict'`` model one token at a time; its attention
+  layers keep the keys and values of earlier positions in their state (Trax's predict
+  mode). A new token costs ``O(n_layers * (d_model^2 + d_model * d_ff))`` for the
+  projections plus ``O(n_layers * max_len * d_model)`` for attention over the cache
+  (masked to the positions decoded so far), independent of how many tokens came before.
+  Prompt plus continuation must fit the cache (``max_len``).
+* `Decoder` runs the eval-mode model on a fixed window of the newest ``length`` tokens
+  (right-padded while shorter) and reads the output at the last real position: every token
+  costs a whole forward pass of ``length`` positions, ``O(length)`` times the cached
+  per-token work, but any number of tokens can be generated (the window slides).
+
+Both compile one step function and sample with `sample_token`: greedy (temperature 0 is
+argmax), temperature, top-k and top-p (nucleus, Holtzman et al., 2020), as Paxml's
+decoding and Trax's ``autoregressive_sample`` offer.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,71 +31,175 @@ import numpy as np
 from revtrain.layers import Layer
 
 
-class Decoder:
-    """Greedy or sampled decoding with an eval-mode LM.
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
+def sample_token(log_probs: jax.Array, rng: jax.Array, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None) -> jax.Array:
+    """Picks the next token id from ``log_probs: float32[vocab]``.
 
     Args:
-      model: an initialised eval-mode LM, ``int32[1, length] -> float32[1, length, vocab]``
-        logits or log-probabilities.
-      length: window length (at most the model's ``max_len``; usually the training
-        sequence length).
+      log_probs: log-probabilities (or logits) over the vocabulary.
+      rng: key for sampling (unused when ``temperature == 0``).
+      temperature: 0 for greedy decoding (argmax); else sample from
+        ``softmax(log_probs / temperature)``.
+      top_k: sample among the ``top_k`` most likely tokens only.
+      top_p: sample among the smallest set of most likely tokens whose probability is at
+        least ``top_p`` (nucleus sampling).
+
+    Returns:
+      int32[] token id.
     """
+    if temperature == 0:
+        return jnp.argmax(log_probs).astype(jnp.int32)
+    logits = log_probs.astype(jnp.float32) / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][-1]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if top_p is not None:
+        order = jnp.argsort(-logits)
+        probs = jax.nn.softmax(logits[order])
+        before = jnp.cumsum(probs) - probs  # Mass of the more likely tokens.
+        keep = jnp.zeros_like(logits, bool).at[order].set(before < top_p)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(rng, logits).astype(jnp.int32)
 
-    def __init__(self, model: Layer, length: int):
-        if length < 1:
-            raise ValueError(f"length={length} must be >= 1")
-        self.model = model
-        self.length = int(length)
 
-        def next_logits(weights, state, tokens, position):
-            output, _ = model.pure_fn(tokens, weights, state, jax.random.key(0))
-            return jax.nn.log_softmax(output[0, position].astype(jnp.float32))
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raises a one-line ValueError for a negative temperature, top_k < 1 or top_p outside
+    (0, 1]."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 or None")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] or None")
 
-        self._next_logits = jax.jit(next_logits)
+
+class _Sampling:
+    """Shared argument checks and the token loop of both decoders."""
 
     def decode(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-               rng: jax.Array | None = None) -> list[int]:
+               rng: jax.Array | None = None, top_k: int | None = None,
+               top_p: float | None = None) -> list[int]:
         """Returns ``max_new_tokens`` new token ids continuing ``prompt``.
 
         Args:
           prompt: token ids (bytes for a byte LM); must not be empty.
           max_new_tokens: how many tokens to generate.
-          temperature: 0 for greedy (argmax) decoding; otherwise sample from
-            ``softmax(log_probs / temperature)``.
-          rng: key for sampling; default ``jax.random.key(0)``.
+          temperature: 0 for greedy (argmax) decoding; else the sampling temperature.
+          rng: key for sampling; token ``i`` uses ``fold_in(rng, i)``; default key 0.
+          top_k, top_p: restrict sampling as `sample_token`.
 
         Raises:
-          ValueError: for an empty prompt or a negative temperature.
+          ValueError: for an empty prompt, bad sampling arguments, or (cached) a prompt and
+            continuation longer than the cache.
         """
         if len(prompt) == 0:
             raise ValueError("prompt is empty; give at least one token to continue")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
+        check_sampling(temperature, top_k, top_p)
         rng = jax.random.key(0) if rng is None else rng
-        tokens = [int(t) for t in prompt]
-        weights, state = self.model.weights, self.model.state
+        self._check_length(len(prompt), max_new_tokens)
+        log_probs = self._start([int(t) for t in prompt])
         new = []
         for i in range(max_new_tokens):
-            window = tokens[-self.length:]
-            buffer = np.zeros((1, self.length), np.int32)
-            buffer[0, :len(window)] = window
-            log_probs = self._next_logits(weights, state, buffer, len(window) - 1)
-            if temperature == 0:
-                token = int(jnp.argmax(log_probs))
-            else:
-                key = jax.random.fold_in(rng, i)
-                token = int(jax.random.categorical(key, log_probs / temperature))
-            tokens.append(token)
+            token = int(sample_token(log_probs, jax.random.fold_in(rng, i),
+                                     float(temperature), top_k, top_p))
             new.append(token)
+            if i + 1 < max_new_tokens:
+                log_probs = self._advance(token)
         return new
 
+    def _check_length(self, n_prompt: int, n_new: int) -> None:
+        pass
 
-def decode_text(decoder: Decoder, prompt: str, max_new_bytes: int, temperature: float = 0.0,
-                seed: int = 0) -> str:
-    """Continues UTF-8 text ``prompt`` with a byte LM; returns the new text.
+
+class Decoder(_Sampling):
+    """Decoding by recomputing a sliding window with the eval-mode LM (no cache).
+
+    Args:
+      model: an eval-mode LM, ``int32[1, length] -> float32[1, length, vocab]``.
+      weights, state: its values (e.g. from a checkpoint; the layer objects are not read).
+      length: window length (at most the model's ``max_len``).
+
+    Raises:
+      ValueError: for ``length < 1``.
+    """
+
+    def __init__(self, model: Layer, weights: Any, state: Any, length: int):
+        if length < 1:
+            raise ValueError(f"length={length} must be >= 1")
+        self.length = int(length)
+        self._values = (weights, state)
+
+        def next_log_probs(weights, state, tokens, position):
+            output, _ = model.pure_fn(tokens, weights, state, jax.random.key(0))
+            return jax.nn.log_softmax(output[0, position].astype(jnp.float32))
+
+        self._next_log_probs = jax.jit(next_log_probs)
+
+    def _start(self, prompt: list[int]) -> jax.Array:
+        self._tokens = prompt
+        return self._window()
+
+    def _advance(self, token: int) -> jax.Array:
+        self._tokens.append(token)
+        return self._window()
+
+    def _window(self) -> jax.Array:
+        window = self._tokens[-self.length:]
+        buffer = np.zeros((1, self.length), np.int32)
+        buffer[0, :len(window)] = window
+        return self._next_log_probs(*self._values, buffer, len(window) - 1)
+
+
+class CachedDecoder(_Sampling):
+    """Incremental decoding with the ``mode='predict'`` LM and its key/value cache.
+
+    Args:
+      model: a ``mode='predict'`` LM (e.g. ``ReversibleTransformerLM(mode='predict')``)
+        whose attention caches ``max_len`` positions; initialised here for one sequence.
+      weights: its weights (those of the train/eval model: the trees are the same).
+      max_len: the cache length: prompt plus continuation must fit.
+
+    Per token: one ``[1, 1]`` forward pass, ``O(d_model^2 + d_model * d_ff + max_len *
+    d_model)`` per layer (see the module docstring).
+    """
+
+    def __init__(self, model: Layer, weights: Any, max_len: int):
+        self.max_len = int(max_len)
+        _, self._initial_state = model.init(jax.ShapeDtypeStruct((1, 1), jnp.int32))
+        self._weights = weights
+
+        def step(weights, state, token):
+            output, state = model.pure_fn(token, weights, state, jax.random.key(0))
+            return jax.nn.log_softmax(output[0, -1].astype(jnp.float32)), state
+
+        self._step = jax.jit(step)
+
+    def _check_length(self, n_prompt: int, n_new: int) -> None:
+        if n_prompt + n_new > self.max_len:
+            raise ValueError(f"prompt of {n_prompt} tokens plus {n_new} new ones exceeds the "
+                             f"cache of max_len={self.max_len}; shorten them or decode "
+                             f"without the cache")
+
+    def _start(self, prompt: list[int]) -> jax.Array:
+        self._state = self._initial_state
+        for token in prompt:
+            log_probs = self._advance(token)
+        return log_probs
+
+    def _advance(self, token: int) -> jax.Array:
+        log_probs, self._state = self._step(self._weights, self._state,
+                                            np.full((1, 1), token, np.int32))
+        return log_probs
+
+
+def decode_text(decoder: _Sampling, prompt: str, max_new_bytes: int,
+                temperature: float = 0.0, seed: int = 0, top_k: int | None = None,
+                top_p: float | None = None) -> tuple[str, list[int]]:
+    """Continues UTF-8 text ``prompt`` with a byte LM; returns ``(new text, new bytes)``.
 
     Bytes that do not form valid UTF-8 are shown as U+FFFD.
     """
     new = decoder.decode(list(prompt.encode("utf-8")), max_new_bytes, temperature,
-                         jax.random.key(seed))
-    return bytes(new).decode("utf-8", errors="replace")
+                         jax.random.key(seed), top_k, top_p)
+    return bytes(new).decode("utf-8", errors="replace"), new

@@ -1,28 +1,37 @@
-"""Evaluation: an eval-mode copy of the model scored by metric layers, jitted once.
+"""Evaluation: an eval-mode model scored by metric layers, sharded over the devices.
 
 The eval model is built from the same model function as the training model with
-``mode='eval'`` (dropout off) and given the training model's weights and state
-(``eval_model.weights = model.weights``), as Trax's loop does with its eval model. Each
-metric layer maps ``(model_output, targets, weights)`` to a weighted mean; batches are
-combined weighted by their total weight, so the result is the mean over all scored
-positions, whatever the batch boundaries. With several processes the per-process sums are
-added across processes.
+``mode='eval'`` (dropout off) and evaluated with the trainer's values (`Loop.model_values`,
+never the layer objects), as Trax's loop does with its eval model. Each metric layer maps
+``(model_output, targets, weights)`` to a weighted mean.
+
+Like the trainers, evaluation splits each batch over the devices (``jax.shard_map`` over
+a ``batch`` mesh axis of this process's devices): every device computes
+``sum(weight * value)`` and ``sum(weight)`` of its rows, the sums are added with ``psum``,
+then over batches, then over processes. The result is the weighted mean over every scored
+position of every batch -- the trainers' global-batch loss -- whatever the number of
+devices, processes or batch boundaries. A padding row (weight 0) counts nothing, which is
+how `Inputs.eval_pass` evaluates a finite split exactly once (Paxml pads the last batch of
+a finite eval split the same way).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from revtrain.data.inputs import Batch, Inputs
 from revtrain.layers.base import Layer
-
-BYTE_VOCAB_SIZE = 256
+from revtrain.trainers.devices import BATCH_AXIS, resolve_n_devices
 
 
 def bits_per_byte(loss_nats: float) -> float:
@@ -30,65 +39,101 @@ def bits_per_byte(loss_nats: float) -> float:
     return loss_nats / math.log(2.0)
 
 
-class Evaluator:
-    """Computes eval metrics of ``eval_model`` over batches.
+def eval_batches(inputs: Inputs, steps: int | None) -> Iterator[Batch]:
+    """The batches of one evaluation of ``inputs``.
 
     Args:
-      eval_model: the eval-mode model (``model(mode='eval')``); its weights are set by
-        `evaluate`, so it need not be initialised.
-      metrics: metric name -> metric layer ``(output, targets, weights) -> scalar``.
-      byte_lm: also report ``bits_per_byte`` = ``loss / ln 2`` (needs a ``'loss'`` metric);
-        true for byte-level language models (vocabulary 256).
+      inputs: the split's data.
+      steps: how many batches of ``inputs.eval_stream()``; None for one exact pass
+        (``inputs.eval_pass()``: each example once, the last batch padded with weight 0).
+
+    Raises:
+      ValueError: for ``steps=None`` on data whose eval stream has no end.
+    """
+    if steps is None:
+        return inputs.eval_pass()
+    return itertools.islice(inputs.eval_stream(), steps)
+
+
+class Evaluator:
+    """Computes eval metrics of ``eval_model`` over batches, on ``n_devices`` devices.
+
+    Args:
+      eval_model: the eval-mode model (``model(mode='eval')``); its layer objects are not
+        read or written: values are passed to `evaluate`.
+      metrics: metric name -> metric layer ``(output, targets, weights) -> scalar`` (a
+        weighted mean, as `revtrain.layers.metrics`).
+      byte_level: also report ``bits_per_byte`` = ``loss / ln 2`` (needs a ``'loss'``
+        metric); true when the data's tokens are bytes (`Inputs.byte_level`).
+      n_devices: devices per process to split each batch over (default: all local
+        devices); a batch's rows must divide by it.
+
+    Raises:
+      ValueError: for ``byte_level`` without a ``'loss'`` metric, or a bad ``n_devices``.
     """
 
-    def __init__(self, eval_model: Layer, metrics: Mapping[str, Layer], byte_lm: bool = False):
-        if byte_lm and "loss" not in metrics:
-            raise ValueError(f"byte_lm=True needs a 'loss' metric; got {sorted(metrics)}")
+    def __init__(self, eval_model: Layer, metrics: Mapping[str, Layer],
+                 byte_level: bool = False, n_devices: int | None = None):
+        if byte_level and "loss" not in metrics:
+            raise ValueError(f"byte_level=True needs a 'loss' metric; got {sorted(metrics)}")
         self.eval_model = eval_model
         self._names = tuple(metrics)
-        self._byte_lm = byte_lm
+        self._byte_level = byte_level
+        self.n_devices = resolve_n_devices(n_devices)
+        # This process's devices only: processes' sums are added after each evaluation.
+        self.mesh = Mesh(np.array(jax.local_devices()[:self.n_devices]), (BATCH_AXIS,))
         layers = tuple(metrics.values())
         model = eval_model
 
-        def batch_sums(weights, state, batch, rng):
+        def device_sums(weights, state, batch, rng):
             inputs, targets, mask = batch
             output, _ = model.pure_fn(inputs, weights, state, rng)
             total = jnp.sum(jnp.broadcast_to(mask, targets.shape).astype(jnp.float32))
             values = [layer.pure_fn((output, targets, mask), (), (), None)[0]
                       for layer in layers]
-            return jnp.stack([v * total for v in values] + [total])
+            sums = jnp.stack([jnp.where(total > 0, v * total, 0.0) for v in values]
+                             + [total])
+            return jax.lax.psum(sums, BATCH_AXIS)
 
-        self._batch_sums = jax.jit(batch_sums)
+        self._batch_sums = jax.jit(jax.shard_map(
+            device_sums, mesh=self.mesh, in_specs=(P(), P(), P(BATCH_AXIS), P()),
+            out_specs=P()))
 
     def evaluate(self, weights: Any, state: Any, batches: Iterable[Any],
                  rng: jax.Array | None = None) -> dict[str, float]:
         """Returns ``{name: weighted mean}`` over ``batches`` (plus ``bits_per_byte``).
 
         Args:
-          weights: the model's weights (e.g. ``train_model.weights``).
-          state: the model's state.
-          batches: ``(inputs, targets, weights)`` batches (this process's rows).
+          weights: the eval model's weights (e.g. the first of `Loop.model_values`).
+          state: the eval model's state.
+          batches: ``(inputs, targets, weights)`` batches of this process's rows
+            ``[batch, ...]``, ``batch`` divisible by ``n_devices``.
           rng: rng for the eval model (eval mode is deterministic; default key 0).
 
         Raises:
-          ValueError: when ``batches`` is empty or every position has weight 0.
+          ValueError: when ``batches`` is empty, every position has weight 0, or a batch
+            does not divide over the devices.
         """
-        self.eval_model.weights = weights
-        self.eval_model.state = state
         rng = jax.random.key(0) if rng is None else rng
         sums = np.zeros(len(self._names) + 1, np.float64)
         n_batches = 0
         for batch in batches:
-            sums += np.asarray(self._batch_sums(weights, state, tuple(batch), rng))
+            rows = np.shape(batch[0])[0]
+            if rows % self.n_devices:
+                raise ValueError(f"an eval batch of {rows} rows does not divide over "
+                                 f"n_devices={self.n_devices}; use an eval batch size that "
+                                 f"is a multiple of {self.n_devices}")
+            sums += np.asarray(self._batch_sums(weights, state, tuple(batch), rng),
+                               np.float64)
             n_batches += 1
         if jax.process_count() > 1:
             sums = np.sum(multihost_utils.process_allgather(sums), axis=0)
         if n_batches == 0 or sums[-1] <= 0:
             raise ValueError(f"evaluation saw {n_batches} batches with total weight "
-                             f"{sums[-1]}; use eval_steps >= 1 and eval data with nonzero "
-                             f"weights")
+                             f"{sums[-1]}; use EvalConfig.steps >= 1 and eval data with "
+                             f"nonzero weights")
         means = sums[:-1] / sums[-1]
         results = {name: float(m) for name, m in zip(self._names, means, strict=True)}
-        if self._byte_lm:
+        if self._byte_level:
             results["bits_per_byte"] = bits_per_byte(results["loss"])
         return results

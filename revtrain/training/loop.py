@@ -6,17 +6,20 @@ One step of the loop, at global step ``k`` (the number of steps already taken):
    per step, so the step alone is the data position);
 2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``;
 3. stop with `NonFiniteLossError` if the loss is NaN or inf (nothing is saved after it);
-4. ``k += 1``; log train metrics every ``log_every`` steps, evaluate every ``eval_every``
-   steps and save a checkpoint every ``checkpoint_every`` steps.
+4. ``k += 1``; log train metrics every ``LogConfig.every`` steps, evaluate every
+   ``EvalConfig.every`` steps and save a checkpoint every ``CheckpointConfig.every`` steps.
+
+The schedule is optional: without one (``RunConfig.schedule = None``) the trainer keeps
+the optimizer's own learning rate.
 
 At the end (and when SIGINT/SIGTERM asked to stop) it saves a checkpoint, evaluates if the
 last step was not evaluated yet, and returns the last eval metrics. On construction it
 restores the newest checkpoint of ``output_dir`` -- weights, optimizer slots, layer state,
 step and rng -- so ``run(20)`` then ``run(30)`` (even in a new process) ends with the same
 weights as ``run(30)``, as with Trax's ``train`` whose ``steps`` is the total step count.
-A checkpoint that cannot be read is skipped with a warning (`Checkpointer.restore`). Before
-anything is written, the first batch is checked against the model and the devices
-(`revtrain.training.validation`).
+A checkpoint that cannot be read is skipped with a warning (`Checkpointer.restore`).
+`revtrain.training.builder.build_loop` checks the first batch against the model and the
+devices before anything is written (`revtrain.training.validation`).
 
 All trainers see the model as the flat layer list of ``extract_reversible_blocks`` (the
 plain `Trainer` gets ``Serial`` of it), so every trainer gives layer ``i`` the same rng and
@@ -25,99 +28,70 @@ checkpoints' ``weights`` have the same structure for all three.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
+from jax.experimental import multihost_utils
 
 from revtrain.data.inputs import Inputs
-from revtrain.layers import (
-    Accuracy,
-    Layer,
-    Serial,
-    WeightedCategoryCrossEntropy,
-    nest_flat_values,
-    signature_of,
-)
-from revtrain.trainers import Trainer, TrainState, blocks_to_layers, extract_reversible_blocks
+from revtrain.trainers import TrainState
 from revtrain.training.checkpoints import Checkpointer
-from revtrain.training.evaluation import BYTE_VOCAB_SIZE, Evaluator, bits_per_byte
+from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
+from revtrain.training.evaluation import Evaluator, eval_batches
 from revtrain.training.interrupts import StopOnSignals
+from revtrain.training.loop_metrics import BarWithLogging, Window, fmt, model_summary, tokens
 from revtrain.training.metrics_writer import MetricsWriter
-from revtrain.training.optimizers import optimizer_fn as default_optimizer_fn
-from revtrain.training.validation import check_batch_divides, check_first_batch
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 
 
+PROFILE_DIR = "profile"
+
+
+def _barrier(name: str) -> None:
+    """Waits for every process (no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or inf; the message names the step."""
-
-
-def build_trainer(trainer_class: Callable[..., Any], model: Layer, loss_layer: Layer,
-                  optimizer_fn: Callable[[], optax.GradientTransformation],
-                  n_devices: int | None = None, **trainer_kwargs: Any) -> Any:
-    """Builds ``trainer_class`` for an initialised ``model`` followed by ``loss_layer``.
-
-    `Trainer` (or a subclass) gets ``Serial(*flat_layers)``; any other class is called as
-    the block trainers are, ``trainer_class(blocks, loss_layer, optimizer_fn, n_devices,
-    **trainer_kwargs)``, with ``blocks, loss_layer = extract_reversible_blocks([model,
-    loss_layer])``.
-    """
-    blocks, loss = extract_reversible_blocks([model, loss_layer])
-    if isinstance(trainer_class, type) and issubclass(trainer_class, Trainer):
-        return trainer_class(Serial(*blocks_to_layers(blocks, loss)), optimizer_fn,
-                             n_devices=n_devices, **trainer_kwargs)
-    return trainer_class(blocks, loss, optimizer_fn, n_devices=n_devices, **trainer_kwargs)
-
-
-def _global_l2(stats: Mapping[str, Any], name: str) -> float | None:
-    """``stats[name]``, or the L2 norm over all ``layer{i}/{name}`` entries."""
-    if name in stats:
-        return float(stats[name])
-    parts = [float(v) ** 2 for k, v in stats.items() if k.endswith("/" + name)]
-    return math.sqrt(sum(parts)) if parts else None
 
 
 class Loop:
     """Runs training steps, evaluation, checkpointing and metric logging.
 
+    A `Loop` is given its collaborators; `revtrain.training.builder.build_loop` builds them
+    from a run's configuration.
+
     Args:
-      model: the model function, called as ``model(mode='train')`` and
-        ``model(mode='eval')`` (e.g. ``functools.partial(ReversibleTransformerLM, ...)``).
-      inputs: an `Inputs` (or a function returning one) with ``train_stream(start_step)``
-        and ``eval_stream()``.
-      optimizer_fn: ``() -> optax.GradientTransformation`` built with
-        ``optax.inject_hyperparams`` (see `revtrain.training.optimizer_fn`).
-      trainer_class: `Trainer`, `ReversibleSerialTrainer` or `MemoryEfficientTrainer`.
-      loss: the loss layer (or a function returning one); default
-        ``WeightedCategoryCrossEntropy()`` (works on logits and on log-probabilities).
-      learning_rate: a float or an optax schedule ``step -> rate``; None keeps the
-        optimizer's own rate.
-      output_dir: where checkpoints (``checkpoints/``), ``metrics.jsonl`` and TensorBoard
-        files go; None keeps nothing.
-      eval_every: evaluate every this many steps (0: only at the end).
-      eval_steps: eval batches per evaluation (0: never evaluate).
-      checkpoint_every: save every this many steps (0: only at the end).
-      max_to_keep, keep_period, keep_time_interval: checkpoint retention (see
-        `Checkpointer`).
-      log_every: write train metrics every this many steps; default ``eval_every`` or 100.
-      seed: seeds the weight initialisation and the per-step rngs.
-      n_devices: devices per process (default: all local devices).
-      trainer_kwargs: extra keyword arguments of ``trainer_class``.
-      progress: show a tqdm progress bar; None shows it when stderr is a terminal.
+      trainer: a trainer of ``model`` (`Trainer`, `ReversibleSerialTrainer` or
+        `MemoryEfficientTrainer`); the loop reads and restores its ``train_state``.
+      inputs: the run's data (train batches; the ``'eval'`` split).
+      model: the `revtrain.training.builder.BuiltModel` the trainer was built from.
+      evaluator: scores the eval-mode model (`Evaluator`).
+      splits: eval split name -> `Inputs`; default ``{'eval': inputs}``.
+      checkpointer: saves and restores checkpoints; None keeps none.
+      init_checkpointer: where to warm-start from when ``checkpointer`` holds no
+        checkpoint yet (``CheckpointConfig.init_checkpoint_dir``); None starts from the
+        initial values.
+      writer: writes ``metrics.jsonl`` and TensorBoard; None writes nothing.
+      schedule: ``step -> learning rate``; None keeps the optimizer's own rate.
+      eval_config: when and how much to evaluate (`EvalConfig`).
+      checkpoint: ``every`` (0: only at the end), ``restore_step`` and
+        ``init_weights_only`` of `CheckpointConfig` (retention is the checkpointer's).
+      log: train-metric interval, progress bar and profiled steps (`LogConfig`).
+      seed: seeds the per-step rngs (as in `RunConfig`).
 
     Attributes:
       step: the number of steps taken (restored from the checkpoint).
@@ -126,55 +100,40 @@ class Loop:
         trainer owns the trained ones (``trainer.train_state``; `model_values` gives them
         in the model's structure; ``trainer.sync_to()`` writes them into the layers).
       interrupted_by: the signal number that stopped the last `run`, or None.
-      last_eval_metrics: the metrics of the last evaluation ({} before any).
+      last_eval_metrics: the metrics of the last evaluation of split ``'eval'`` ({}
+        before any).
       restored_step: the step of the checkpoint restored on construction, or None.
     """
 
-    def __init__(self, model: Callable[..., Layer], inputs: Inputs | Callable[[], Inputs],
-                 optimizer_fn: Callable[[], optax.GradientTransformation] = default_optimizer_fn,
-                 *, trainer_class: Callable[..., Any] = Trainer,
-                 loss: Layer | Callable[[], Layer] | None = None,
-                 learning_rate: float | optax.Schedule | None = 1e-3,
-                 output_dir: str | None = None, eval_every: int = 100, eval_steps: int = 10,
-                 checkpoint_every: int = 100, max_to_keep: int | None = 3,
-                 keep_period: int | None = None, keep_time_interval: float | None = None,
-                 log_every: int | None = None, seed: int = 0, n_devices: int | None = None,
-                 trainer_kwargs: Mapping[str, Any] | None = None,
-                 progress: bool | None = None):
-        for name, value in (("eval_every", eval_every), ("eval_steps", eval_steps),
-                            ("checkpoint_every", checkpoint_every)):
-            if value < 0:
-                raise ValueError(f"{name}={value} must be >= 0 (0 disables it)")
-        self.inputs = inputs if isinstance(inputs, Inputs) else inputs()
-        loss = WeightedCategoryCrossEntropy() if loss is None else loss
-        self._loss = loss if isinstance(loss, Layer) else loss()
-        self._schedule = (learning_rate if learning_rate is None or callable(learning_rate)
-                          else optax.constant_schedule(learning_rate))
-        self.output_dir = output_dir
-        self.eval_every, self.eval_steps = eval_every, eval_steps
-        self.checkpoint_every = checkpoint_every
-        self.log_every = log_every or eval_every or 100
-        self._progress = progress
+    def __init__(self, trainer: Any, inputs: Inputs, model: Any, evaluator: Evaluator,
+                 splits: Mapping[str, Inputs] | None = None, *,
+                 checkpointer: Checkpointer | None = None,
+                 init_checkpointer: Checkpointer | None = None,
+                 writer: MetricsWriter | None = None,
+                 schedule: optax.Schedule | None = None,
+                 eval_config: EvalConfig | None = None,
+                 checkpoint: CheckpointConfig | None = None,
+                 log: LogConfig | None = None, seed: int = 0):
+        self.trainer, self.inputs, self._built = trainer, inputs, model
+        self.model, self._flat_layers = model.model, model.flat_layers
+        self._evaluator = evaluator
+        self._splits = dict(splits or {"eval": inputs})
+        self._checkpointer, self._init_checkpointer = checkpointer, init_checkpointer
+        self._writer = writer or MetricsWriter(None)
+        self._schedule = schedule
+        self.eval_config = eval_config or EvalConfig()
+        self.checkpoint_config = checkpoint or CheckpointConfig()
+        self.checkpoint_every = self.checkpoint_config.every
+        log = log or LogConfig()
+        self.log_every = log.every or self.eval_config.every or 100
+        self._progress = log.progress
+        self._profile_steps = log.profile_steps
+        self._tracing = False
+        self._byte_level = inputs.byte_level
         self.interrupted_by: int | None = None
         self.last_eval_metrics: dict[str, float] = {}
         self._last_eval_step: int | None = None
-        init_rng, self._rng = jax.random.split(jax.random.key(seed))
-        self.model = model(mode="train")
-        self._batch_signature = self._init_model(init_rng)
-        check_batch_divides(self._batch_signature[0].shape[0], n_devices, self.inputs)
-        self.trainer = build_trainer(trainer_class, self.model, self._loss, optimizer_fn,
-                                     n_devices, **dict(trainer_kwargs or {}))
-        self._flat_layers = blocks_to_layers(*extract_reversible_blocks([self.model,
-                                                                         self._loss]))
-        byte_lm = getattr(self.inputs, "vocab_size", None) == BYTE_VOCAB_SIZE
-        self._byte_lm = byte_lm
-        self._evaluator = Evaluator(model(mode="eval"),
-                                    {"loss": self._loss, "accuracy": Accuracy()}, byte_lm)
-        is_chief = jax.process_index() == 0
-        self._writer = MetricsWriter(output_dir, enabled=is_chief)
-        self._checkpointer = None if output_dir is None else Checkpointer(
-            os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=max_to_keep,
-            keep_period=keep_period, keep_time_interval=keep_time_interval)
+        _, self._rng = jax.random.split(jax.random.key(seed))
         self.step = 0
         self.restored_step: int | None = None
         try:
@@ -182,20 +141,20 @@ class Loop:
         except BaseException:
             self.close()  # Joins orbax's threads: no tracebacks from them at exit.
             raise
+        _barrier("revtrain_loop_restored")  # Every process starts from the same step.
+        self.summary = model_summary(model.flat_layers)
+        logger.info("%s", self.summary)
+        self._writer.write_text("model_summary", self.summary, self.step)
+
+    @property
+    def output_dir(self) -> str | None:
+        """The run directory (the checkpointer's parent), or None."""
+        if self._checkpointer is None:
+            return None
+        return os.path.dirname(self._checkpointer.directory)
 
     # ----------------------------------------------------------------------------------
     # Set-up and checkpoints.
-
-    def _init_model(self, rng: jax.Array) -> Any:
-        """Checks the first batch fits the model, then initialises the model (and loss)
-        from its shapes."""
-        batch = next(iter(self.inputs.train_stream(start_step=0)))
-        check_first_batch(batch, self.model, self.inputs)
-        signature = signature_of(tuple(batch))
-        self.model.init(signature[0], rng=rng)
-        output = self.model.output_signature(signature[0])
-        self._loss.init((output, signature[1], signature[2]))
-        return signature
 
     def _checkpoint_tree(self) -> dict[str, Any]:
         values = self.trainer.train_state
@@ -204,15 +163,41 @@ class Loop:
                 "rng": np.asarray(jax.random.key_data(self._rng))}
 
     def _restore(self) -> None:
-        if self._checkpointer is None or self._checkpointer.latest_step() is None:
+        """Restores ``CheckpointConfig.restore_step`` (default: the newest checkpoint), or
+        warm-starts from ``init_checkpointer`` when the run has no checkpoint yet."""
+        if self._checkpointer is None:
             return
-        tree = self._checkpointer.restore(self._checkpoint_tree())
-        self.trainer.restore(TrainState(tree["weights"], tree["state"], tree["slots"]))
-        self.step = int(tree["step"])
-        self._rng = jax.random.wrap_key_data(tree["rng"])
+        if self._checkpointer.latest_step() is None:
+            if self._init_checkpointer is not None:
+                self._warm_start(self._init_checkpointer)
+            return
+        step = self.checkpoint_config.restore_step
+        self._restore_tree(self._checkpointer.restore(self._checkpoint_tree(), step))
         self.restored_step = self.step
         logger.info("restored the checkpoint of step %d from %s", self.step,
                     self._checkpointer.directory)
+
+    def _restore_tree(self, tree: Mapping[str, Any]) -> None:
+        self.trainer.restore(TrainState(tree["weights"], tree["state"], tree["slots"]))
+        self.step = int(tree["step"])
+        self._rng = jax.random.wrap_key_data(tree["rng"])
+
+    def _warm_start(self, source: Checkpointer) -> None:
+        """Paxml's ``init_checkpoint``: weights and state (or everything) of another run."""
+        step = source.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir: {source.directory} "
+                                    f"holds no checkpoint; point it at a run's checkpoints")
+        if self.checkpoint_config.init_weights_only:
+            values = self.trainer.train_state
+            tree = source.restore_values({"weights": values.weights, "state": values.state},
+                                         step)
+            self.trainer.restore(TrainState(tree["weights"], tree["state"], values.slots))
+        else:
+            self._restore_tree(source.restore(self._checkpoint_tree(), step))
+        logger.info("warm-started from the checkpoint of step %d in %s (%s)", step,
+                    source.directory, "weights and state" if
+                    self.checkpoint_config.init_weights_only else "full state")
 
     def save(self) -> bool:
         """Saves a checkpoint of the current step (no-op without ``output_dir``)."""
@@ -241,49 +226,87 @@ class Loop:
         if self.step >= steps:
             logger.info("already at step %d >= steps=%d; nothing to train", self.step, steps)
         stream = self.inputs.train_stream(start_step=self.step)
-        with StopOnSignals() as stop, self._progress_bar(steps) as bar:
-            window = _Window()
-            while self.step < steps:
-                self._train_step(stream, window)
-                bar.update(1)
-                self._after_step(steps, window, bar)
-                if stop.requested():
-                    self.interrupted_by = stop.signum
-                    logger.warning("stopping after step %d on signal %d", self.step,
-                                   stop.signum)
-                    break
+        window = Window()
+        try:
+            with StopOnSignals() as stop, self._progress_bar(steps) as bar:
+                while self.step < steps:
+                    self._train_step(stream, window)
+                    bar.update(1)
+                    self._after_step(steps, window, bar)
+                    if stop.requested():
+                        self.interrupted_by = stop.signum
+                        logger.warning("stopping after step %d on signal %d", self.step,
+                                       stop.signum)
+                        break
+        finally:
+            self._stop_trace()
+        self._check_finite(window)
         self.save()
-        if self.interrupted_by is None and self.eval_steps and self._last_eval_step != self.step:
+        if (self.interrupted_by is None and self.eval_config.enabled
+                and self._last_eval_step != self.step):
             self.evaluate()
         self._writer.flush()
         return self.last_eval_metrics
 
-    def _train_step(self, stream: Any, window: _Window) -> None:
+    def _train_step(self, stream: Any, window: Window) -> None:
+        """One step, without waiting for the device (losses are read on logging steps)."""
         start = time.perf_counter()
         batch = next(stream)
+        self._check_batch(batch)
         lr = None if self._schedule is None else float(self._schedule(self.step))
         rng = jax.random.fold_in(self._rng, self.step)
-        loss, stats = self.trainer.one_step(batch, rng, step=self.step, learning_rate=lr)
-        loss = float(loss)
-        if not math.isfinite(loss):
-            where = ("" if self._checkpointer is None else
-                     f"; the newest checkpoint in {self._checkpointer.directory} (step "
-                     f"{self._checkpointer.latest_step()}) is untouched")
-            raise NonFiniteLossError(
-                f"loss is {loss} at step {self.step + 1}; stopped without saving{where}; "
-                f"lower the learning rate or set optimizer_fn.clip_gradient_norm")
+        if self._profile_steps and self.step + 1 == self._profile_steps[0]:
+            jax.profiler.start_trace(os.path.join(self.output_dir or ".", PROFILE_DIR))
+            self._tracing = True
+        with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
+            loss, stats = self.trainer.one_step(batch, rng, step=self.step, learning_rate=lr)
         self.step += 1
-        window.add(loss, stats, _tokens(batch), time.perf_counter() - start)
+        window.add(self.step, loss, stats, tokens(batch), start)
+        if self._tracing and self.step >= self._profile_steps[1]:
+            self._stop_trace()
 
-    def _after_step(self, steps: int, window: _Window, bar: Any) -> None:
-        if self.step % self.log_every == 0 or self.step == steps:
-            metrics = window.metrics(self._byte_lm)
+    def _stop_trace(self) -> None:
+        if self._tracing:
+            jax.profiler.stop_trace()
+            self._tracing = False
+
+    def _check_batch(self, batch: Any) -> None:
+        """Raises when a batch's shapes differ from the first batch's (a silent recompile)."""
+        found = ", ".join(f"{np.result_type(x).name}{list(np.shape(x))}" for x in batch)
+        first = ", ".join(f"{np.dtype(s.dtype).name}{list(s.shape)}"
+                          for s in self._built.batch_signature)
+        if found != first:
+            raise ValueError(f"the train batch of step {self.step + 1} is ({found}); the first "
+                             f"batch was ({first}); every batch must have the first's "
+                             f"shapes (pad a short last batch) or each change recompiles")
+
+    def _check_finite(self, window: Window) -> None:
+        """Reads the window's pending losses back; raises on the first NaN or inf."""
+        bad = window.first_non_finite()
+        if bad is None:
+            return
+        where = ("" if self._checkpointer is None else
+                 f"; the newest checkpoint in {self._checkpointer.directory} (step "
+                 f"{self._checkpointer.latest_step()}) is untouched")
+        raise NonFiniteLossError(
+            f"loss is {bad[1]} at step {bad[0]}; stopped without saving{where}; lower the "
+            f"learning rate or set optimizer_fn.clip_gradient_norm")
+
+    def _after_step(self, steps: int, window: Window, bar: Any) -> None:
+        log_now = self.step % self.log_every == 0 or self.step == steps
+        every = self.eval_config.every
+        eval_now = bool(every and self.eval_config.enabled and self.step % every == 0)
+        save_now = bool(self.checkpoint_every and self.step % self.checkpoint_every == 0)
+        if log_now or eval_now or save_now:
+            self._check_finite(window)  # The only device sync of ordinary training.
+        if log_now:
+            metrics = window.metrics(self._byte_level)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
             self._write("train", metrics)
             window.reset()
-        if self.eval_every and self.eval_steps and self.step % self.eval_every == 0:
+        if eval_now:
             self.evaluate()
-        if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+        if save_now:
             self.save()
 
     def _progress_bar(self, steps: int) -> Any:
@@ -293,25 +316,36 @@ class Loop:
         enabled = enabled and jax.process_index() == 0
         bar = tqdm.tqdm(total=steps, initial=min(self.step, steps), disable=not enabled,
                         desc="train", unit="step", dynamic_ncols=True)
-        return _BarWithLogging(bar) if enabled else bar
+        return BarWithLogging(bar) if enabled else bar
 
     # ----------------------------------------------------------------------------------
     # Evaluation and metrics.
 
     def evaluate(self, write: bool = True) -> dict[str, float]:
-        """Evaluates the current weights on ``eval_steps`` eval batches.
+        """Evaluates the current values on every split (and on a train batch if asked).
+
+        Each split ``name`` is scored on ``EvalConfig.steps`` batches (None: one exact
+        pass) and written as split ``name``; with ``EvalConfig.eval_train``, the eval-mode
+        model is also scored on the current step's train batch (split ``'eval_train'``).
 
         Returns:
-          ``{'loss', 'accuracy'}`` (plus ``'bits_per_byte'`` for byte LMs) as floats.
+          The ``'eval'`` split's ``{'loss', 'accuracy'}`` (plus ``'bits_per_byte'`` for
+          byte-level data) as floats.
         """
-        batches = itertools.islice(self.inputs.eval_stream(), max(self.eval_steps, 1))
         weights, state = self.model_values()
-        metrics = self._evaluator.evaluate(weights, state, batches)
-        self.last_eval_metrics = metrics
-        self._last_eval_step = self.step
+        results = {}
+        for name, inputs in self._splits.items():
+            batches = eval_batches(inputs, self.eval_config.steps)
+            results[name] = self._evaluator.evaluate(weights, state, batches)
+        if self.eval_config.eval_train:
+            batch = next(iter(self.inputs.train_stream(start_step=self.step)))
+            results["eval_train"] = self._evaluator.evaluate(weights, state, [batch])
         if write:
-            self._write("eval", metrics)
-        return metrics
+            for name, metrics in results.items():
+                self._write(name, metrics)
+        self.last_eval_metrics = results["eval"]
+        self._last_eval_step = self.step
+        return self.last_eval_metrics
 
     def model_values(self) -> tuple[Any, Any]:
         """The trainer's current ``(weights, state)`` in the model's tree structure.
@@ -320,99 +354,29 @@ class Loop:
         their initial values unless ``trainer.sync_to()`` is called.
         """
         values = self.trainer.train_state
-        return (nest_flat_values(self.model, self._flat_layers, values.weights),
-                nest_flat_values(self.model, self._flat_layers, values.state))
-
-    def eval_model(self) -> Layer:
-        """The eval-mode model (the evaluator's own object) holding the current values."""
-        model = self._evaluator.eval_model
-        model.weights, model.state = self.model_values()
-        return model
+        return self._built.nest(values.weights), self._built.nest(values.state)
 
     @property
     def batch_signature(self) -> Any:
         """``ShapeDtype`` signature of a train batch ``(inputs, targets, weights)``."""
-        return self._batch_signature
+        return self._built.batch_signature
 
     def _write(self, split: str, metrics: Mapping[str, float]) -> None:
         self._writer.write(self.step, split, metrics)
-        text = " ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
+        text = " ".join(f"{k} {fmt(v)}" for k, v in metrics.items())
         logger.info("step %d %s: %s", self.step, split, text)
 
     def close(self) -> None:
         """Finishes pending checkpoint saves and closes the metric writers."""
-        if self._checkpointer is not None:
-            self._checkpointer.close()
+        self._stop_trace()
+        for checkpointer in (self._checkpointer, self._init_checkpointer):
+            if checkpointer is not None:
+                checkpointer.close()  # Waits for an asynchronous save.
         self._writer.close()
+        _barrier("revtrain_loop_closed")  # No process exits while another still saves.
 
     def __enter__(self) -> Loop:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
-
-
-def _tokens(batch: Any) -> tuple[int, str]:
-    """``(count, unit)`` of a batch across processes: tokens for sequences, else examples."""
-    inputs = np.asarray(batch[0])
-    if inputs.ndim == 2 and np.issubdtype(inputs.dtype, np.integer):
-        return inputs.size * jax.process_count(), "tokens"
-    return inputs.shape[0] * jax.process_count(), "examples"
-
-
-class _Window:
-    """Train metrics accumulated since the last log line."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.losses: list[float] = []
-        self.seconds = 0.0
-        self.count, self.unit = 0, "tokens"
-        self.stats: Mapping[str, Any] = {}
-
-    def add(self, loss: float, stats: Mapping[str, Any], tokens: tuple[int, str],
-            seconds: float) -> None:
-        self.losses.append(loss)
-        self.stats = stats
-        self.count += tokens[0]
-        self.unit = tokens[1]
-        self.seconds += seconds
-
-    def metrics(self, byte_lm: bool) -> dict[str, float]:
-        loss = float(np.mean(self.losses))
-        metrics = {"loss": loss}
-        if byte_lm:
-            metrics["bits_per_byte"] = bits_per_byte(loss)
-        if "learning_rate" in self.stats:
-            metrics["learning_rate"] = float(self.stats["learning_rate"])
-        for name in ("gradients_l2", "weights_l2"):
-            value = _global_l2(self.stats, name)
-            if value is not None:
-                metrics[name] = value
-        seconds = max(self.seconds, 1e-9)
-        metrics["steps_per_second"] = len(self.losses) / seconds
-        metrics[f"{self.unit}_per_second"] = self.count / seconds
-        return metrics
-
-
-class _BarWithLogging:
-    """A tqdm bar that routes log lines through ``tqdm.write`` while it is open."""
-
-    def __init__(self, bar: Any):
-        self._bar = bar
-        self._redirect = logging_redirect_tqdm(
-            loggers=[logging.getLogger(), logging.getLogger("revtrain")])
-
-    def __enter__(self) -> Any:
-        self._redirect.__enter__()
-        return self._bar
-
-    def __exit__(self, *exc_info) -> None:
-        self._bar.close()
-        self._redirect.__exit__(*exc_info)

@@ -63,6 +63,12 @@ class MetricsWriter:
             for name, value in values.items():
                 writer.add_scalar(name, value, global_step=int(step))
 
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        """Writes ``text`` to TensorBoard (run ``tensorboard/text``) as a code block."""
+        if self._enabled and self._tensorboard:
+            body = "\n".join("    " + line for line in text.splitlines())
+            self._summary_writer("text").add_text(tag, body, global_step=int(step))
+
     def _summary_writer(self, split: str):
         if split not in self._summary_writers:
             from tensorboardX import SummaryWriter  # Imported lazily: it pulls in protobuf.

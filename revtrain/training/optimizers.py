@@ -1,7 +1,7 @@
 """`optimizer_fn`: builds an optax optimizer whose learning rate the loop can set each step.
 
 Trainers take an ``optimizer_fn: () -> optax.GradientTransformation``. In gin the function
-itself is that factory: ``train.optimizer = @optimizer_fn`` with ``optimizer_fn.name =
+itself is that factory: ``RunConfig.optimizer = @optimizer_fn`` with ``optimizer_fn.name =
 'adam'`` and ``optimizer_fn.b2 = 0.98``; the trainer calls it once (or once per layer).
 """
 

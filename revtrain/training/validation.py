@@ -1,7 +1,8 @@
 """Checks that a run is valid before anything is written: arguments, data, devices.
 
-``train`` range-checks its numeric arguments (`check_train_arguments`) before it takes the
-output directory, and the `Loop` checks the first train batch against the model
+``train`` range-checks its numeric arguments and those of its run configuration
+(`check_arguments`, called by the dataclasses of `revtrain.training.config`) before it takes
+the output directory, and the `Loop` checks the first train batch against the model
 (`check_first_batch`) and the devices (`check_batch_divides`) before it creates a
 checkpoint directory or a metrics file. Each error is one line naming the value, the limit
 and the gin binding to change, e.g. ``train.steps=-5 must be >= 1; change the binding
@@ -23,17 +24,19 @@ from typing import Any
 import jax
 import numpy as np
 
-# train's numeric arguments: (kind, smallest allowed value, None allowed).
-_RANGES: dict[str, tuple[str, float, bool]] = {
-    "steps": ("int", 1, False),
-    "eval_every": ("int", 0, False),
-    "eval_steps": ("int", 0, False),
-    "checkpoint_every": ("int", 0, False),
-    "max_to_keep": ("int", 1, True),
-    "keep_period": ("int", 1, True),
-    "keep_time_interval": ("float", math.ulp(0.0), True),
-    "log_every": ("int", 1, True),
-    "n_devices": ("int", 1, True),
+# Numeric arguments by gin name: (kind, smallest allowed value, None allowed).
+_RANGES: dict[str, dict[str, tuple[str, float, bool]]] = {
+    "train": {"steps": ("int", 1, False)},
+    "RunConfig": {"seed": ("int", 0, False), "n_devices": ("int", 1, True)},
+    "EvalConfig": {"every": ("int", 0, False), "steps": ("int", 0, True)},
+    "CheckpointConfig": {
+        "every": ("int", 0, False),
+        "max_to_keep": ("int", 1, True),
+        "keep_period": ("int", 1, True),
+        "keep_time_interval": ("float", math.ulp(0.0), True),
+        "restore_step": ("int", 0, True),
+    },
+    "LogConfig": {"every": ("int", 1, True)},
 }
 
 
@@ -41,19 +44,20 @@ def _fail(binding: str, value: Any, rule: str) -> None:
     raise ValueError(f"{binding}={value!r} {rule}; change the gin binding {binding}")
 
 
-def check_train_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None:
-    """Range-checks ``train``'s numeric arguments (those present in ``arguments``).
+def check_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None:
+    """Range-checks the numeric arguments of ``prefix`` (those present in ``arguments``).
 
-    Integers: ``steps >= 1``; ``eval_every``, ``eval_steps``, ``checkpoint_every >= 0``
-    (0 disables); ``max_to_keep``, ``keep_period``, ``log_every``, ``n_devices >= 1`` or
-    None, ``n_devices`` at most the local device count. ``keep_time_interval > 0`` seconds
-    or None. A float ``learning_rate`` is finite and > 0 (a schedule is not checked here).
+    ``prefix`` is a gin name: ``train`` (``steps >= 1``), ``RunConfig`` (``seed >= 0``,
+    ``n_devices >= 1`` or None and at most the local device count, a float ``schedule``
+    finite and > 0), ``EvalConfig`` (``every >= 0``, ``steps >= 0`` or None),
+    ``CheckpointConfig`` (``every >= 0``; ``max_to_keep``, ``keep_period >= 1`` or None;
+    ``keep_time_interval > 0`` seconds or None) or ``LogConfig`` (``every >= 1`` or None).
 
     Raises:
-      ValueError: naming the first bad argument as ``train.<name>=<value>``, its limit and
-        the binding to change.
+      ValueError: naming the first bad argument as ``<prefix>.<name>=<value>``, its limit
+        and the binding to change.
     """
-    for name, (kind, low, optional) in _RANGES.items():
+    for name, (kind, low, optional) in _RANGES.get(prefix, {}).items():
         if name not in arguments or (optional and arguments[name] is None):
             continue
         value, binding = arguments[name], f"{prefix}.{name}"
@@ -65,12 +69,13 @@ def check_train_arguments(arguments: Mapping[str, Any], prefix: str = "train") -
             limit = f">= {low}" if kind == "int" else "> 0"
             _fail(binding, value, f"must be {limit}" + (" or None" if optional else ""))
     n_devices = arguments.get("n_devices")
-    if n_devices is not None and n_devices > jax.local_device_count():
+    if prefix == "RunConfig" and n_devices is not None and n_devices > jax.local_device_count():
         _fail(f"{prefix}.n_devices", n_devices,
               f"is more than the {jax.local_device_count()} local devices")
-    rate = arguments.get("learning_rate")
-    if isinstance(rate, (int, float)) and not (math.isfinite(rate) and rate > 0):
-        _fail(f"{prefix}.learning_rate", rate, "must be a finite number > 0")
+    rate = arguments.get("schedule")
+    if prefix == "RunConfig" and isinstance(rate, (int, float)) and not (
+            math.isfinite(rate) and rate > 0):
+        _fail(f"{prefix}.schedule", rate, "must be a finite number > 0")
 
 
 def _name(data: Any) -> str:
@@ -171,4 +176,4 @@ def check_batch_divides(batch_size: int, n_devices: int | None, data: Any) -> No
         rows = batch_size * jax.process_count()
         raise ValueError(f"the batch of {rows} rows of {_name(data)} does not divide over "
                          f"n_devices={n * jax.process_count()}; set {_name(data)}.batch_size "
-                         f"to a multiple of {n * jax.process_count()} (or train.n_devices)")
+                         f"to a multiple of {n * jax.process_count()} (or RunConfig.n_devices)")

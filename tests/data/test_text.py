@@ -178,6 +178,19 @@ def test_bad_arguments(corpus_path, kwargs):
         _dataset([corpus_path], **kwargs)
 
 
+def test_eval_pass_scores_each_window_once_and_masks_the_padding(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(200)) * 2)
+    data = text.TextFiles(paths=[str(path)], sequence_length=4, batch_size=4,
+                          eval_fraction=0.1)
+    n_windows = (len(data.eval_bytes) - 1) // 4  # 40 eval bytes: 9 windows.
+    batches = list(data.eval_pass())
+    assert len(batches) == 3 and all(b[0].shape == (4, 4) for b in batches)
+    weights = np.concatenate([b[2] for b in batches])
+    assert weights.sum() == n_windows * 4  # Padding rows have weight 0.
+    targets = np.concatenate([b[1] for b in batches])[weights[:, 0] > 0]
+    np.testing.assert_array_equal(targets.ravel(), data.eval_bytes[1:1 + n_windows * 4])
+
 
 # --------------------------------------------------------------------------------------
 # Edge cases (bad input, odd sizes).

@@ -84,22 +84,33 @@ def test_eval_of_a_damaged_run_exits_cleanly(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_cli import _train
+    from revtrain import cli
 
     out = str(tmp_path)
-    assert _train(out, "train.steps=4", "train.checkpoint_every=2", "train.eval_steps=0") == 0
+    config = os.path.join(os.path.dirname(cli.__file__), "configs", "copy_task.gin")
+    tiny = ["ReversibleTransformerLM.vocab_size=8", "ReversibleTransformerLM.d_model=8",
+            "ReversibleTransformerLM.d_ff=16", "ReversibleTransformerLM.n_layers=1",
+            "ReversibleTransformerLM.n_heads=2", "CopyTask.vocab_size=8", "CopyTask.length=4",
+            "CopyTask.batch_size=4", "LogConfig.progress=False", "train.steps=4",
+            "CheckpointConfig.every=2", "EvalConfig.steps=0"]
+    argv = ["revtrain-train", f"--config_file={config}", f"--output_dir={out}"]
+    assert cli.train_main(argv + [f"--gin_bindings={b}" for b in tiny]) == 0
     _damage(os.path.join(out, "checkpoints"), 4, "data")
     script = shutil.which("revtrain-eval", path=os.path.dirname(sys.executable))
-    run = subprocess.run([script, f"--output_dir={out}"], capture_output=True, text=True,
+    run = subprocess.run([script, f"--output_dir={out}", "--eval_steps=1"], capture_output=True,
+                         text=True,
                          timeout=120)
     assert run.returncode == 0 and run.stdout.startswith("eval at step 2: loss"), run.stderr
-    assert f"skipping the checkpoint {out}/checkpoints/4" in run.stderr
+    assert f"skipping the checkpoint {out}/checkpoints/4: it cannot be read" in run.stderr
     assert "Traceback" not in run.stderr and "Event loop" not in run.stderr
+    os.remove(os.path.join(out, "metrics.jsonl"))  # Both steps are to evaluate again.
     _damage(os.path.join(out, "checkpoints"), 2, "metadata")
-    run = subprocess.run([script, f"--output_dir={out}"], capture_output=True, text=True,
+    run = subprocess.run([script, f"--output_dir={out}", "--eval_steps=1"], capture_output=True,
+                         text=True,
                          timeout=120)
     errors = [line for line in run.stderr.splitlines() if "error" in line]
     assert run.returncode == 1 and len(errors) == 1, run.stderr
     assert errors[0].startswith("revtrain-eval: error: CheckpointUnreadableError: none of "
-                                f"the 2 checkpoints in {out}/checkpoints can be read")
+                                f"the 2 checkpoints to evaluate in {out}/checkpoints can be "
+                                f"read")
     assert "Traceback" not in run.stderr and "Event loop" not in run.stderr

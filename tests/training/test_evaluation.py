@@ -1,4 +1,4 @@
-"""Tests of revtrain/training/evaluation.py and decoding.py."""
+"""Tests of revtrain/training/evaluation.py: weighted, sharded, exact-pass evaluation."""
 import math
 
 import jax
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from revtrain import layers as tl
+from revtrain.data import StreamInputs
 from revtrain.training import Evaluator, bits_per_byte
-from revtrain.training.decoding import Decoder, decode_text
+from revtrain.training.evaluation import eval_batches
 
 
 class _FixedLogits(tl.Layer):
@@ -28,7 +29,7 @@ def _batch(tokens, mask):
 
 
 def test_evaluator_weights_batches_by_their_total_weight():
-    evaluator = Evaluator(_FixedLogits(8), {"accuracy": tl.Accuracy()})
+    evaluator = Evaluator(_FixedLogits(8), {"accuracy": tl.Accuracy()}, n_devices=1)
     right = _batch([[1, 2, 3, 4]], [[1, 1, 1, 1]])
     wrong = (right[0], right[1] * 0 + 7, np.asarray([[1, 0, 0, 0]], np.float32))
     metrics = evaluator.evaluate((), (), [right, wrong])
@@ -37,7 +38,7 @@ def test_evaluator_weights_batches_by_their_total_weight():
 
 def test_evaluator_bits_per_byte_and_empty_error():
     evaluator = Evaluator(_FixedLogits(8), {"loss": tl.WeightedCategoryCrossEntropy()},
-                          byte_lm=True)
+                          byte_level=True, n_devices=1)
     metrics = evaluator.evaluate((), (), [_batch([[0, 1]], [[1, 1]])])
     assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / math.log(2))
     assert bits_per_byte(math.log(2)) == pytest.approx(1.0)
@@ -45,30 +46,54 @@ def test_evaluator_bits_per_byte_and_empty_error():
         evaluator.evaluate((), (), [])
 
 
-def test_greedy_decoder_follows_the_model_and_slides_its_window():
-    decoder = Decoder(_FixedLogits(256), length=4)
-    assert decoder.decode([10], 6) == [11, 12, 13, 14, 15, 16]
-    assert decode_text(decoder, "a", 3) == "bcd"
+def _ten_examples(batch_size):
+    """A finite split of 10 examples: example i has token i and is right iff i is even."""
+    tokens = np.arange(10, dtype=np.int32)[:, None] % 8
+    targets = ((tokens[:, 0] + np.where(np.arange(10) % 2 == 0, 1, 2)) % 8)[:, None]
+
+    def one_pass():
+        for start in range(0, 10, batch_size):
+            rows = slice(start, start + batch_size)
+            n = len(tokens[rows])
+            pad = batch_size - n
+            yield (np.pad(tokens[rows], ((0, pad), (0, 0))),
+                   np.pad(targets[rows].astype(np.int32), ((0, pad), (0, 0))),
+                   np.pad(np.ones((n, 1), np.float32), ((0, pad), (0, 0))))
+    return StreamInputs(lambda start=0: iter(()), eval_pass=one_pass)
 
 
-def test_sampling_is_seeded_and_decoder_checks_arguments():
-    model = tl.Serial(tl.Embedding(8, 4), tl.Dense(8))
-    model.init(jax.ShapeDtypeStruct((1, 4), jnp.int32))
-    decoder = Decoder(model, length=4)
-    first = decoder.decode([1], 5, temperature=1.0, rng=jax.random.key(1))
-    assert first == decoder.decode([1], 5, temperature=1.0, rng=jax.random.key(1))
-    assert all(0 <= t < 8 for t in first)
-    with pytest.raises(ValueError, match="prompt is empty"):
-        decoder.decode([], 3)
-    with pytest.raises(ValueError, match="temperature=-1"):
-        decoder.decode([1], 3, temperature=-1)
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_one_exact_pass_counts_each_example_once(n_devices):
+    """10 examples in batches of 4: the last batch has 2 padding rows, masked out."""
+    inputs = _ten_examples(batch_size=4)
+    assert [b[0].shape[0] for b in eval_batches(inputs, None)] == [4, 4, 4]
+    evaluator = Evaluator(_FixedLogits(8), {"accuracy": tl.Accuracy()}, n_devices=n_devices)
+    metrics = evaluator.evaluate((), (), eval_batches(inputs, None))
+    assert metrics["accuracy"] == pytest.approx(5 / 10)  # Not 5/12 or 7/12 (padding).
 
 
-def test_eval_and_decode_functions_compile_once():
-    evaluator = Evaluator(_FixedLogits(8), {"accuracy": tl.Accuracy()})
+def test_sharded_evaluation_does_not_depend_on_the_device_count():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 8, (8, 3)).astype(np.int32)
+    mask = (rng.random((8, 3)) < 0.5).astype(np.float32)
+    mask[:2] = 0  # Devices with no weight at all must count nothing.
+    batch = (tokens, rng.integers(0, 8, (8, 3)).astype(np.int32), mask)
+    model = tl.Serial(tl.Embedding(8, 4), tl.Dense(8), tl.LogSoftmax())
+    model.init(jax.ShapeDtypeStruct((8, 3), jnp.int32))
+    results = [Evaluator(model, {"loss": tl.WeightedCategoryCrossEntropy()}, n_devices=n)
+               .evaluate(model.weights, model.state, [batch]) for n in (1, 2, 4)]
+    for other in results[1:]:
+        assert other["loss"] == pytest.approx(results[0]["loss"], rel=1e-6)
+
+
+def test_exact_pass_of_endless_data_is_an_error():
+    inputs = StreamInputs(lambda start=0: iter(()))
+    with pytest.raises(ValueError, match="eval data has no end.*set EvalConfig.steps"):
+        next(eval_batches(inputs, None))
+
+
+def test_evaluation_compiles_once():
+    evaluator = Evaluator(_FixedLogits(8), {"accuracy": tl.Accuracy()}, n_devices=2)
     for _ in range(3):
-        evaluator.evaluate((), (), [_batch([[1, 2]], [[1, 1]]), _batch([[3, 4]], [[1, 0]])])
+        evaluator.evaluate((), (), [_batch([[1, 2], [3, 4]], [[1, 1], [1, 0]])])
     assert evaluator._batch_sums._cache_size() == 1
-    decoder = Decoder(_FixedLogits(256), length=3)
-    decoder.decode([1, 2], 5)  # Positions 1, 2, then a full sliding window.
-    assert decoder._next_logits._cache_size() == 1

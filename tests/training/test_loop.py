@@ -10,7 +10,18 @@ import pytest
 
 from revtrain import trainers
 from revtrain.data import CopyTask, StreamInputs
-from revtrain.training import Checkpointer, Loop, NonFiniteLossError, read_metrics
+from revtrain.training import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointMismatchError,
+    EvalConfig,
+    LogConfig,
+    NonFiniteLossError,
+    RunConfig,
+    build_loop,
+    optimizer_fn,
+    read_metrics,
+)
 from tests.training.tiny_models import tiny_reversible_lm
 from tests.tree_utils import assert_trees_close
 
@@ -23,11 +34,15 @@ def _inputs():
     return CopyTask(vocab_size=16, length=4, batch_size=4, seed=1)
 
 
-def _loop(output_dir, trainer_class=trainers.ReversibleSerialTrainer, **kwargs):
-    defaults = dict(trainer_class=trainer_class, output_dir=output_dir, eval_every=10,
-                    eval_steps=1, checkpoint_every=10, learning_rate=3e-3, progress=False)
-    defaults.update(kwargs)
-    return Loop(tiny_reversible_lm, _inputs(), **defaults)
+def _loop(output_dir, trainer_class=trainers.ReversibleSerialTrainer, model=tiny_reversible_lm,
+          inputs=None, eval_every=10, eval_steps=1, checkpoint_every=10, learning_rate=3e-3,
+          log_every=None, progress=False, eval_train=False):
+    run = RunConfig(model=model, inputs=inputs or _inputs(), trainer_class=trainer_class,
+                    schedule=learning_rate)
+    return build_loop(run, EvalConfig(every=eval_every, steps=eval_steps,
+                                      eval_train=eval_train),
+                      CheckpointConfig(every=checkpoint_every),
+                      LogConfig(every=log_every, progress=progress), output_dir)
 
 
 @pytest.mark.parametrize("trainer_class", TRAINERS, ids=lambda c: c.__name__)
@@ -100,7 +115,7 @@ def test_restore_into_different_model_names_path(tmp_path):
     wider = functools.partial(tiny_reversible_lm, d_model=12)
     with pytest.raises(ValueError, match=r"at path 'weights/0/0': saved float32\[16,8\], "
                                          r"model float32\[16,12\]"):
-        Loop(wider, _inputs(), output_dir=str(tmp_path), progress=False)
+        _loop(str(tmp_path), model=wider)
 
 
 def test_sigterm_saves_and_stops_after_current_step(tmp_path):
@@ -113,8 +128,7 @@ def test_sigterm_saves_and_stops_after_current_step(tmp_path):
             yield batch
 
     inputs = StreamInputs(train_stream, base.eval_stream, vocab_size=16)
-    loop = Loop(tiny_reversible_lm, inputs, output_dir=str(tmp_path), eval_steps=0,
-                checkpoint_every=0, progress=False)
+    loop = _loop(str(tmp_path), inputs=inputs, eval_steps=0, checkpoint_every=0)
     loop.run(10)
     loop.close()
     assert loop.interrupted_by == signal.SIGTERM
@@ -125,16 +139,37 @@ def test_sigterm_saves_and_stops_after_current_step(tmp_path):
 
 def test_eval_metrics_are_bits_per_byte_for_byte_lm(tmp_path):
     base = _inputs()
-    inputs = StreamInputs(base.train_stream, base.eval_stream, vocab_size=256)
-    model = functools.partial(tiny_reversible_lm, vocab_size=256)
-    with Loop(model, inputs, eval_steps=2, progress=False) as loop:
-        metrics = loop.evaluate()
-    assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / np.log(2))
+    # Bits per byte follow the data's byte_level property, not the vocabulary size.
+    for byte_level in (True, False):
+        inputs = StreamInputs(base.train_stream, base.eval_stream, vocab_size=256,
+                              byte_level=byte_level)
+        model = functools.partial(tiny_reversible_lm, vocab_size=256)
+        with _loop(None, model=model, inputs=inputs, eval_steps=2) as loop:
+            metrics = loop.evaluate()
+        assert ("bits_per_byte" in metrics) == byte_level
+    assert metrics["loss"] > 0
 
 
-def test_negative_interval_is_an_error():
-    with pytest.raises(ValueError, match="eval_every=-1"):
-        Loop(tiny_reversible_lm, _inputs(), eval_every=-1)
+def test_schedule_none_keeps_the_optimizers_rate(tmp_path):
+    run = RunConfig(model=tiny_reversible_lm, inputs=_inputs(),
+                    optimizer=lambda: optimizer_fn("sgd", learning_rate=0.25))
+    with build_loop(run, EvalConfig(steps=0), log=LogConfig(every=1, progress=False),
+                    output_dir=str(tmp_path)) as loop:
+        loop.run(2)
+    rates = [r["learning_rate"] for r in read_metrics(str(tmp_path), "train")]
+    np.testing.assert_allclose(rates, [0.25, 0.25])
+
+
+def test_eval_train_and_named_splits_write_their_own_records(tmp_path):
+    run = RunConfig(model=tiny_reversible_lm, inputs=_inputs(), schedule=1e-3)
+    other = CopyTask(vocab_size=16, length=4, batch_size=4, seed=7)
+    eval_config = EvalConfig(every=2, steps=1, splits={"other": other}, eval_train=True)
+    with build_loop(run, eval_config, log=LogConfig(progress=False),
+                    output_dir=str(tmp_path)) as loop:
+        loop.run(2)
+    for split in ("eval", "other", "eval_train"):
+        assert [r["step"] for r in read_metrics(str(tmp_path), split)] == [2], split
+        assert os.path.isdir(tmp_path / "tensorboard" / split)
 
 
 def test_progress_bar_does_not_break_run(tmp_path, capsys):
@@ -164,3 +199,116 @@ def test_evaluation_reads_the_trainers_values_not_the_layer_objects():
         loop.trainer.sync_to()
         assert_trees_close(loop.model.weights, weights, rtol=0, atol=0)
         assert loop.evaluate(write=False) == after
+
+
+# Checkpoint handling beyond resume: warm start, chosen step, crashed saves, async, shapes.
+
+def _ckpt_run(model=tiny_reversible_lm, inputs=None):
+    inputs = inputs or CopyTask(vocab_size=16, length=4, batch_size=4, seed=1)
+    return RunConfig(model=model, inputs=inputs, schedule=3e-3)
+
+
+def _ckpt_loop(output_dir, run=None, **checkpoint):
+    return build_loop(run or _ckpt_run(), EvalConfig(steps=0), CheckpointConfig(**checkpoint),
+                      LogConfig(progress=False), output_dir)
+
+
+def test_warm_start_weights_only_and_full_state(tmp_path):
+    source = str(tmp_path / "source")
+    with _ckpt_loop(source, every=3) as loop:
+        loop.run(3)
+        trained = loop.trainer.train_state
+    with _ckpt_loop(None) as fresh:
+        initial_slots = fresh.trainer.train_state.slots
+    with _ckpt_loop(str(tmp_path / "weights"), init_checkpoint_dir=source) as loop:
+        assert loop.step == 0 and loop.restored_step is None
+        assert_trees_close(loop.trainer.train_state.weights, trained.weights, rtol=0, atol=0)
+        assert_trees_close(loop.trainer.train_state.slots, initial_slots, rtol=0, atol=0)
+    with _ckpt_loop(str(tmp_path / "full"), init_checkpoint_dir=source,
+               init_weights_only=False) as loop:
+        assert loop.step == 3
+        assert_trees_close(loop.trainer.train_state.slots, trained.slots, rtol=0, atol=0)
+
+
+def test_warm_start_from_another_model_names_the_first_mismatching_path(tmp_path):
+    source = str(tmp_path / "source")
+    with _ckpt_loop(source) as loop:
+        loop.run(1)
+    wider = _ckpt_run(model=lambda mode: tiny_reversible_lm(d_model=12, mode=mode))
+    with pytest.raises(CheckpointMismatchError, match=r"at path 'weights/0/0': saved "
+                                                      r"float32\[16,8\], model float32\[16,12\]"):
+        _ckpt_loop(str(tmp_path / "b"), wider, init_checkpoint_dir=source)
+
+
+def test_restore_step_and_stale_temporary_checkpoint(tmp_path):
+    out = str(tmp_path)
+    with _ckpt_loop(out, every=1, max_to_keep=None) as loop:
+        loop.run(3)
+        weights_at_3 = loop.trainer.train_state.weights
+    stale = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1700000000"
+    stale.mkdir()  # What a save that crashed would leave.
+    with _ckpt_loop(out, restore_step=2) as loop:
+        assert loop.step == 2 and loop.restored_step == 2
+        assert not stale.exists()
+        loop.run(3)  # Step 3 retrained from step 2: the same weights (deterministic).
+        assert_trees_close(loop.trainer.train_state.weights, weights_at_3, rtol=1e-6,
+                           atol=1e-7)
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 9"):
+        _ckpt_loop(out, restore_step=9)
+
+
+def test_async_saves_are_complete_after_close(tmp_path):
+    with _ckpt_loop(str(tmp_path), every=2, async_save=True) as loop:
+        loop.run(4)
+    assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2, 4]
+
+
+def test_a_changed_batch_shape_is_an_error_naming_both(tmp_path):
+    base = CopyTask(vocab_size=16, length=4, batch_size=4, seed=1)
+
+    def train_stream(start_step=0):
+        for step, batch in enumerate(base.train_stream(start_step), start_step):
+            yield tuple(x[:, :-1] for x in batch) if step == 2 else batch
+
+    run = _ckpt_run(inputs=StreamInputs(train_stream, base.eval_stream, vocab_size=16))
+    with _ckpt_loop(None, run) as loop, pytest.raises(
+            ValueError, match=r"batch of step 3 is \(int32\[4, 7\], int32\[4, 7\], "
+                              r"float32\[4, 7\]\); the first batch was \(int32\[4, 8\]"):
+        loop.run(4)
+    assert loop.step == 2
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+    log = LogConfig(progress=False, profile_steps=(2, 2))
+    with build_loop(_ckpt_run(), EvalConfig(steps=0), log=log, output_dir=str(tmp_path)) as loop:
+        loop.run(3)
+    assert any(files for _, _, files in os.walk(tmp_path / "profile"))
+    with pytest.raises(ValueError, match="LogConfig.profile_steps=\\(3, 2\\) must be"):
+        LogConfig(profile_steps=(3, 2))
+
+
+def test_losses_are_read_back_only_on_logging_and_checkpoint_steps(tmp_path):
+    reads = []
+
+    class CountedLoss:
+        """A loss that records when the loop reads it back (a device sync)."""
+
+        def __init__(self, value, step):
+            self.value, self.step = value, step
+
+        def __float__(self):
+            reads.append((self.step, loop.step))  # (the loss's step, when it is read)
+            return float(self.value)
+
+    with _ckpt_loop(str(tmp_path), every=3) as loop:
+        one_step = loop.trainer.one_step
+
+        def counted(batch, rng, step=0, learning_rate=None):
+            loss, stats = one_step(batch, rng, step=step, learning_rate=learning_rate)
+            return CountedLoss(loss, step + 1), stats
+
+        loop.trainer.one_step = counted
+        loop.log_every = 5
+        loop.run(5)
+    # Steps 1-3 are read at the checkpoint of step 3, steps 4-5 at the log of step 5.
+    assert reads == [(1, 3), (2, 3), (3, 3), (4, 5), (5, 5)]

@@ -22,7 +22,7 @@ from revtrain.training import read_metrics
 # A self-contained copy-task run with plain SGD at a constant rate and no dropout, so a
 # gradient scaled by the process or device count would show in the weights directly.
 CONFIG = """
-train.model = @ReversibleTransformerLM
+RunConfig.model = @ReversibleTransformerLM
 ReversibleTransformerLM.vocab_size = 32
 ReversibleTransformerLM.d_model = 16
 ReversibleTransformerLM.d_ff = 32
@@ -30,23 +30,23 @@ ReversibleTransformerLM.n_layers = 1
 ReversibleTransformerLM.n_heads = 2
 ReversibleTransformerLM.max_len = 64
 ReversibleTransformerLM.dropout = 0.0
-train.inputs = @CopyTask
+RunConfig.inputs = @CopyTask
 CopyTask.vocab_size = 32
 CopyTask.length = 4
 CopyTask.batch_size = 8
 CopyTask.seed = 0
-train.trainer_class = @ReversibleSerialTrainer
-train.loss = @CrossEntropyLoss
-train.optimizer = @optimizer_fn
+RunConfig.trainer_class = @ReversibleSerialTrainer
+RunConfig.loss = @CrossEntropyLoss
+RunConfig.optimizer = @optimizer_fn
 optimizer_fn.name = 'sgd'
 optimizer_fn.clip_gradient_norm = 1.0
-train.learning_rate = 0.5
+RunConfig.schedule = 0.5
 train.steps = 6
-train.eval_every = 3
-train.checkpoint_every = 3
-train.log_every = 3
-train.eval_steps = 2
-train.progress = False
+EvalConfig.every = 3
+CheckpointConfig.every = 3
+LogConfig.every = 3
+EvalConfig.steps = 2
+LogConfig.progress = False
 """
 
 
@@ -78,8 +78,8 @@ def runs(tmp_path_factory):
     procs = {"2x2": [_start(config, str(root / "2x2"), 2,
                             [f"--coordinator_address=localhost:{port}", "--num_processes=2",
                              f"--process_id={i}"]) for i in range(2)],
-             "1x4": [_start(config, str(root / "1x4"), 4, bindings=["train.n_devices=4"])],
-             "1x1": [_start(config, str(root / "1x1"), 4, bindings=["train.n_devices=1"])]}
+             "1x4": [_start(config, str(root / "1x4"), 4, bindings=["RunConfig.n_devices=4"])],
+             "1x1": [_start(config, str(root / "1x1"), 4, bindings=["RunConfig.n_devices=1"])]}
     results = {}
     for name, group in procs.items():
         outputs = [p.communicate(timeout=300) for p in group]

@@ -48,9 +48,9 @@ def test_promised_steps_stop_at_the_promising_run_last_step():
 
 def test_cli_resume_without_keep_period_keeps_permanent_checkpoints(tmp_path):
     out = str(tmp_path)
-    first = ("train.steps=5", "train.checkpoint_every=1", "train.eval_steps=0",
-             "train.max_to_keep=1")
-    assert _train(out, *first, "train.keep_period=2") == 0
+    first = ("train.steps=5", "CheckpointConfig.every=1", "EvalConfig.steps=0",
+             "CheckpointConfig.max_to_keep=1")
+    assert _train(out, *first, "CheckpointConfig.keep_period=2") == 0
     assert _steps(out) == [2, 4, 5]
     assert _train(out, "train.steps=7", *first[1:]) == 0
     assert _steps(out) == [2, 4, 7]

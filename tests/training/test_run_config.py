@@ -19,8 +19,8 @@ def test_history_keeps_each_run_and_config_gin_is_the_latest(tmp_path):
 
 def test_resumed_run_with_other_bindings_keeps_the_earlier_config(tmp_path):
     out = str(tmp_path)
-    assert _train(out, "train.steps=2", "train.eval_steps=0") == 0
-    assert _train(out, "train.steps=4", "train.eval_steps=0") == 0
+    assert _train(out, "train.steps=2", "EvalConfig.steps=0") == 0
+    assert _train(out, "train.steps=4", "EvalConfig.steps=0") == 0
     texts = [(tmp_path / HISTORY_DIR / h).read_text()
              for h in sorted(os.listdir(tmp_path / HISTORY_DIR))]
     assert ["train.steps = 2" in t for t in texts] == [True, False]

@@ -77,7 +77,7 @@ def test_two_concurrent_trains_on_one_directory_refuse_the_second(tmp_path):
     script = shutil.which("revtrain-train", path=os.path.dirname(sys.executable))
     argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
     argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=100000",
-                                                    "train.checkpoint_every=2"]]
+                                                    "CheckpointConfig.every=2"]]
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in first.stderr:  # Training has started: the first holds the lock.
         if " train: loss" in line:

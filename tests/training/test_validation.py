@@ -5,9 +5,9 @@ import pytest
 from revtrain.data import CopyTask
 from revtrain.models import ReversibleTransformerLM, RevNet
 from revtrain.training.validation import (
+    check_arguments,
     check_batch_divides,
     check_first_batch,
-    check_train_arguments,
 )
 
 LM = ReversibleTransformerLM(vocab_size=8, d_model=8, d_ff=8, n_layers=1, n_heads=2,
@@ -47,26 +47,33 @@ def test_fitting_batches_pass_for_lm_and_classifier():
         check_first_batch((images, labels + 1, np.ones(4, np.float32)), RevNet(), DATA)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ({"steps": 2.5}, "train.steps=2.5 must be an integer; change the gin binding train.steps"),
-    ({"steps": True}, "train.steps=True must be an integer"),
-    ({"checkpoint_every": -1}, "train.checkpoint_every=-1 must be >= 0"),
-    ({"eval_steps": -2}, "train.eval_steps=-2 must be >= 0"),
-    ({"log_every": 0}, "train.log_every=0 must be >= 1 or None"),
-    ({"keep_time_interval": 0}, "train.keep_time_interval=0 must be > 0 or None"),
-    ({"keep_time_interval": float("inf")}, "train.keep_time_interval=inf must be > 0"),
-    ({"n_devices": 0}, "train.n_devices=0 must be >= 1 or None"),
-    ({"learning_rate": float("nan")}, "train.learning_rate=nan must be a finite number > 0"),
+@pytest.mark.parametrize("prefix, arguments, message", [
+    ("train", {"steps": 2.5}, "train.steps=2.5 must be an integer; change the gin binding "
+                              "train.steps"),
+    ("train", {"steps": True}, "train.steps=True must be an integer"),
+    ("CheckpointConfig", {"every": -1}, "CheckpointConfig.every=-1 must be >= 0"),
+    ("EvalConfig", {"steps": -2}, "EvalConfig.steps=-2 must be >= 0 or None"),
+    ("LogConfig", {"every": 0}, "LogConfig.every=0 must be >= 1 or None"),
+    ("CheckpointConfig", {"keep_time_interval": 0},
+     "CheckpointConfig.keep_time_interval=0 must be > 0 or None"),
+    ("CheckpointConfig", {"keep_time_interval": float("inf")},
+     "CheckpointConfig.keep_time_interval=inf must be > 0"),
+    ("RunConfig", {"n_devices": 0}, "RunConfig.n_devices=0 must be >= 1 or None"),
+    ("RunConfig", {"schedule": float("nan")}, "RunConfig.schedule=nan must be a finite "
+                                              "number > 0"),
 ])
-def test_out_of_range_arguments_are_one_line_errors(arguments, message):
+def test_out_of_range_arguments_are_one_line_errors(prefix, arguments, message):
     with pytest.raises(ValueError, match="^" + message.replace(".", r"\.")):
-        check_train_arguments(arguments)
+        check_arguments(arguments, prefix)
 
 
 def test_in_range_arguments_and_none_pass():
-    check_train_arguments({"steps": 1, "eval_every": 0, "max_to_keep": None,
-                           "keep_period": None, "keep_time_interval": 0.5, "n_devices": 4,
-                           "learning_rate": lambda step: 0.1, "log_every": None})
+    check_arguments({"steps": 1}, "train")
+    check_arguments({"every": 0, "max_to_keep": None, "keep_period": None,
+                     "keep_time_interval": 0.5}, "CheckpointConfig")
+    check_arguments({"n_devices": 4, "schedule": lambda step: 0.1}, "RunConfig")
+    check_arguments({"every": None}, "LogConfig")
+    check_arguments({"steps": None}, "EvalConfig")
 
 
 def test_batch_must_divide_over_devices():

@@ -1,0 +1,175 @@
+"""Builds the programs of a run from its configuration: training, evaluation, decoding.
+
+One factory for the three tools (Paxml builds its train, eval and decode programs from one
+experiment the same way): `build_model` initialises the model from the first train batch,
+`build_evaluator` makes the sharded eval-mode scorer, and `build_loop` adds the trainer
+(with its optimizer slots), the checkpointer and the metrics writer. ``revtrain-eval`` and
+``revtrain-decode`` use the first two only, so they never build optimizer slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from revtrain.data.inputs import Inputs
+from revtrain.layers import (
+    Accuracy,
+    Layer,
+    Serial,
+    WeightedCategoryCrossEntropy,
+    nest_flat_values,
+    signature_of,
+)
+from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
+from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
+from revtrain.training.evaluation import Evaluator
+from revtrain.training.loop import CHECKPOINT_DIR, Loop
+from revtrain.training.metrics_writer import MetricsWriter
+from revtrain.training.validation import check_batch_divides, check_first_batch
+
+
+def build_trainer(trainer_class: Callable[..., Any], model: Layer, loss_layer: Layer,
+                  optimizer_fn: Callable[[], optax.GradientTransformation],
+                  n_devices: int | None = None, **trainer_kwargs: Any) -> Any:
+    """Builds ``trainer_class`` for an initialised ``model`` followed by ``loss_layer``.
+
+    `Trainer` (or a subclass) gets ``Serial(*flat_layers)``; any other class is called as
+    the block trainers are, ``trainer_class(blocks, loss_layer, optimizer_fn, n_devices,
+    **trainer_kwargs)``, with ``blocks, loss_layer = extract_reversible_blocks([model,
+    loss_layer])``.
+    """
+    blocks, loss = extract_reversible_blocks([model, loss_layer])
+    if isinstance(trainer_class, type) and issubclass(trainer_class, Trainer):
+        return trainer_class(Serial(*blocks_to_layers(blocks, loss)), optimizer_fn,
+                             n_devices=n_devices, **trainer_kwargs)
+    return trainer_class(blocks, loss, optimizer_fn, n_devices=n_devices, **trainer_kwargs)
+
+
+@dataclasses.dataclass
+class BuiltModel:
+    """An initialised training-mode model, its loss, and the trainers' flat view of both.
+
+    Attributes:
+      model: the ``mode='train'`` model, initialised from the first train batch; its layer
+        objects keep their initial values (trainers own the trained ones).
+      loss: the initialised loss layer.
+      flat_layers: ``blocks_to_layers(*extract_reversible_blocks([model, loss]))``: the
+        order of the per-layer values in a `TrainState` and in checkpoints.
+      batch_signature: ``ShapeDtype`` of a train batch ``(inputs, targets, weights)``.
+    """
+
+    model: Layer
+    loss: Layer
+    flat_layers: Sequence[Layer]
+    batch_signature: Any
+
+    def initial_values(self) -> dict[str, tuple]:
+        """``{'weights', 'state'}``: one initial value per flat layer (a restore template)."""
+        return {"weights": tuple(layer.weights for layer in self.flat_layers),
+                "state": tuple(layer.state for layer in self.flat_layers)}
+
+    def nest(self, flat_values: Sequence[Any]) -> Any:
+        """Per-flat-layer values (weights or state) as the model's tree."""
+        return nest_flat_values(self.model, self.flat_layers, flat_values)
+
+
+def resolve_inputs(inputs: Inputs | Any) -> Inputs:
+    """``inputs`` if it is an `Inputs`, else ``inputs()`` (a class or factory)."""
+    return inputs if isinstance(inputs, Inputs) else inputs()
+
+
+def _loss(run: RunConfig) -> Layer:
+    loss = WeightedCategoryCrossEntropy() if run.loss is None else run.loss
+    return loss if isinstance(loss, Layer) else loss()
+
+
+def build_model(run: RunConfig, inputs: Inputs) -> BuiltModel:
+    """Checks the first train batch fits the model and the devices, then initialises both.
+
+    Raises:
+      ValueError: for a missing model/inputs, or a batch that does not fit the model or
+        divide over the devices (`revtrain.training.validation`).
+    """
+    run.check_complete()
+    model, loss = run.model(mode="train"), _loss(run)
+    batch = next(iter(inputs.train_stream(start_step=0)))
+    check_first_batch(batch, model, inputs)
+    signature = signature_of(tuple(batch))
+    check_batch_divides(signature[0].shape[0], run.n_devices, inputs)
+    init_rng, _ = jax.random.split(jax.random.key(run.seed))
+    model.init(signature[0], rng=init_rng)
+    loss.init((model.output_signature(signature[0]), signature[1], signature[2]))
+    flat = blocks_to_layers(*extract_reversible_blocks([model, loss]))
+    return BuiltModel(model, loss, flat, signature)
+
+
+def build_evaluator(run: RunConfig, built: BuiltModel, inputs: Inputs) -> Evaluator:
+    """The eval-mode model scored by ``{'loss', 'accuracy'}`` on the run's devices."""
+    return Evaluator(run.model(mode="eval"), {"loss": built.loss, "accuracy": Accuracy()},
+                     byte_level=inputs.byte_level, n_devices=run.n_devices)
+
+
+def _schedule(run: RunConfig) -> optax.Schedule | None:
+    if run.schedule is None or callable(run.schedule):
+        return run.schedule
+    return optax.constant_schedule(run.schedule)
+
+
+def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
+               checkpoint: CheckpointConfig | None = None, log: LogConfig | None = None,
+               output_dir: str | None = None) -> Loop:
+    """Builds the training `Loop` of a run and restores ``output_dir``'s newest checkpoint.
+
+    Args:
+      run: the model, data and optimisation.
+      eval_config, checkpoint, log: default `EvalConfig()`, `CheckpointConfig()`,
+        `LogConfig()`.
+      output_dir: where checkpoints (``checkpoints/``), ``metrics.jsonl`` and TensorBoard
+        files go; None keeps nothing.
+
+    Raises:
+      ValueError: as `build_model`, or for a checkpoint that does not match the model.
+    """
+    eval_config = eval_config or EvalConfig()
+    inputs = resolve_inputs(run.inputs)
+    built = build_model(run, inputs)
+    trainer = build_trainer(run.trainer_class, built.model, built.loss, run.optimizer,
+                            run.n_devices, **dict(run.trainer_kwargs or {}))
+    splits = {"eval": inputs} | {name: resolve_inputs(split) for name, split in
+                                  (eval_config.splits or {}).items()}
+    checkpoint = checkpoint or CheckpointConfig()
+    # The training run holds the run lock, so temporary directories are a crashed save's.
+    checkpointer = None if output_dir is None else Checkpointer(
+        os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=checkpoint.max_to_keep,
+        keep_period=checkpoint.keep_period, keep_time_interval=checkpoint.keep_time_interval,
+        async_save=checkpoint.async_save, cleanup_tmp=True)
+    init = None
+    if checkpoint.init_checkpoint_dir is not None:
+        init = Checkpointer(checkpoint_directory(checkpoint.init_checkpoint_dir),
+                            max_to_keep=None)
+    writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
+    return Loop(trainer, inputs, built, build_evaluator(run, built, inputs), splits,
+                checkpointer=checkpointer, init_checkpointer=init, writer=writer,
+                schedule=_schedule(run), eval_config=eval_config, checkpoint=checkpoint,
+                log=log or LogConfig(), seed=run.seed)
+
+
+def checkpoint_directory(path: str) -> str:
+    """A run directory's ``checkpoints/`` (or ``path`` itself when it holds the steps).
+
+    Raises:
+      FileNotFoundError: naming ``CheckpointConfig.init_checkpoint_dir`` when ``path`` is
+        not a directory.
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir={path!r} is not a "
+                                f"directory; give the output_dir of another run")
+    inner = os.path.join(path, CHECKPOINT_DIR)
+    return inner if os.path.isdir(inner) else path

@@ -1,0 +1,219 @@
+"""One run configuration: small frozen dataclasses that gin configures.
+
+A run is described once, by four values that `train`, ``revtrain-eval`` and
+``revtrain-decode`` all build their programs from (`revtrain.training.builder`):
+
+* `RunConfig`: the model, data, loss, optimizer, learning-rate schedule, trainer, seed and
+  devices -- what makes two runs different models;
+* `EvalConfig`: how often and on what to evaluate;
+* `CheckpointConfig`: how often to save, what to keep, where to start from;
+* `LogConfig`: how often to write train metrics, and the progress bar.
+
+In gin each field is bound by class name (``EvalConfig.every = 250``, ``RunConfig.model =
+@ReversibleTransformerLM``); ``train.steps`` stays on ``train``. This replaces the 18
+arguments ``train``, ``make_loop`` and ``Loop`` each repeated (Paxml's experiment
+``task()`` / ``datasets()`` split plays the same role). Each dataclass range-checks its
+fields when built (`revtrain.training.validation.check_arguments`), so a bad value is a
+one-line error naming the binding before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optax
+
+from revtrain.data.inputs import Inputs
+from revtrain.layers import Layer
+from revtrain.trainers import Trainer
+from revtrain.training.optimizers import optimizer_fn
+from revtrain.training.validation import check_arguments
+
+# The bindings of train before this module existed, and what replaced them.
+LEGACY_BINDINGS = {
+    "model": "RunConfig.model", "inputs": "RunConfig.inputs",
+    "optimizer": "RunConfig.optimizer", "trainer_class": "RunConfig.trainer_class",
+    "loss": "RunConfig.loss", "learning_rate": "RunConfig.schedule",
+    "seed": "RunConfig.seed", "n_devices": "RunConfig.n_devices",
+    "trainer_kwargs": "RunConfig.trainer_kwargs",
+    "eval_every": "EvalConfig.every", "eval_steps": "EvalConfig.steps",
+    "checkpoint_every": "CheckpointConfig.every",
+    "max_to_keep": "CheckpointConfig.max_to_keep",
+    "keep_period": "CheckpointConfig.keep_period",
+    "keep_time_interval": "CheckpointConfig.keep_time_interval",
+    "log_every": "LogConfig.every", "progress": "LogConfig.progress",
+}
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    """The fields of a dataclass, shallow (``dataclasses.asdict`` deep-copies values)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The model, data and optimisation of a run.
+
+    Args:
+      model: the model function, called as ``model(mode='train')``, ``model(mode='eval')``
+        and ``model(mode='predict')`` (e.g. ``ReversibleTransformerLM``).
+      inputs: an `Inputs` or a function returning one (e.g. the class ``TextFiles``).
+      optimizer: ``() -> optax.GradientTransformation`` built with
+        ``optax.inject_hyperparams`` (default `optimizer_fn`).
+      trainer_class: `Trainer`, `ReversibleSerialTrainer` or `MemoryEfficientTrainer`.
+      loss: the loss layer or its class; default ``WeightedCategoryCrossEntropy``.
+      schedule: the learning rate: a float, an optax schedule ``step -> rate``
+        (``@warmup_rsqrt_decay()`` in gin), or None to keep the optimizer's own rate
+        (``optimizer_fn.learning_rate``).
+      seed: seeds the weight initialisation and the per-step rngs.
+      n_devices: devices per process (default: all local devices).
+      trainer_kwargs: extra keyword arguments of ``trainer_class``.
+
+    Raises:
+      ValueError: for a negative ``seed``, ``n_devices`` < 1 or above the local device
+        count, or a float ``schedule`` that is not finite and > 0.
+    """
+
+    model: Callable[..., Layer] | None = None
+    inputs: Inputs | Callable[[], Inputs] | None = None
+    optimizer: Callable[[], optax.GradientTransformation] = optimizer_fn
+    trainer_class: Callable[..., Any] = Trainer
+    loss: Layer | Callable[[], Layer] | None = None
+    schedule: float | optax.Schedule | None = None
+    seed: int = 0
+    n_devices: int | None = None
+    trainer_kwargs: Mapping[str, Any] | None = None
+
+    def __post_init__(self):
+        check_arguments(_fields(self), "RunConfig")
+
+    def check_complete(self) -> None:
+        """Raises a ValueError naming the binding when ``model`` or ``inputs`` is unset."""
+        if self.model is None or self.inputs is None:
+            missing = "RunConfig.model" if self.model is None else "RunConfig.inputs"
+            raise ValueError(f"{missing} is not set; bind it in the gin config, e.g. "
+                             f"RunConfig.model = @ReversibleTransformerLM and "
+                             f"RunConfig.inputs = @TextFiles")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """When and on what a run is evaluated (Paxml's eval programs).
+
+    Args:
+      every: evaluate every this many steps while training (0: only at the end).
+      steps: batches per evaluation of each split; None for one exact pass over each
+        split's finite eval data (`Inputs.eval_pass`: no cycling, the last partial batch
+        padded and masked); 0 never evaluates.
+      splits: more named eval splits, ``{name: Inputs}`` (or functions returning one);
+        each is evaluated on its ``eval_stream``/``eval_pass`` and gets its own records in
+        ``metrics.jsonl`` and its own TensorBoard run ``tensorboard/<name>``. The run's
+        own inputs are always the split ``'eval'``.
+      eval_train: also evaluate the eval-mode model on the current train batch (split
+        ``'eval_train'``), as Paxml's ``eval_train`` does.
+
+    Raises:
+      ValueError: for ``every < 0``, ``steps < 0``, or a split named ``'eval'``,
+        ``'train'`` or ``'eval_train'``.
+    """
+
+    every: int = 100
+    steps: int | None = 10
+    splits: Mapping[str, Inputs | Callable[[], Inputs]] | None = None
+    eval_train: bool = False
+
+    def __post_init__(self):
+        check_arguments(_fields(self), "EvalConfig")
+        for name in self.splits or {}:
+            if name in ("eval", "train", "eval_train"):
+                raise ValueError(f"EvalConfig.splits has a split named {name!r}, a name the "
+                                 f"loop uses itself; rename it in the gin binding "
+                                 f"EvalConfig.splits")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether evaluation runs at all (``steps != 0``)."""
+        return self.steps != 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """When checkpoints are saved and what is kept (Paxml's checkpoint manager).
+
+    Args:
+      every: save every this many steps (0: only at the end).
+      max_to_keep: keep the newest this many checkpoints (None: all).
+      keep_period: also keep, permanently, every checkpoint whose step is a multiple of
+        this; None disables.
+      keep_time_interval: also keep, permanently, one checkpoint per this many seconds;
+        None disables.
+      restore_step: on start, restore this step instead of the newest (Paxml's
+        ``restore_step``); saves of steps up to the newest existing one are skipped.
+      init_checkpoint_dir: warm start: when the run has no checkpoint yet, start from the
+        newest checkpoint of this run directory (Paxml's ``init_checkpoint``); its
+        structure must match the model's (the error names the first mismatching path).
+      init_weights_only: warm-start weights and layer state only (fresh optimizer slots,
+        step 0); False restores everything, step and optimizer slots included.
+      async_save: save in a background thread (orbax asynchronous checkpointing); the
+        loop waits for the last save before it exits.
+
+    Raises:
+      ValueError: for a value below its limit (``every``, ``restore_step >= 0``, the
+        others >= 1 or > 0).
+    """
+
+    every: int = 100
+    max_to_keep: int | None = 3
+    keep_period: int | None = None
+    keep_time_interval: float | None = None
+    restore_step: int | None = None
+    init_checkpoint_dir: str | None = None
+    init_weights_only: bool = True
+    async_save: bool = False
+
+    def __post_init__(self):
+        check_arguments(_fields(self), "CheckpointConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """How training reports progress.
+
+    Args:
+      every: write train metrics every this many steps; None: ``EvalConfig.every``, or
+        100 when that is 0.
+      progress: show a tqdm progress bar; None shows it when stderr is a terminal.
+      profile_steps: ``(first, last)``: record a ``jax.profiler`` trace of steps
+        ``first..last`` (1-based, as the log lines count) into ``output_dir/profile``
+        (TensorBoard's profile plugin reads it). Every step is annotated
+        (``StepTraceAnnotation``) in any trace.
+
+    Raises:
+      ValueError: for ``every < 1`` or ``profile_steps`` not ``1 <= first <= last``.
+    """
+
+    every: int | None = None
+    progress: bool | None = None
+    profile_steps: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        check_arguments(_fields(self), "LogConfig")
+        steps = self.profile_steps
+        if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"LogConfig.profile_steps={steps!r} must be (first, last) with "
+                             f"1 <= first <= last; change the gin binding "
+                             f"LogConfig.profile_steps")
+
+
+
+def legacy_binding_error(names: list[str]) -> ValueError:
+    """The one-line error for ``train.<name>`` bindings that moved to a dataclass."""
+    name = names[0]
+    new = LEGACY_BINDINGS.get(name)
+    if new is None:
+        return ValueError(f"train.{name} is not a parameter of train; see "
+                          f"docs/gin_reference.md for train and the *Config bindings")
+    return ValueError(f"train.{name} is now {new}; change the gin binding train.{name} "
+                      f"to {new}")

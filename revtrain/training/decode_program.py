@@ -1,0 +1,84 @@
+"""``revtrain-decode``'s program: continue prompts with a run's checkpoint, write a file.
+
+As Paxml's decode program, outputs go to ``<run>/decoder_out/step_<N>.jsonl``, one record
+per prompt: ``{"prompt": str, "continuation": str, "tokens": [int, ...]}`` (``tokens`` are
+the new byte ids). ``N`` is the checkpoint's step, 0 for a random initialisation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+import jax
+
+from revtrain.training.builder import build_model, resolve_inputs
+from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.config import RunConfig
+from revtrain.training.decoding import CachedDecoder, Decoder, decode_text
+from revtrain.training.loop import CHECKPOINT_DIR
+
+DECODER_DIR = "decoder_out"
+
+
+def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
+                 allow_random_init: bool = False, cache: bool = True,
+                 ) -> tuple[CachedDecoder | Decoder, int]:
+    """The decoder of a run's checkpoint (default: the newest); returns it and the step.
+
+    Args:
+      run: the run's configuration (its model must be an LM on byte-level data).
+      output_dir: the run directory.
+      step: the checkpoint to load; None for the newest.
+      allow_random_init: without any checkpoint, decode with the initial weights (step 0)
+        instead of failing.
+      cache: decode with the key/value cache (`CachedDecoder`); False recomputes a
+        sliding window (`Decoder`).
+
+    Raises:
+      ValueError: the data is not byte-level, or there is no checkpoint (of ``step``) and
+        random initialisation was not allowed.
+    """
+    inputs = resolve_inputs(run.inputs)
+    if not inputs.byte_level:
+        raise ValueError(f"revtrain-decode continues text with a byte-level LM; this run's "
+                         f"inputs {type(inputs).__name__} are not byte-level")
+    built = build_model(run, inputs)
+    checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=None)
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None and not allow_random_init:
+            raise ValueError(f"no checkpoint in {checkpointer.directory}; train first, or "
+                             f"pass --allow_random_init to decode with random weights")
+        values = (built.initial_values() if step is None else
+                  checkpointer.restore_values(built.initial_values(), step))
+    finally:
+        checkpointer.close()
+    weights, state = built.nest(values["weights"]), built.nest(values["state"])
+    # The model's max_len (else the training length) for both, so they see the same context.
+    max_len = getattr(built.model, "max_len", None) or built.batch_signature[0].shape[-1]
+    if cache:
+        return CachedDecoder(run.model(mode="predict"), weights, max_len), step or 0
+    return Decoder(run.model(mode="eval"), weights, state, max_len), step or 0
+
+
+def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], path: str,
+                   max_new_bytes: int, temperature: float = 0.0, seed: int = 0,
+                   top_k: int | None = None, top_p: float | None = None) -> list[dict]:
+    """Decodes each prompt (prompt ``i`` with ``fold_in(key(seed), i)``); writes ``path``.
+
+    Returns:
+      The records written, ``{"prompt", "continuation", "tokens"}`` each.
+    """
+    records = []
+    for i, prompt in enumerate(prompts):
+        text, tokens = decode_text(decoder, prompt, max_new_bytes, temperature, seed + i,
+                                   top_k, top_p)
+        records.append({"prompt": prompt, "continuation": text, "tokens": tokens})
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in records)
+        os.replace(path + ".tmp", path)
+    return records

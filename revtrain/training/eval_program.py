@@ -1,0 +1,172 @@
+"""Continuous evaluation of a run's checkpoints, as Paxml's separate eval program.
+
+`CheckpointEvaluator` rebuilds a run's eval model from its configuration (no trainer, no
+optimizer slots: `Checkpointer.restore_values` reads only weights and state) and scores
+each complete checkpoint that has no eval record yet, in step order, writing
+``metrics.jsonl`` records and TensorBoard runs under each split's name -- where training
+writes its own evaluations. Following a training job (`follow`), it polls for new
+checkpoints at a bounded interval; orbax's temporary directories of saves in progress are
+not listed, and a checkpoint that retention deletes between listing and reading is
+skipped. Re-running evaluates nothing twice: the records are the memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+
+from revtrain.training.builder import (
+    BuiltModel,
+    build_evaluator,
+    build_model,
+    resolve_inputs,
+)
+from revtrain.training.checkpoints import (
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointUnreadableError,
+    _reason,
+)
+from revtrain.training.config import EvalConfig, RunConfig
+from revtrain.training.evaluation import eval_batches
+from revtrain.training.loop import CHECKPOINT_DIR
+from revtrain.training.metrics_writer import MetricsWriter, read_metrics
+
+logger = logging.getLogger(__name__)
+
+MAX_POLL_SECONDS = 600.0
+
+
+class CheckpointEvaluator:
+    """Evaluates the checkpoints of ``output_dir`` on the run's eval splits.
+
+    Args:
+      run: the run's `RunConfig` (from its ``config.gin``).
+      eval_config: its `EvalConfig`; ``steps`` batches per split (None: one exact pass).
+      output_dir: the run directory (``checkpoints/`` is read, ``metrics.jsonl`` and
+        ``tensorboard/<split>`` are appended to).
+      split: evaluate only this split (default: all of them).
+
+    Raises:
+      ValueError: for an unknown ``split``, or data that does not fit the model.
+    """
+
+    def __init__(self, run: RunConfig, eval_config: EvalConfig, output_dir: str,
+                 split: str | None = None):
+        inputs = resolve_inputs(run.inputs)
+        self.built: BuiltModel = build_model(run, inputs)
+        self._evaluator = build_evaluator(run, self.built, inputs)
+        splits = {"eval": inputs} | {name: resolve_inputs(s) for name, s in
+                                      (eval_config.splits or {}).items()}
+        if split is not None and split not in splits:
+            raise ValueError(f"--split={split} is not a split of this run; use one of "
+                             f"{sorted(splits)}")
+        self.splits = {split: splits[split]} if split else splits
+        self._steps = eval_config.steps
+        self.output_dir = output_dir
+        self.checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR),
+                                         max_to_keep=None)
+        self._writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
+        self.unreadable_steps: set[int] = set()
+
+    def evaluated_steps(self) -> set[int]:
+        """Steps that have a record of every split in ``metrics.jsonl``."""
+        done = [{r["step"] for r in read_metrics(self.output_dir, name)}
+                for name in self.splits]
+        return set.intersection(*done)
+
+    def pending_steps(self, step: int | None = None) -> list[int]:
+        """Complete checkpoints without a record (only ``step`` when given), ascending."""
+        self.checkpointer.reload()
+        done = self.evaluated_steps()
+        return [s for s in self.checkpointer.all_steps()
+                if s not in done and s not in self.unreadable_steps
+                and (step is None or s == step)]
+
+    def evaluate_step(self, step: int) -> dict[str, dict[str, float]] | None:
+        """Evaluates the checkpoint of ``step`` and writes its records.
+
+        A checkpoint that cannot be read (a missing or damaged file) is skipped with a
+        warning naming it and the reason, and listed in `unreadable_steps`.
+
+        Returns:
+          ``{split: metrics}``, or None when the checkpoint was deleted before it was read
+          or cannot be read.
+
+        Raises:
+          CheckpointMismatchError: the checkpoint holds another model.
+        """
+        where = os.path.join(self.checkpointer.directory, str(step))
+        try:
+            values = self.checkpointer.restore_values(self.built.initial_values(), step)
+        except CheckpointMismatchError:
+            raise
+        except FileNotFoundError as e:
+            if os.path.isdir(where):  # Present but incomplete: damaged.
+                self.unreadable_steps.add(step)
+            logger.warning("skipping the checkpoint %s: %s", where, _reason(e))
+            return None
+        except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
+            self.unreadable_steps.add(step)
+            logger.warning("skipping the checkpoint %s: it cannot be read (%s)", where,
+                           _reason(e))
+            return None
+        weights, state = self.built.nest(values["weights"]), self.built.nest(values["state"])
+        results = {}
+        for name, inputs in self.splits.items():
+            results[name] = self._evaluator.evaluate(weights, state,
+                                                     eval_batches(inputs, self._steps))
+            self._writer.write(step, name, results[name])
+        self._writer.flush()
+        return results
+
+    def run(self, step: int | None = None) -> Iterator[tuple[int, dict]]:
+        """Evaluates the pending checkpoints once, in step order; yields ``(step, results)``.
+
+        Raises:
+          CheckpointUnreadableError: when checkpoints were pending and none could be read.
+        """
+        pending = self.pending_steps(step)
+        evaluated = 0
+        for each in pending:
+            results = self.evaluate_step(each)
+            if results is not None:
+                evaluated += 1
+                yield each, results
+        unreadable = [s for s in pending if s in self.unreadable_steps]
+        if pending and not evaluated and len(unreadable) == len(pending):
+            raise CheckpointUnreadableError(
+                f"none of the {len(pending)} checkpoints to evaluate in "
+                f"{self.checkpointer.directory} can be read (steps {pending})")
+
+    def follow(self, final_step: int, poll_seconds: float = 10.0,
+               sleep: Callable[[float], None] = time.sleep) -> Iterator[tuple[int, dict]]:
+        """Evaluates new checkpoints as they appear until ``final_step`` is evaluated.
+
+        Args:
+          final_step: the run's last step (``train.steps``); returns once a checkpoint of
+            that step or a later one has been evaluated.
+          poll_seconds: seconds between looks at the directory, in (0, 600].
+          sleep: the waiting function (tests pass a fake one).
+
+        Raises:
+          ValueError: for ``poll_seconds`` outside (0, 600].
+        """
+        if not 0 < poll_seconds <= MAX_POLL_SECONDS:
+            raise ValueError(f"--poll_seconds={poll_seconds} must be in (0, "
+                             f"{MAX_POLL_SECONDS:g}]; pass a shorter interval")
+        while True:
+            yield from self.run()
+            done = self.evaluated_steps() | self.unreadable_steps
+            if done and max(done) >= final_step:
+                return
+            sleep(poll_seconds)
+
+    def close(self) -> None:
+        """Closes the checkpoint manager and the metric writers."""
+        self.checkpointer.close()
+        self._writer.close()

@@ -1,0 +1,50 @@
+"""Tests of revtrain/training/config.py: the run configuration dataclasses."""
+import dataclasses
+
+import gin
+import pytest
+
+from revtrain import configurables
+from revtrain.training import CheckpointConfig, EvalConfig, LogConfig, RunConfig
+from revtrain.training.config import LEGACY_BINDINGS, legacy_binding_error
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: EvalConfig(every=-1), "EvalConfig.every=-1 must be >= 0"),
+    (lambda: EvalConfig(steps=-1), "EvalConfig.steps=-1 must be >= 0 or None"),
+    (lambda: EvalConfig(splits={"eval": None}), "EvalConfig.splits has a split named 'eval'"),
+    (lambda: CheckpointConfig(max_to_keep=0), "CheckpointConfig.max_to_keep=0 must be >= 1"),
+    (lambda: LogConfig(every=0), "LogConfig.every=0 must be >= 1 or None"),
+    (lambda: RunConfig(n_devices=9), "RunConfig.n_devices=9 is more than the 4 local"),
+    (lambda: RunConfig(schedule=-1.0), "RunConfig.schedule=-1.0 must be a finite number"),
+])
+def test_fields_are_checked_when_built(build, message):
+    with pytest.raises(ValueError, match="^" + message.replace(".", r"\.")):
+        build()
+
+
+def test_configs_are_frozen_and_default_schedule_is_the_optimizers():
+    config = RunConfig()
+    assert config.schedule is None  # None: the optimizer's own learning rate.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.seed = 1
+    with pytest.raises(ValueError, match="RunConfig.model is not set"):
+        config.check_complete()
+
+
+def test_gin_binds_fields_and_old_bindings_name_the_new_one():
+    gin.clear_config()
+    try:
+        gin.parse_config(["EvalConfig.every = 7", "CheckpointConfig.max_to_keep = None",
+                          "train.eval_every = 4"])
+        configs = configurables.run_configs()
+        assert configs["eval_config"].every == 7
+        assert configs["checkpoint"].max_to_keep is None
+        with pytest.raises(ValueError, match="^train.eval_every is now EvalConfig.every; "
+                                             "change the gin binding"):
+            configurables.train(output_dir=None, **configs)
+    finally:
+        gin.clear_config()
+    assert str(legacy_binding_error(["learning_rate"])).startswith(
+        "train.learning_rate is now RunConfig.schedule")
+    assert set(LEGACY_BINDINGS) >= {"model", "inputs", "eval_steps", "log_every"}

@@ -1,0 +1,105 @@
+"""Tests of revtrain/training/eval_program.py: evaluating a run's checkpoints."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from revtrain.data import CopyTask
+from revtrain.training import (
+    CheckpointConfig,
+    CheckpointEvaluator,
+    EvalConfig,
+    LogConfig,
+    RunConfig,
+    build_loop,
+    read_metrics,
+)
+from tests.training.tiny_models import tiny_reversible_lm
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs")
+TINY = [  # configs/copy_task.gin shrunk to seconds on CPU.
+    "ReversibleTransformerLM.vocab_size=8", "ReversibleTransformerLM.d_model=8",
+    "ReversibleTransformerLM.d_ff=16", "ReversibleTransformerLM.n_layers=1",
+    "ReversibleTransformerLM.n_heads=2", "ReversibleTransformerLM.max_len=16",
+    "CopyTask.vocab_size=8", "CopyTask.length=4", "CopyTask.batch_size=4",
+    "LogConfig.progress=False",
+]
+
+
+def _run():
+    return RunConfig(model=tiny_reversible_lm,
+                     inputs=CopyTask(vocab_size=16, length=4, batch_size=4, seed=1),
+                     schedule=1e-3)
+
+
+def _train(output_dir, steps):
+    with build_loop(_run(), EvalConfig(steps=0), CheckpointConfig(every=1, max_to_keep=None),
+                    LogConfig(progress=False), output_dir) as loop:
+        loop.run(steps)
+
+
+def test_each_checkpoint_is_evaluated_once_in_step_order(tmp_path):
+    out = str(tmp_path)
+    _train(out, 3)
+    evaluator = CheckpointEvaluator(_run(), EvalConfig(steps=1), out)
+    try:
+        assert [step for step, _ in evaluator.run()] == [1, 2, 3]
+        assert list(evaluator.run()) == []  # Re-running evaluates nothing twice.
+        assert [r["step"] for r in read_metrics(out, "eval")] == [1, 2, 3]
+        assert os.path.isdir(tmp_path / "tensorboard" / "eval")
+    finally:
+        evaluator.close()
+
+
+def test_follow_skips_a_checkpoint_deleted_after_listing(tmp_path):
+    out = str(tmp_path)
+    _train(out, 2)
+    evaluator = CheckpointEvaluator(_run(), EvalConfig(steps=1), out)
+    listed = evaluator.pending_steps
+
+    def list_then_delete(step=None):
+        steps = listed(step)
+        shutil.rmtree(os.path.join(out, "checkpoints", "1"), ignore_errors=True)
+        return steps
+
+    evaluator.pending_steps = list_then_delete
+    try:
+        assert [step for step, _ in evaluator.follow(final_step=2, poll_seconds=1)] == [2]
+        with pytest.raises(ValueError, match="poll_seconds=0 must be in"):
+            next(evaluator.follow(final_step=2, poll_seconds=0))
+    finally:
+        evaluator.close()
+
+
+def test_evaluator_process_follows_a_training_process(tmp_path):
+    """Two real processes: revtrain-eval --wait starts first, then revtrain-train."""
+    out = str(tmp_path)
+    bin_dir = os.path.dirname(sys.executable)
+    bindings = TINY + ["train.steps=24", "CheckpointConfig.every=3",
+                       "CheckpointConfig.max_to_keep=None", "EvalConfig.steps=0",
+                       "LogConfig.every=1"]
+    evaluator = subprocess.Popen(
+        [os.path.join(bin_dir, "revtrain-eval"), f"--output_dir={out}", "--wait",
+         "--poll_seconds=0.2", "--eval_steps=8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = subprocess.run(
+        [os.path.join(bin_dir, "revtrain-train"),
+         f"--config_file={os.path.join(CONFIGS, 'copy_task.gin')}", f"--output_dir={out}",
+         *[f"--gin_bindings={b}" for b in bindings]],
+        capture_output=True, text=True, timeout=300)
+    assert trainer.returncode == 0, trainer.stderr[-2000:]
+    trained_until = time.time()
+    stdout, stderr = evaluator.communicate(timeout=300)
+    assert evaluator.returncode == 0, stderr[-2000:]
+    saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+    assert saved == list(range(3, 25, 3))
+    evals = read_metrics(out, "eval")
+    assert sorted(r["step"] for r in evals) == saved  # Every saved step exactly once.
+    assert [r["step"] for r in evals] == saved  # In step order.
+    assert stdout.strip().splitlines()[-1].startswith("eval at step 24:")
+    # The evaluator worked while training was still saving checkpoints.
+    assert min(r["time"] for r in evals) < trained_until
