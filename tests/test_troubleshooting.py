@@ -9,7 +9,7 @@ import re
 import pytest
 
 from revtrain import cli
-from tests.test_cli import COPY_TASK, TINY
+from tests.cli_helpers import COPY_TASK, TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 A_FILE = "<a file>"

@@ -6,7 +6,7 @@ import pytest
 
 from revtrain.training import Checkpointer
 from revtrain.training.retention import promised_steps, read_promises
-from tests.test_cli import _steps, _train
+from tests.cli_helpers import _steps, _train
 
 
 def _tree(value=0.0):

@@ -3,7 +3,7 @@ import datetime
 import os
 
 from revtrain.training.run_config import HISTORY_DIR, write_run_config
-from tests.test_cli import _train
+from tests.cli_helpers import _train
 
 
 def test_history_keeps_each_run_and_config_gin_is_the_latest(tmp_path):

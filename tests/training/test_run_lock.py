@@ -11,7 +11,7 @@ import pytest
 
 from revtrain.training import read_metrics
 from revtrain.training.run_lock import LOCK_FILE, RunLock, RunLockError
-from tests.test_cli import COPY_TASK, TINY, _checkpoint, _steps
+from tests.cli_helpers import COPY_TASK, TINY, _checkpoint, _steps
 
 
 def _write_lock(directory, **owner):
