@@ -104,9 +104,11 @@ def _freeze(value: Any) -> Hashable:
         return ("dict", tuple(sorted((k, _freeze(v)) for k, v in value.items())))
     if isinstance(value, (np.ndarray, jax.Array)):
         arr = np.asarray(value)
-        return ("array", arr.shape, arr.dtype.str, arr.tobytes())
+        # dtype.str alone is '<V1' for every 1-byte ml_dtypes type (float8 variants, int4):
+        # the name tells them apart.
+        return ("array", arr.shape, arr.dtype.str, arr.dtype.name, arr.tobytes())
     if isinstance(value, np.dtype):
-        return ("dtype", value.str)
+        return ("dtype", value.str, value.name)
     if isinstance(value, functools.partial):
         return ("partial", _freeze(value.func), _freeze(value.args), _freeze(value.keywords))
     if callable(value) and hasattr(value, "__qualname__"):

@@ -186,8 +186,7 @@ class Layer:
         """True once `init` ran or weights were assigned (for combinators: all sublayers)."""
         if self._sublayers:
             return all(s.initialized for s in self._sublayers)
-        has_no_weights = type(self).init_weights_and_state is Layer.init_weights_and_state
-        return self._initialized or has_no_weights
+        return self._initialized or not _has_own_weights(self)
 
     @property
     def rng(self) -> jax.Array:
@@ -287,9 +286,8 @@ class Layer:
         except Exception as e:
             raise LayerError(self.name, "init", self._caller, _error_signature(input_signature),
                              e) from e
-        self.weights = weights
+        self.weights = weights  # The setters mark the layer initialised.
         self.state = state
-        self._initialized = True
         return weights, state
 
     def output_signature(self, input_signature: Any) -> Any:

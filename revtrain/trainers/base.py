@@ -73,6 +73,11 @@ class TrainerBase:
     @property
     def train_state(self) -> TrainState:
         """Host (numpy) copies of the weights, state and optimizer slots."""
+        return TrainState(*(self.host_values(part) for part in TrainState._fields))
+
+    def host_values(self, part: str) -> Any:
+        """Host copy of one part of `train_state` (``'weights'``, ``'state'`` or
+        ``'slots'``) without copying the others (evaluation needs no optimizer slots)."""
         raise NotImplementedError
 
     def restore(self, train_state: TrainState) -> None:
@@ -91,17 +96,17 @@ class TrainerBase:
     @property
     def weights(self) -> Any:
         """Host copy of the weights (``train_state.weights``)."""
-        return self.train_state.weights
+        return self.host_values("weights")
 
     @property
     def state(self) -> Any:
         """Host copy of device 0's layer state (``train_state.state``)."""
-        return self.train_state.state
+        return self.host_values("state")
 
     @property
     def slots(self) -> Any:
         """Host copy of the optimizer slots (``train_state.slots``)."""
-        return self.train_state.slots
+        return self.host_values("slots")
 
     def _checked(self, train_state: Any) -> TrainState:
         """``train_state`` as a `TrainState` after checking it against the current one."""

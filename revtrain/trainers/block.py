@@ -145,10 +145,9 @@ class BlockTrainer(TrainerBase):
     # ----------------------------------------------------------------------------------
     # The training values.
 
-    @property
-    def train_state(self) -> TrainState:
-        """Host copies: one entry per flat layer in each of weights, state, slots."""
-        return self._store.train_state()
+    def host_values(self, part: str) -> tuple:
+        """One entry per flat layer of ``part`` (weights, state or slots)."""
+        return self._store.host_values(part)
 
     def restore(self, train_state: TrainState) -> None:
         train_state = self._checked(train_state)

@@ -163,6 +163,8 @@ class ParamStore(Protocol):
     its first ``keep_params`` leaves every stored value as it was, one that raises later
     (in the backward pass) leaves the layers already updated with their new values, and
     ``restore`` (which must work whatever state a failed step left) undoes it.
+    ``host_values(part)`` gives host copies of ``'weights'``, ``'state'`` or ``'slots'``,
+    one entry per flat layer.
     Implementations: `revtrain.trainers.stores.DeviceStore` (all on the
     devices) and `revtrain.trainers.stores.HostStore` (host memory, prefetch window).
     """
@@ -191,7 +193,7 @@ class ParamStore(Protocol):
 
     def finish_step(self) -> None: ...
 
-    def train_state(self) -> TrainState: ...
+    def host_values(self, part: str) -> tuple: ...
 
     def restore(self, train_state: TrainState) -> None: ...
 

@@ -130,10 +130,11 @@ class DeviceStore:
     def finish_step(self) -> None:
         self._states = self._new_states
 
-    def train_state(self) -> TrainState:
-        return TrainState(tuple(devices.unreplicate(w) for w in self._weights),
-                          tuple(devices.first_device_slice(s) for s in self._states),
-                          tuple(devices.unreplicate(s) for s in self._slots))
+    def host_values(self, part: str) -> tuple:
+        if part == "state":
+            return tuple(devices.first_device_slice(s) for s in self._states)
+        values = {"weights": self._weights, "slots": self._slots}[part]
+        return tuple(devices.unreplicate(v) for v in values)
 
     def device_footprint(self) -> DeviceFootprint:
         device = self._mesh.devices.flat[0]
@@ -272,12 +273,11 @@ class HostStore:
     # ----------------------------------------------------------------------------------
     # Host values and the device account.
 
-    def train_state(self) -> TrainState:
+    def host_values(self, part: str) -> tuple:
         self._resolve_pending()
-        return TrainState(tuple(self._weights),
-                          tuple(jax.tree.map(lambda a: np.asarray(a)[0], s)
-                                for s in self._states),
-                          tuple(self._slots))
+        if part == "state":
+            return tuple(jax.tree.map(lambda a: np.asarray(a)[0], s) for s in self._states)
+        return tuple({"weights": self._weights, "slots": self._slots}[part])
 
     def device_footprint(self) -> DeviceFootprint:
         device = self._mesh.devices.flat[0]

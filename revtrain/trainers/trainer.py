@@ -145,13 +145,12 @@ class Trainer(TrainerBase):
     # ----------------------------------------------------------------------------------
     # The training values.
 
-    @property
-    def train_state(self) -> TrainState:
-        """Host copies: ``model_with_loss``'s weights and (device 0's) state trees, and one
-        optimizer state for the whole model."""
-        return TrainState(devices.unreplicate(self._weights),
-                          devices.first_device_slice(self._state),
-                          devices.unreplicate(self._slots))
+    def host_values(self, part: str) -> Any:
+        """``model_with_loss``'s weights or (device 0's) state tree, or the one optimizer
+        state of the whole model."""
+        if part == "state":
+            return devices.first_device_slice(self._state)
+        return devices.unreplicate({"weights": self._weights, "slots": self._slots}[part])
 
     def restore(self, train_state: TrainState) -> None:
         self._put(self._checked(train_state))

@@ -178,7 +178,7 @@ def _step_dirs(directory: str) -> list[int]:
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
-def _barrier(name: str) -> None:
+def barrier(name: str) -> None:
     """Waits for every process (no-op with one process)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
@@ -249,9 +249,9 @@ class Checkpointer:
         flat = flatten_tree(tree)
         if jax.process_index() == 0:  # Before saving: the save may delete old steps.
             retention.record_promise(self.directory, self._promises, *self._keep, step)
-        _barrier(f"revtrain_checkpoint_save_start_{step}")
+        barrier(f"revtrain_checkpoint_save_start_{step}")
         saved = self._manager.save(int(step), args=ocp.args.StandardSave(flat), force=True)
-        _barrier(f"revtrain_checkpoint_save_end_{step}")
+        barrier(f"revtrain_checkpoint_save_end_{step}")
         return bool(saved)
 
     def restore(self, template: Any, step: int | None = None) -> Any:
@@ -316,7 +316,7 @@ class Checkpointer:
             os.rename(os.path.join(self.directory, str(step)), target)
             logger.warning("moved the unreadable checkpoint of step %d to %s", step, target)
         self.unreadable_steps = []
-        _barrier("revtrain_checkpoint_set_aside")
+        barrier("revtrain_checkpoint_set_aside")
         self._manager.reload()
 
     def _restore_step(self, template: Any, step: int) -> Any:

@@ -39,11 +39,10 @@ import jax
 import numpy as np
 import optax
 import tqdm
-from jax.experimental import multihost_utils
 
 from revtrain.data.inputs import Inputs
 from revtrain.trainers import TrainState
-from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.checkpoints import Checkpointer, barrier
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
 from revtrain.training.evaluation import Evaluator, eval_batches
 from revtrain.training.interrupts import StopOnSignals
@@ -56,12 +55,6 @@ CHECKPOINT_DIR = "checkpoints"
 
 
 PROFILE_DIR = "profile"
-
-
-def _barrier(name: str) -> None:
-    """Waits for every process (no-op with one process)."""
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -115,7 +108,7 @@ class Loop:
                  checkpoint: CheckpointConfig | None = None,
                  log: LogConfig | None = None, seed: int = 0):
         self.trainer, self.inputs, self._built = trainer, inputs, model
-        self.model, self._flat_layers = model.model, model.flat_layers
+        self.model = model.model
         self._evaluator = evaluator
         self._splits = dict(splits or {"eval": inputs})
         self._checkpointer, self._init_checkpointer = checkpointer, init_checkpointer
@@ -141,7 +134,7 @@ class Loop:
         except BaseException:
             self.close()  # Joins orbax's threads: no tracebacks from them at exit.
             raise
-        _barrier("revtrain_loop_restored")  # Every process starts from the same step.
+        barrier("revtrain_loop_restored")  # Every process starts from the same step.
         self.summary = model_summary(model.flat_layers)
         logger.info("%s", self.summary)
         self._writer.write_text("model_summary", self.summary, self.step)
@@ -253,7 +246,7 @@ class Loop:
         start = time.perf_counter()
         batch = next(stream)
         self._check_batch(batch)
-        lr = None if self._schedule is None else float(self._schedule(self.step))
+        lr = None if self._schedule is None else self._rate(self.step)
         rng = jax.random.fold_in(self._rng, self.step)
         if self._profile_steps and self.step + 1 == self._profile_steps[0]:
             jax.profiler.start_trace(os.path.join(self.output_dir or ".", PROFILE_DIR))
@@ -270,15 +263,24 @@ class Loop:
             jax.profiler.stop_trace()
             self._tracing = False
 
+    def _rate(self, step: int) -> float:
+        """The schedule's learning rate for ``step``, computed on the host CPU: optax and
+        revtrain schedules use jnp, and reading a value back from an accelerator on every
+        step would make each step wait for the device."""
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return float(self._schedule(step))
+
     def _check_batch(self, batch: Any) -> None:
         """Raises when a batch's shapes differ from the first batch's (a silent recompile)."""
+        first_signature = tuple((tuple(s.shape), np.dtype(s.dtype))
+                                for s in self._built.batch_signature)
+        if tuple((tuple(np.shape(x)), np.result_type(x)) for x in batch) == first_signature:
+            return  # Every step: compare tuples, format only on a mismatch.
         found = ", ".join(f"{np.result_type(x).name}{list(np.shape(x))}" for x in batch)
-        first = ", ".join(f"{np.dtype(s.dtype).name}{list(s.shape)}"
-                          for s in self._built.batch_signature)
-        if found != first:
-            raise ValueError(f"the train batch of step {self.step + 1} is ({found}); the first "
-                             f"batch was ({first}); every batch must have the first's "
-                             f"shapes (pad a short last batch) or each change recompiles")
+        first = ", ".join(f"{d.name}{list(shape)}" for shape, d in first_signature)
+        raise ValueError(f"the train batch of step {self.step + 1} is ({found}); the first "
+                         f"batch was ({first}); every batch must have the first's shapes "
+                         f"(pad a short last batch) or each change recompiles")
 
     def _check_finite(self, window: Window) -> None:
         """Reads the window's pending losses back; raises on the first NaN or inf."""
@@ -353,8 +355,8 @@ class Loop:
         Read from the trainer (`TrainState`), never from the layer objects, which keep
         their initial values unless ``trainer.sync_to()`` is called.
         """
-        values = self.trainer.train_state
-        return self._built.nest(values.weights), self._built.nest(values.state)
+        return (self._built.nest(self.trainer.host_values("weights")),
+                self._built.nest(self.trainer.host_values("state")))
 
     @property
     def batch_signature(self) -> Any:
@@ -373,7 +375,7 @@ class Loop:
             if checkpointer is not None:
                 checkpointer.close()  # Waits for an asynchronous save.
         self._writer.close()
-        _barrier("revtrain_loop_closed")  # No process exits while another still saves.
+        barrier("revtrain_loop_closed")  # No process exits while another still saves.
 
     def __enter__(self) -> Loop:
         return self

@@ -208,3 +208,13 @@ def test_the_key_is_computed_once_and_cached():
 def test_test_module_classes_are_found_where_pytest_imported_them():
     # The rule relies on sys.modules; a sanity check that this module is there.
     assert sys.modules[Linear.__module__].Linear is Linear
+
+
+def test_one_byte_ml_dtypes_with_equal_dtype_str_get_different_keys():
+    # float8_e4m3fn and float8_e4m3fnuz share dtype.str ('<V1'); a key of .str alone would
+    # let two layers that differ only in them share one compiled program.
+    a, b = jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e4m3fnuz")
+    assert a.str == b.str
+    from revtrain.layers.identity import _freeze
+    assert _freeze(a) != _freeze(b)
+    assert _freeze(jnp.zeros(2, a)) != _freeze(jnp.zeros(2, b))
