@@ -1,0 +1,204 @@
+"""Tests for `revtrain.data.TFDS.eval_pass`: one exact pass over a finite TFDS split.
+
+TFDS mock data (10 examples, no network) for the pass on one process and through the eval
+program; a small dataset written with `store_as_tfds_dataset` where the per-process slices
+matter, since mock data ignores the split it is asked for.
+"""
+
+import dataclasses
+import functools
+import importlib.resources
+import os
+import sys
+import threading
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # Before TensorFlow is first imported.
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from revtrain import layers as tl  # noqa: E402
+from revtrain.data import tfds as tfds_lib  # noqa: E402
+from revtrain.training import (  # noqa: E402
+    Checkpointer,
+    CheckpointEvaluator,
+    EvalConfig,
+    Evaluator,
+    RunConfig,
+)
+from revtrain.training.builder import build_evaluator, build_model  # noqa: E402
+from revtrain.training.loop import CHECKPOINT_DIR  # noqa: E402
+from tests.training.tiny_models import tiny_reversible_lm  # noqa: E402
+
+N_EXAMPLES = 10
+LENGTH = 8
+
+
+@pytest.fixture
+def tfds():
+    module = pytest.importorskip("tensorflow_datasets")
+    with module.testing.mock_data(num_examples=N_EXAMPLES):
+        yield module
+
+
+def _mean_target(output, targets, weights):
+    del output
+    weights = jnp.broadcast_to(weights, targets.shape)
+    return jnp.sum(targets * weights) / jnp.sum(weights)
+
+
+def _mean_of_targets(batches, n_devices):
+    """The evaluator's weighted mean of the targets (the model is the identity)."""
+    evaluator = Evaluator(tl.Fn("Identity", lambda x: x),
+                          {"mean": tl.Fn("MeanTarget", _mean_target)}, n_devices=n_devices)
+    return evaluator.evaluate((), (), batches)["mean"]
+
+
+def _test_texts(tfds, name="lm1b"):
+    return [ex["text"] for ex in tfds.as_numpy(tfds.load(name, split="test"))]
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_exact_pass_counts_each_image_once(tfds, n_devices):
+    """10 images in batches of 4: 3 batches, the last with 2 rows of weight 0."""
+    data = tfds_lib.TFDS("mnist", batch_size=4, process_index=0, process_count=1)
+    batches = list(data.eval_pass())
+    assert [b[0].shape for b in batches] == [(4, 28, 28, 1)] * 3
+    np.testing.assert_array_equal(np.concatenate([b[2] for b in batches]),
+                                  [1.0] * N_EXAMPLES + [0.0] * 2)
+    labels = [ex["label"] for ex in tfds.as_numpy(tfds.load("mnist", split="test"))]
+    assert len(labels) == N_EXAMPLES
+    np.testing.assert_array_equal(np.concatenate([b[1] for b in batches])[:N_EXAMPLES],
+                                  labels)  # File order, each image once.
+    assert _mean_of_targets(batches, n_devices) == pytest.approx(np.mean(labels), rel=1e-6)
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_exact_pass_counts_each_byte_once(tfds, n_devices):
+    """Every byte after an example's first is a target exactly once, whatever the windows."""
+    texts = _test_texts(tfds)
+    data = tfds_lib.TFDS("lm1b", sequence_length=LENGTH, batch_size=4, process_index=0,
+                         process_count=1)
+    batches = list(data.eval_pass())
+    n_windows = sum(-(-(len(t) - 1) // LENGTH) for t in texts if len(t) > 1)
+    assert len(batches) == -(-n_windows // 4)
+    weights = np.concatenate([b[2] for b in batches])
+    assert weights.sum() == sum(max(len(t) - 1, 0) for t in texts)
+    assert not weights[n_windows:].any()  # The padding rows of the last batch.
+    hand = sum(sum(t[1:]) for t in texts) / sum(max(len(t) - 1, 0) for t in texts)
+    assert _mean_of_targets(batches, n_devices) == pytest.approx(hand, rel=1e-6)
+
+
+def test_short_slices_wait_for_the_others_with_all_masked_batches(tfds, monkeypatch):
+    """While another process still has data, a process past its end yields weight-0 batches."""
+    others_left = iter([True, True, True, True, True, False])  # Another process: 5 batches.
+    monkeypatch.setattr(tfds_lib, "_any_process", lambda flag: next(others_left) or flag)
+    batches = list(tfds_lib.TFDS("mnist", batch_size=4, process_index=0,
+                                 process_count=1).eval_pass())
+    assert [b[2].tolist() for b in batches] == ([[1.0] * 4] * 2 + [[1.0, 1.0, 0.0, 0.0]]
+                                                + [[0.0] * 4] * 2)
+    assert all(b[0].shape == (4, 28, 28, 1) for b in batches)
+    assert not batches[-1][0].any() and not batches[-1][1].any()
+
+
+TEXTS = [bytes(range(65, 65 + n)) for n in (3, 12, 20, 2, 9, 30, 5, 17, 8, 11)]
+
+
+def _store_texts(data_dir, monkeypatch):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow as tf
+
+    # tensorflow-datasets' builders import the `importlib_resources` backport on every
+    # Python, but only depend on it before 3.9; the standard module is the same API.
+    monkeypatch.setitem(sys.modules, "importlib_resources", importlib.resources)
+    tfds.dataset_builders.store_as_tfds_dataset(
+        name="revtrain_eval_texts", version="1.0.0", data_dir=str(data_dir),
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+        split_datasets={split: tf.data.Dataset.from_tensor_slices({"text": TEXTS})
+                        for split in ("train", "test")})
+
+
+def _passes_in_threads(make, n_processes, monkeypatch):
+    """Each simulated process's pass, run in step as real processes run (one thread each)."""
+    barrier, flags = threading.Barrier(n_processes), [False] * n_processes
+
+    def any_process(flag):  # What `multihost_utils.process_allgather` does across hosts.
+        flags[int(threading.current_thread().name)] = flag
+        barrier.wait()
+        result = any(flags)
+        barrier.wait()
+        return result
+
+    monkeypatch.setattr(tfds_lib, "_any_process", any_process)
+    streams = [make(i) for i in range(n_processes)]
+    passes = [None] * n_processes
+
+    def run(i):
+        passes[i] = list(streams[i].eval_pass())
+
+    threads = [threading.Thread(target=run, args=(i,), name=str(i))
+               for i in range(n_processes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return passes
+
+
+def _real_rows(batches):
+    return sorted((tuple(x), tuple(w)) for b in batches for x, w in zip(b[1], b[2],
+                                                                           strict=True)
+                  if w.any())
+
+
+def test_process_slices_cover_the_split_once_in_the_same_number_of_batches(
+        tmp_path, monkeypatch):
+    _store_texts(tmp_path, monkeypatch)
+    make = functools.partial(tfds_lib.TFDS, "revtrain_eval_texts", data_dir=str(tmp_path),
+                             sequence_length=4, batch_size=8)
+    single = list(make(process_index=0, process_count=1).eval_pass())
+    passes = _passes_in_threads(lambda i: make(process_index=i, process_count=4), 4,
+                                monkeypatch)
+    # Each process read only its slice: its own batches hold a part of the windows...
+    own = [sum(1 for b in p if b[2].any()) for p in passes]
+    assert len(set(own)) > 1, "the slices should end after different numbers of batches"
+    # ...and all ran as many batches as the longest, the rest all-masked.
+    assert [len(p) for p in passes] == [max(own)] * 4
+    assert all(b[0].shape == (2, 4) for p in passes for b in p)
+    assert all(not b[2].any() for p, n in zip(passes, own, strict=True) for b in p[n:])
+    # Together, every window once: exactly the one-process pass's rows.
+    assert _real_rows(b for p in passes for b in p) == _real_rows(single)
+    total = sum(b[2].sum() for p in passes for b in p)
+    assert total == sum(len(t) - 1 for t in TEXTS)
+
+
+def test_eval_program_scores_a_tfds_split_in_one_exact_pass(tfds, tmp_path):
+    """revtrain-eval's evaluator on a TFDS run: the windows of the split, each once."""
+    run = RunConfig(model=functools.partial(tiny_reversible_lm, vocab_size=256),
+                    inputs=tfds_lib.TFDS("lm1b", sequence_length=LENGTH, batch_size=4),
+                    schedule=1e-3)
+    saver = Checkpointer(str(tmp_path / CHECKPOINT_DIR))  # The initial values, as step 1.
+    saver.save(1, build_model(run, run.inputs).initial_values())
+    saver.close()
+    evaluator = CheckpointEvaluator(run, EvalConfig(steps=None), str(tmp_path))
+    try:
+        [(step, results)] = list(evaluator.run())
+        values = evaluator.checkpointer.restore_values(evaluator.built.initial_values(), 1)
+    finally:
+        evaluator.close()
+    assert step == 1
+    # The same model on the split's windows as one unpadded batch, on one device.
+    windows, masks = [], []
+    for text in _test_texts(tfds):
+        for start in range(0, max(len(text) - 1, 0), LENGTH):
+            chunk = list(text[start:start + LENGTH + 1])
+            windows.append(chunk + [0] * (LENGTH + 1 - len(chunk)))
+            masks.append([1] * len(chunk) + [0] * (LENGTH + 1 - len(chunk)))
+    windows, masks = np.array(windows, np.int32), np.array(masks, np.float32)
+    built = evaluator.built
+    one_device = build_evaluator(dataclasses.replace(run, n_devices=1), built, run.inputs)
+    expected = one_device.evaluate(built.nest(values["weights"]), built.nest(values["state"]),
+                                   [(windows[:, :-1], windows[:, 1:], masks[:, 1:])])
+    for name in ("loss", "accuracy", "bits_per_byte"):
+        assert results["eval"][name] == pytest.approx(expected[name], rel=1e-5)
