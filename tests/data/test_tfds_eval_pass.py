@@ -8,7 +8,10 @@ matter, since mock data ignores the split it is asked for.
 import dataclasses
 import functools
 import importlib.resources
+import json
 import os
+import socket
+import subprocess
 import sys
 import threading
 
@@ -171,6 +174,45 @@ def test_process_slices_cover_the_split_once_in_the_same_number_of_batches(
     assert _real_rows(b for p in passes for b in p) == _real_rows(single)
     total = sum(b[2].sum() for p in passes for b in p)
     assert total == sum(len(t) - 1 for t in TEXTS)
+
+
+_PROCESS = """
+import json, sys
+import jax
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2,
+                           process_id=int(sys.argv[2]))
+from revtrain.data.tfds import TFDS
+data = TFDS("revtrain_eval_texts", data_dir=sys.argv[3], sequence_length=4, batch_size=8)
+batches = list(data.eval_pass())
+print(json.dumps({"batches": len(batches), "real": [
+    [x.tolist(), w.tolist()] for b in batches for x, w in zip(b[1], b[2]) if w.any()]}))
+"""
+
+
+def test_two_real_processes_run_the_same_number_of_batches(tmp_path, monkeypatch):
+    """Two JAX processes (gloo on CPU) agree on the pass's end through `_any_process`."""
+    _store_texts(tmp_path, monkeypatch)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        address = f"localhost:{s.getsockname()[1]}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS, address, str(i),
+                               str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, stderr) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, stderr[-2000:]
+    results = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+    own = [-(-len(r["real"]) // 4) for r in results]  # Batches of 4 rows with real data.
+    assert own[0] != own[1], "the two slices should end after different numbers of batches"
+    assert [r["batches"] for r in results] == [max(own)] * 2
+    rows = sorted(tuple(map(tuple, row)) for r in results for row in r["real"])
+    single = tfds_lib.TFDS("revtrain_eval_texts", data_dir=str(tmp_path), sequence_length=4,
+                           batch_size=8, process_index=0, process_count=1)
+    assert rows == sorted((tuple(x), tuple(w)) for b in single.eval_pass()
+                          for x, w in zip(b[1].tolist(), b[2].tolist(), strict=True)
+                          if any(w))
 
 
 def test_eval_program_scores_a_tfds_split_in_one_exact_pass(tfds, tmp_path):
