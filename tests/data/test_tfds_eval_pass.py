@@ -1,7 +1,7 @@
 """Tests for `revtrain.data.TFDS.eval_pass`: one exact pass over a finite TFDS split.
 
-TFDS mock data (10 examples, no network) for the pass on one process and through the eval
-program; a small dataset written with `store_as_tfds_dataset` where the per-process slices
+TFDS mock data (10 examples, no network) for the pass on one process and through the train
+and eval programs; a small dataset written with `store_as_tfds_dataset` where the per-process slices
 matter, since mock data ignores the split it is asked for.
 """
 
@@ -21,18 +21,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from revtrain import cli, configurables  # noqa: E402
 from revtrain import layers as tl  # noqa: E402
 from revtrain.data import tfds as tfds_lib  # noqa: E402
-from revtrain.training import (  # noqa: E402
-    Checkpointer,
-    CheckpointEvaluator,
-    EvalConfig,
-    Evaluator,
-    RunConfig,
+from revtrain.training import Checkpointer, Evaluator, read_metrics  # noqa: E402
+from revtrain.training.builder import (  # noqa: E402
+    build_evaluator,
+    build_model,
+    resolve_inputs,
 )
-from revtrain.training.builder import build_evaluator, build_model  # noqa: E402
 from revtrain.training.loop import CHECKPOINT_DIR  # noqa: E402
-from tests.training.tiny_models import tiny_reversible_lm  # noqa: E402
+from tests.cli_helpers import COPY_TASK, TINY  # noqa: E402
 
 N_EXAMPLES = 10
 LENGTH = 8
@@ -215,32 +214,44 @@ def test_two_real_processes_run_the_same_number_of_batches(tmp_path, monkeypatch
                           if any(w))
 
 
-def test_eval_program_scores_a_tfds_split_in_one_exact_pass(tfds, tmp_path):
-    """revtrain-eval's evaluator on a TFDS run: the windows of the split, each once."""
-    run = RunConfig(model=functools.partial(tiny_reversible_lm, vocab_size=256),
-                    inputs=tfds_lib.TFDS("lm1b", sequence_length=LENGTH, batch_size=4),
-                    schedule=1e-3)
-    saver = Checkpointer(str(tmp_path / CHECKPOINT_DIR))  # The initial values, as step 1.
-    saver.save(1, build_model(run, run.inputs).initial_values())
-    saver.close()
-    evaluator = CheckpointEvaluator(run, EvalConfig(steps=None), str(tmp_path))
-    try:
-        [(step, results)] = list(evaluator.run())
-        values = evaluator.checkpointer.restore_values(evaluator.built.initial_values(), 1)
-    finally:
-        evaluator.close()
-    assert step == 1
-    # The same model on the split's windows as one unpadded batch, on one device.
+def _hand_windows(texts):
+    """The split's windows, each once and unpadded: a batch ``(inputs, targets, weights)``."""
     windows, masks = [], []
-    for text in _test_texts(tfds):
+    for text in texts:
         for start in range(0, max(len(text) - 1, 0), LENGTH):
             chunk = list(text[start:start + LENGTH + 1])
             windows.append(chunk + [0] * (LENGTH + 1 - len(chunk)))
             masks.append([1] * len(chunk) + [0] * (LENGTH + 1 - len(chunk)))
     windows, masks = np.array(windows, np.int32), np.array(masks, np.float32)
-    built = evaluator.built
-    one_device = build_evaluator(dataclasses.replace(run, n_devices=1), built, run.inputs)
+    return windows[:, :-1], windows[:, 1:], masks[:, 1:]
+
+
+def test_train_and_eval_programs_score_a_tfds_split_in_one_exact_pass(tfds, tmp_path,
+                                                                      capsys):
+    """A gin config with TFDS inputs: the loop's final evaluation and revtrain-eval
+    --one_pass both score the split's windows once each."""
+    out = str(tmp_path)
+    bindings = TINY + ["ReversibleTransformerLM.vocab_size=256", "RunConfig.inputs=@TFDS",
+                       "TFDS.dataset_name='lm1b'", f"TFDS.sequence_length={LENGTH}",
+                       "TFDS.batch_size=4", "train.steps=1", "EvalConfig.steps=None"]
+    assert cli.train_main(["revtrain-train", f"--config_file={COPY_TASK}",
+                           f"--output_dir={out}",
+                           *[f"--gin_bindings={b}" for b in bindings]]) == 0
+    [during_training] = read_metrics(out, "eval")
+    os.rename(os.path.join(out, "metrics.jsonl"), os.path.join(out, "train_metrics.jsonl"))
+    assert cli.eval_main(["revtrain-eval", f"--output_dir={out}", "--one_pass"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("eval at step 1:")
+    [evaluated] = read_metrics(out, "eval")
+    # The same model on the split's windows as one unpadded batch, on one device.
+    run = configurables.run_configs()["run"]  # The run's config.gin, as revtrain-eval read it.
+    inputs = resolve_inputs(run.inputs)
+    built = build_model(run, inputs)
+    checkpoints = Checkpointer(os.path.join(out, CHECKPOINT_DIR))
+    values = checkpoints.restore_values(built.initial_values(), 1)
+    checkpoints.close()
+    one_device = build_evaluator(dataclasses.replace(run, n_devices=1), built, inputs)
     expected = one_device.evaluate(built.nest(values["weights"]), built.nest(values["state"]),
-                                   [(windows[:, :-1], windows[:, 1:], masks[:, 1:])])
+                                   [_hand_windows(_test_texts(tfds))])
     for name in ("loss", "accuracy", "bits_per_byte"):
-        assert results["eval"][name] == pytest.approx(expected[name], rel=1e-5)
+        assert during_training[name] == pytest.approx(expected[name], rel=1e-5)
+        assert evaluated[name] == pytest.approx(expected[name], rel=1e-5)
