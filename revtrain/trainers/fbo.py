@@ -21,25 +21,11 @@ mesh axis, and a ``pmean`` after it would multiply the gradient by the device co
 Cotangents of integer stack items (token ids, labels) carry no information; they are passed
 as a float32 placeholder of shape ``[n_devices]`` and replaced by ``float0`` zeros inside.
 
-FSDP (``fsdp=True``; ZeRO-3, Rajbhandari et al. 2020): a layer's weights and slots are
-stored sharded by `revtrain.trainers.devices.fsdp_spec`. Each function takes its weights
-with those per-leaf specs into ``shard_map`` and all-gathers them as its first op
-(`gather_weights`); the gathered copy lives only inside the function. The per-device
-weight gradient is reduce-scattered (``psum_scatter``, the transpose of the gather) instead
-of ``psum``-ed (`combine_gradients`), so each device gets its shard of the global gradient.
-The optimizer update, global-norm clipping and the norms in the stats then run *outside*
-``shard_map``, on global arrays (XLA's partitioner keeps every elementwise op on the local
-shard and turns reductions -- ``optax.clip_by_global_norm`` inside an optimizer, a squared
-norm -- into a local sum plus an all-reduce), so a transformation that is not elementwise
-is still exact, and a replicated leaf is counted once in a norm. With ``fsdp=False`` the
-specs are all replicated and the gather is a no-op: one code path.
-
-Prefetching the next layer's gather: nothing beyond asynchronous dispatch. The gather is
-the first op of each layer's function and the host enqueues the next layer's function
-while the current one runs; a separate gather dispatched ahead would hold two layers'
-full weights at once and, as a separate executable on the same device stream, would not
-overlap the current layer's compute (XLA overlaps collectives with compute only inside one
-executable).
+FSDP (``fsdp=True``): weights arrive in their stored shards, are gathered inside
+``shard_map`` and their gradients reduce-scattered (`revtrain.trainers.fsdp`); the
+optimizer update, clipping and the stats' norms run outside ``shard_map`` on global
+arrays, so every optax transformation (elementwise or not) gives the same update as with
+replicated weights.
 
 Arguments are grouped (`revtrain.trainers.protocols`): ``dev`` (per-device values), the
 layer's weights or donated `Params`, and ``rep`` (replicated values); the step's keys of
@@ -60,10 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from revtrain.layers.base import Layer
-from revtrain.trainers.devices import BATCH_AXIS, fsdp_spec, value_shardings
+from revtrain.trainers import fsdp as fsdp_layout
+from revtrain.trainers.devices import BATCH_AXIS, value_shardings
 from revtrain.trainers.protocols import (
     FboFn,
     ForwardFn,
@@ -73,8 +59,7 @@ from revtrain.trainers.protocols import (
     ReverseFboFn,
 )
 
-DEV = P(BATCH_AXIS)
-REP = P()
+DEV, REP = fsdp_layout.DEV, fsdp_layout.REP
 
 
 _INJECTED_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -109,7 +94,10 @@ def learning_rate_of(slots: Any) -> float | None:
     """The current ``learning_rate`` held in optimizer slots, or None when there is none."""
     for state in _injected_states(slots):
         if "learning_rate" in state.hyperparams:
-            return float(np.asarray(state.hyperparams["learning_rate"]))
+            rate = state.hyperparams["learning_rate"]
+            if isinstance(rate, jax.Array):  # Replicated; maybe over several processes.
+                rate = rate.addressable_shards[0].data
+            return float(np.asarray(rate))
     return None
 
 
@@ -186,49 +174,17 @@ def varying(tree: Any) -> Any:
     return jax.lax.pcast(tree, BATCH_AXIS, to="varying")
 
 
-def weight_specs(tree: Any, n_shards: int, fsdp: bool) -> Any:
-    """Per-leaf ``PartitionSpec`` of stored weights or slots (global shapes): `fsdp_spec`
-    when ``fsdp``, else replicated. The same rule as `revtrain.trainers.devices.value_shardings`."""
-    return jax.tree.map(lambda a: fsdp_spec(tuple(np.shape(a)), n_shards) if fsdp else REP,
-                        tree)
-
-
-def _sharded_dim(spec: P) -> int | None:
-    return next((d for d, name in enumerate(spec) if name == BATCH_AXIS), None)
-
-
-def gather_weights(shards: Any, specs: Any) -> Any:
-    """Inside ``shard_map``: this device's weight shards -> the full weights, per device.
-
-    A sharded leaf is all-gathered along its sharded dimension (``tiled``: ``[.., n/k, ..]
-    -> [.., n, ..]``); a replicated one is cast to `varying`. Either way the result is a
-    per-device value, so the vjp gives each device's own gradient.
-    """
-    def gather(a, spec):
-        dim = _sharded_dim(spec)
-        if dim is None:
-            return varying(a)
-        return jax.lax.all_gather(a, BATCH_AXIS, axis=dim, tiled=True)
-    return jax.tree.map(gather, shards, specs)
-
-
 def combine_gradients(per_device_grads: Any, specs: Any = None) -> Any:
     """The global gradient: the sum over devices of per-device gradients of the shares.
 
     Each device's gradient is of its share ``W_d / sum W`` of the global loss (see
     `loss_share`), so the sum is the gradient of the global weighted mean. With ``specs``
-    (`weight_specs`), a sharded leaf's sum is reduce-scattered: each device gets only its
-    shard of it, the layout its weights are stored in.
+    (`revtrain.trainers.fsdp.weight_specs`), a sharded leaf's sum is reduce-scattered:
+    each device gets only its shard of it, the layout its weights are stored in.
     """
     if specs is None:
         return jax.lax.psum(per_device_grads, BATCH_AXIS)
-
-    def combine(g, spec):
-        dim = _sharded_dim(spec)
-        if dim is None:
-            return jax.lax.psum(g, BATCH_AXIS)
-        return jax.lax.psum_scatter(g, BATCH_AXIS, scatter_dimension=dim, tiled=True)
-    return jax.tree.map(combine, per_device_grads, specs)
+    return fsdp_layout.reduce_gradients(per_device_grads, specs)
 
 
 def loss_share(weight_total: jax.Array) -> jax.Array:
@@ -291,41 +247,13 @@ def _update(optimizer, grads, params: Params, rep, mesh: Mesh,
     return new_params, _layer_stats(grads, new_w)
 
 
-def _shard_mapped(body: Callable, mesh: Mesh, out_specs: Any, fsdp: bool,
-                  with_grads: bool) -> tuple[Callable, Callable]:
-    """``shard_map(body)`` over ``(dev, weights, rep)``, weights in their stored specs and
-    gathered before ``body`` sees them; with ``with_grads`` ``body`` returns ``(outs,
-    per-device ct_w)`` and the result is ``(outs, global grads)`` in the stored specs.
-
-    Returns the (unjitted) function and the trace-counted body (equinox's counter, so
-    `equinox.debug.get_num_traces` on it counts compilations). The specs come from the
-    weights' global shapes at trace time, so layers of one structure share the function.
-    """
-    counted = eqx.debug.assert_max_traces(body, max_traces=None)
-    n_shards = mesh.devices.size
-
-    def run(dev, weights, rep):
-        specs = weight_specs(weights, n_shards, fsdp)
-
-        def inner(dev_, shards, rep_):
-            result = counted(dev_, gather_weights(shards, specs), rep_)
-            if not with_grads:
-                return result
-            outs, ct_w = result
-            return outs, combine_gradients(ct_w, specs)
-        mapped = jax.shard_map(inner, mesh=mesh, in_specs=(DEV, specs, REP),
-                               out_specs=(out_specs, specs) if with_grads else out_specs)
-        return mapped(dev, weights, {"index": rep["index"]})
-    return run, counted
-
-
 def _compile_fbo(body: Callable, mesh: Mesh, out_specs: tuple, fsdp: bool,
                  optimizer: optax.GradientTransformation, norm_only: bool,
                  place: int, norm_outs: slice) -> tuple[Callable, Callable]:
     """Jits ``body``'s gradients into an fbo: ``(*outs[:place], new_params,
     *outs[place:], stats)`` with ``params`` donated, or a `NormFn` ``(*outs[norm_outs],
     squared_norm)`` when ``norm_only``."""
-    run, counted = _shard_mapped(body, mesh, out_specs, fsdp, with_grads=True)
+    run, counted = fsdp_layout.gathering_shard_map(body, mesh, out_specs, fsdp, with_grads=True)
     if norm_only:
         def norm(dev, weights, rep):
             outs, grads = run(dev, weights, rep)
@@ -345,7 +273,7 @@ def make_forward(layer: Layer, mesh: Mesh, fsdp: bool = False) -> tuple[ForwardF
         rng = _layer_key(dev["rngs"], rep["index"])
         y, new_state = layer.pure_fn(_squeeze(dev["x"]), weights, _squeeze(dev["state"]), rng)
         return _unsqueeze(y), _unsqueeze(new_state)
-    run, counted = _shard_mapped(body, mesh, (DEV, DEV), fsdp, with_grads=False)
+    run, counted = fsdp_layout.gathering_shard_map(body, mesh, (DEV, DEV), fsdp, with_grads=False)
     return jax.jit(run), counted
 
 
@@ -424,7 +352,8 @@ class FnCache:
     must cover everything the cached function depends on, or the cache must not share.
     The cache belongs to one trainer (no module-level state) and keeps the layers it
     keyed by identity alive, so their ids are never reused. With ``fsdp`` every function
-    takes its weights sharded (`weight_specs`) and gives new weights and slots sharded.
+    takes its weights sharded (`revtrain.trainers.fsdp.weight_specs`) and gives new
+    weights and slots sharded.
     """
 
     _MAKERS = {FORWARD: make_forward, FBO: make_fbo, REVERSE: make_reverse_and_fbo,
