@@ -198,3 +198,15 @@ def test_restore_reshards_values(name, batch):
     other = BLOCK_TRAINERS[name](*_blocks(batch), adam, n_devices=4, fsdp=True)
     other.restore(TrainState(*(sharded.saved_values(p) for p in TrainState._fields)))
     assert_trees_close(other.train_state, sharded.train_state, rtol=0, atol=0)
+
+
+def test_a_user_mesh_with_its_own_axis_name_is_the_same_as_n_devices(batch):
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    blocks, loss = _blocks(batch)
+    w0 = flat_weights(blocks, loss)
+    by_mesh = ReversibleSerialTrainer(blocks, loss, adam, mesh=mesh, fsdp=True)
+    by_count = ReversibleSerialTrainer(*_blocks(batch, w0), adam, n_devices=2, fsdp=True)
+    assert by_mesh.n_devices == 2
+    assert _steps(by_mesh, batch, steps=2)[0] == _steps(by_count, batch, steps=2)[0]
+    assert_trees_close(by_mesh.weights, by_count.weights, rtol=0, atol=0)
