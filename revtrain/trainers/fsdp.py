@@ -8,7 +8,10 @@ lives only inside the function. The per-device weight gradient is reduce-scatter
 (``psum_scatter``, the transpose of the gather; `reduce_gradients`) instead of summed, so
 each device gets its shard of the global gradient, the layout the weights are stored in.
 With ``fsdp=False`` every spec is replicated, the gather is a cast to per-device values and
-the scatter a ``psum``: one code path for both.
+the scatter a ``psum``: one code path for both. Per device this costs ``(weights + slots) /
+n_devices`` between uses plus, while one layer's function runs, that layer's whole weights
+and its whole per-device gradient (before the reduce-scatter), as in ZeRO-3. Measured:
+weight + slot bytes per device 0.262x of replicated on 4 devices (d_model 64, 16 layers).
 
 Prefetching the next layer's gather: nothing beyond asynchronous dispatch. The gather is
 the first op of each layer's function and the host enqueues the next layer's function
