@@ -1,7 +1,7 @@
 """revtrain.layers: Trax-style layers and combinators that pass data on a stack."""
 
 from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh
-from revtrain.layers.attention import CausalAttention, dot_product_attention
+from revtrain.layers.attention import CausalAttention, dot_product_attention, einsum_attention
 from revtrain.layers.blocks import (
     blocks_to_layers,
     extract_reversible_blocks,
@@ -64,7 +64,7 @@ __all__ = [
     "PositionalEncoding", "Relu", "ShiftRight", "Sigmoid", "Softmax", "Tanh",
     "Accuracy", "CrossEntropyLoss", "L2Loss", "WeightedCategoryCrossEntropy", "weighted_mean",
     "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LayerNorm", "MaxPool",
-    "dot_product_attention",
+    "dot_product_attention", "einsum_attention",
     "Remat",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
     "ReversibleSerial", "ReversibleSwap", "blocks_to_layers", "extract_reversible_blocks",

@@ -1,9 +1,11 @@
 """Multi-head causal self-attention: `CausalAttention`.
 
-A plain implementation of scaled dot-product attention (Vaswani et al., 2017, section 3.2):
-``softmax(q k^T / sqrt(d_head) + causal_mask) v`` per head, with learned query, key, value
-and output projections. The attention logits and softmax are computed in at least float32
-whatever the input dtype; the output has the input dtype.
+Scaled dot-product attention (Vaswani et al., 2017, section 3.2): ``softmax(q k^T /
+sqrt(d_head) + causal_mask) v`` per head, with learned query, key, value and output
+projections. Without attention dropout (rate 0, or ``'eval'``/``'predict'`` mode) it runs
+``jax.nn.dot_product_attention`` (cuDNN flash attention on GPUs where it applies); with
+dropout, plain einsums (`einsum_attention`). The attention logits and softmax are computed
+in at least float32 whatever the input dtype; the output has the input dtype.
 
 References: Vaswani et al., 2017, "Attention Is All You Need"; Trax's
 ``trax.layers.attention.CausalAttention`` (arguments, dropout on the attention
@@ -28,26 +30,58 @@ def causal_mask(length: int) -> jax.Array:
     return jnp.tril(jnp.ones((length, length), dtype=bool))
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                          dropout_rate: float = 0.0,
-                          rng: jax.Array | None = None) -> jax.Array:
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          mask: jax.Array | None = None, dropout_rate: float = 0.0,
+                          rng: jax.Array | None = None, *, is_causal: bool = False
+                          ) -> jax.Array:
     """Scaled dot-product attention over heads.
 
+    Without dropout (``dropout_rate == 0``) this is ``jax.nn.dot_product_attention``, which
+    picks cuDNN's fused (flash) attention on GPUs where it applies and XLA's otherwise;
+    with dropout (or for what ``jax.nn`` does not take: ``q, k, v`` of different dtypes,
+    float64, whose logits it would round to float32, or a ``v`` whose ``d_head`` differs
+    from ``q``'s), a plain einsum-softmax-einsum path that drops attention probabilities
+    (`revtrain.layers.core.dropout`, Trax's place for attention dropout). Both compute
+    logits and softmax in at least float32 and agree to float rounding.
+
     Args:
-      q, k, v: ``[batch, length, n_heads, d_head]`` queries, keys and values.
-      mask: bool array broadcastable to ``[batch, n_heads, length_q, length_k]``; False
+      q, k, v: ``[batch, length_q | length_k, n_heads, d_head]`` queries, keys and values,
+        of one dtype.
+      mask: None, or bool broadcastable to ``[batch, n_heads, length_q, length_k]``; False
         entries get zero probability. Every query must see at least one key.
       dropout_rate: drop rate for the attention probabilities (0 disables dropout).
       rng: PRNG key for the dropout mask; needed when ``dropout_rate > 0``.
+      is_causal: also mask keys after each query (query ``i`` sees keys ``j <= i``; needs
+        ``length_q == length_k``). Lets the fused kernels skip the masked blocks.
 
     Returns:
-      ``[batch, length, n_heads, d_head]`` in ``v.dtype``. Logits and softmax are computed
-      in at least float32.
+      ``[batch, length_q, n_heads, d_head]`` in ``v.dtype``.
     """
+    fused = (dropout_rate == 0.0 and q.dtype == k.dtype == v.dtype
+             and jnp.promote_types(q.dtype, jnp.float32) == jnp.float32
+             and q.shape[-1] == v.shape[-1])
+    if fused:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+    return einsum_attention(q, k, v, mask, dropout_rate, rng, is_causal=is_causal)
+
+
+def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     mask: jax.Array | None = None, dropout_rate: float = 0.0,
+                     rng: jax.Array | None = None, *, is_causal: bool = False) -> jax.Array:
+    """`dot_product_attention` as plain einsums (materialises the attention probabilities).
+
+    The path `dot_product_attention` takes when dropping attention probabilities; with
+    ``dropout_rate == 0`` it equals ``jax.nn.dot_product_attention``. Arguments, shapes and
+    dtypes as `dot_product_attention`.
+    """
+    if is_causal:
+        causal = causal_mask(q.shape[1])
+        mask = causal if mask is None else jnp.logical_and(mask, causal)
     compute = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=compute)
     logits = logits / math.sqrt(q.shape[-1])
-    logits = jnp.where(mask, logits, jnp.finfo(compute).min)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(compute).min)
     probs = jax.nn.softmax(logits, axis=-1)
     probs = apply_dropout(probs, dropout_rate, rng)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
@@ -125,7 +159,7 @@ class CausalAttention(Layer):
             attended, state = self._attend_cached(q, k, v, state)
         else:
             rate = self._dropout if self._mode == "train" else 0.0
-            attended = dot_product_attention(q, k, v, causal_mask(length), rate, rng)
+            attended = dot_product_attention(q, k, v, None, rate, rng, is_causal=True)
         return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
 
     def _attend_cached(self, q, k, v, state):
