@@ -17,6 +17,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from revtrain.layers.chunked_loss import (
+    check_n_chunks,
+    chunk_count,
+    chunked_weighted_sums,
+    flatten_positions,
+    mean_from_sums,
+)
 from revtrain.layers.layer import Layer
 from revtrain.layers.stack import check_n_items
 
@@ -73,10 +80,16 @@ def _nll(log_probs: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 class _WeightedMetric(Layer):
-    """A weightless ``(predictions, targets, weights) -> float32 scalar`` layer."""
+    """A weightless ``(predictions, targets, weights) -> float32 scalar`` layer.
 
-    def __init__(self):
+    With more than one chunk (`revtrain.layers.chunked_loss.chunk_count`) the positions
+    are computed in chunks under ``jax.checkpoint``: same value and gradient (to float
+    rounding), one chunk's temporaries at a time.
+    """
+
+    def __init__(self, n_chunks: int | None = 1):
         super().__init__(n_in=3, n_out=1)
+        self._n_chunks = check_n_chunks(n_chunks)
 
     def per_position(self, predictions: jax.Array, targets: jax.Array) -> jax.Array:
         """Returns the unweighted value at each target position."""
@@ -85,7 +98,15 @@ class _WeightedMetric(Layer):
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         predictions, targets, mask = x
-        return weighted_mean(self.per_position(predictions, targets), mask), state
+        n_chunks = 1
+        if self._n_chunks != 1 and predictions.ndim == targets.ndim + 1:
+            _check_targets(predictions, targets, type(self).__name__)
+            n_chunks = chunk_count(targets.size, predictions.shape[-1], self._n_chunks)
+        if n_chunks == 1:
+            return weighted_mean(self.per_position(predictions, targets), mask), state
+        rows = flatten_positions(predictions, targets, mask)
+        sums = chunked_weighted_sums(self.per_position, rows[:2], rows[2], n_chunks)
+        return mean_from_sums(*sums), state
 
 
 class CrossEntropyLoss(_WeightedMetric):
@@ -94,9 +115,16 @@ class CrossEntropyLoss(_WeightedMetric):
     Inputs: ``log_probs: float[..., vocab]`` (e.g. the output of `LogSoftmax`), ``targets:
     int[...]`` class indices, ``weights: [...]``. Output: float32 scalar, in nats.
 
+    Args:
+      n_chunks: compute in this many chunks of positions (`revtrain.layers.chunked_loss`);
+        None picks enough chunks for at most 4M logits (16 MiB float32) per chunk.
+
     Raises (from ``pure_fn``):
       LayerError: for non-integer targets or targets not shaped ``log_probs.shape[:-1]``.
     """
+
+    def __init__(self, n_chunks: int | None = None):
+        super().__init__(n_chunks)
 
     def per_position(self, predictions, targets):
         _check_targets(predictions, targets, "CrossEntropyLoss")
@@ -112,13 +140,19 @@ class WeightedCategoryCrossEntropy(_WeightedMetric):
     Args:
       label_smoothing: if set, the target distribution is ``(1 - s) * one_hot + s / vocab``
         (Szegedy et al., 2016), as Trax's ``label_smoothing`` argument.
+      n_chunks: compute the log-softmax and loss in this many chunks of positions, each
+        rematerialised in the backward pass (`revtrain.layers.chunked_loss`), so no full
+        ``[..., vocab]`` temporary outlives its chunk. None (default) picks enough chunks
+        for at most 4M logits (16 MiB float32) per chunk: one chunk, i.e. the unchunked
+        computation, for byte-level models (vocab 256 at 8 x 256 positions); 8 at vocab
+        32,000, length 256, batch 8. 1 never chunks.
 
     Raises (from ``pure_fn``):
       LayerError: for non-integer targets or targets not shaped ``logits.shape[:-1]``.
     """
 
-    def __init__(self, label_smoothing: float | None = None):
-        super().__init__()
+    def __init__(self, label_smoothing: float | None = None, n_chunks: int | None = None):
+        super().__init__(n_chunks)
         if label_smoothing is not None and not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
         self._label_smoothing = label_smoothing
@@ -138,7 +172,13 @@ class Accuracy(_WeightedMetric):
 
     Inputs: ``predictions: float[..., n_classes]`` (logits or log-probabilities), ``targets:
     int[...]``, ``weights: [...]``. Output: float32 scalar in ``[0, 1]``.
+
+    Args:
+      n_chunks: compute in this many chunks of positions; None as `CrossEntropyLoss`.
     """
+
+    def __init__(self, n_chunks: int | None = None):
+        super().__init__(n_chunks)
 
     def per_position(self, predictions, targets):
         _check_targets(predictions, targets, "Accuracy")
