@@ -43,6 +43,7 @@ from revtrain.layers.metrics import (
     weighted_mean,
 )
 from revtrain.layers.normalization import BatchNorm, LayerNorm
+from revtrain.layers.projected_loss import ProjectedCrossEntropy
 from revtrain.layers.remat import Remat
 from revtrain.layers.reversible import (
     ReversibleHalfResidual,
@@ -62,7 +63,8 @@ __all__ = [
     "Split", "Swap", "split_rng",
     "Dense", "Dropout", "Embedding", "Flatten", "Gelu", "LogSoftmax", "Mean",
     "PositionalEncoding", "Relu", "ShiftRight", "Sigmoid", "Softmax", "Tanh",
-    "Accuracy", "CrossEntropyLoss", "L2Loss", "WeightedCategoryCrossEntropy", "weighted_mean",
+    "Accuracy", "CrossEntropyLoss", "L2Loss", "ProjectedCrossEntropy",
+    "WeightedCategoryCrossEntropy", "weighted_mean",
     "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LayerNorm", "MaxPool",
     "dot_product_attention", "einsum_attention",
     "Remat",

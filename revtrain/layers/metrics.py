@@ -53,7 +53,14 @@ def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.where(total == 0, 0.0, jnp.sum(weighted) / safe_total)
 
 
-def _check_targets(predictions: jax.Array, targets: jax.Array, name: str) -> None:
+def check_label_smoothing(label_smoothing: float | None) -> float | None:
+    """Returns ``label_smoothing`` if it is None or in ``[0, 1]``, else raises ValueError."""
+    if label_smoothing is not None and not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+    return label_smoothing
+
+
+def check_targets(predictions: jax.Array, targets: jax.Array, name: str) -> None:
     """Checks class-index targets: an integer dtype and shape ``predictions.shape[:-1]``."""
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"{name} expects integer class-index targets but received "
@@ -100,7 +107,7 @@ class _WeightedMetric(Layer):
         predictions, targets, mask = x
         n_chunks = 1
         if self._n_chunks != 1 and predictions.ndim == targets.ndim + 1:
-            _check_targets(predictions, targets, type(self).__name__)
+            check_targets(predictions, targets, type(self).__name__)
             n_chunks = chunk_count(targets.size, predictions.shape[-1], self._n_chunks)
         if n_chunks == 1:
             return weighted_mean(self.per_position(predictions, targets), mask), state
@@ -127,7 +134,7 @@ class CrossEntropyLoss(_WeightedMetric):
         super().__init__(n_chunks)
 
     def per_position(self, predictions, targets):
-        _check_targets(predictions, targets, "CrossEntropyLoss")
+        check_targets(predictions, targets, "CrossEntropyLoss")
         return _nll(predictions, targets)
 
 
@@ -153,18 +160,31 @@ class WeightedCategoryCrossEntropy(_WeightedMetric):
 
     def __init__(self, label_smoothing: float | None = None, n_chunks: int | None = None):
         super().__init__(n_chunks)
-        if label_smoothing is not None and not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
-        self._label_smoothing = label_smoothing
+        self._label_smoothing = check_label_smoothing(label_smoothing)
 
     def per_position(self, predictions, targets):
-        _check_targets(predictions, targets, "WeightedCategoryCrossEntropy")
-        log_probs = jax.nn.log_softmax(predictions.astype(jnp.float32), axis=-1)
-        if not self._label_smoothing:
-            return _nll(log_probs, targets)
-        s, vocab = self._label_smoothing, predictions.shape[-1]
-        soft = jax.nn.one_hot(targets, vocab) * (1.0 - s) + s / vocab
-        return _nan_outside_classes(-jnp.sum(soft * log_probs, axis=-1), targets, vocab)
+        check_targets(predictions, targets, "WeightedCategoryCrossEntropy")
+        return category_cross_entropy(predictions, targets, self._label_smoothing)
+
+
+def category_cross_entropy(logits: jax.Array, targets: jax.Array,
+                           label_smoothing: float | None = None) -> jax.Array:
+    """float32 ``-sum(target_distribution * log_softmax(logits))`` at each position.
+
+    Args:
+      logits: ``float[..., vocab]``.
+      targets: ``int[...]`` class indices (NaN where out of ``[0, vocab)``).
+      label_smoothing: None, or ``s``: targets ``(1 - s) * one_hot + s / vocab``.
+
+    Returns:
+      float32 ``[...]``, in nats.
+    """
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if not label_smoothing:
+        return _nll(log_probs, targets)
+    s, vocab = label_smoothing, logits.shape[-1]
+    soft = jax.nn.one_hot(targets, vocab) * (1.0 - s) + s / vocab
+    return _nan_outside_classes(-jnp.sum(soft * log_probs, axis=-1), targets, vocab)
 
 
 class Accuracy(_WeightedMetric):
@@ -181,7 +201,7 @@ class Accuracy(_WeightedMetric):
         super().__init__(n_chunks)
 
     def per_position(self, predictions, targets):
-        _check_targets(predictions, targets, "Accuracy")
+        check_targets(predictions, targets, "Accuracy")
         return (jnp.argmax(predictions, axis=-1) == targets).astype(jnp.float32)
 
 
