@@ -215,6 +215,9 @@ class L2Loss(_WeightedMetric):
       LayerError: when predictions and targets differ in shape.
     """
 
+    def __init__(self):
+        super().__init__(n_chunks=1)  # No class axis: nothing vocabulary-sized to chunk.
+
     def per_position(self, predictions, targets):
         if predictions.shape != targets.shape:
             raise ValueError(f"L2Loss predictions of shape {predictions.shape} and targets of "
