@@ -217,3 +217,17 @@ def test_predict_mode_cache_matches_train_mode_without_dropout():
         y, state = predict.pure_fn(x[:, t:t + 1], train.weights, state, None)
         steps.append(y)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), train(x), rtol=1e-5, atol=1e-5)
+
+
+def test_implementation_is_passed_to_jax_nn_and_checked(monkeypatch):
+    seen = []
+    fused_fn = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, **kw: seen.append(kw["implementation"]) or fused_fn(*a, **kw))
+    x = _x()
+    weights = _layer(2).weights
+    y = CausalAttention(D, n_heads=2, implementation="xla").pure_fn(x, weights, (), None)[0]
+    np.testing.assert_allclose(y, _reference(x, weights, 2), rtol=1e-4, atol=1e-5)
+    assert seen == ["xla"]
+    with pytest.raises(ValueError, match="implementation='flash'"):
+        CausalAttention(D, implementation="flash")
