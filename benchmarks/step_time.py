@@ -23,7 +23,17 @@ timed from the ``one_step`` call until its loss and stats are ready
 * ``--rounds R`` runs everything R times (the trainers of a depth back to back) and pools
   the steps, so drifts in machine speed hit every trainer;
 * ``n_dispatches_per_step`` (compiled-function calls in one step) and
-  ``n_compiles_after_first_step`` (should be 0: nothing recompiles).
+  ``n_compiles_after_first_step`` (should be 0: nothing recompiles);
+* ``phase_s`` -- seconds per phase (``forward`` / ``loss`` / ``backward`` for the block
+  trainers, ``step`` for `Trainer`), the median of ``--phase_steps`` extra steps timed
+  by a trainer observer that waits for each dispatch's inputs (`benchmarks.phases`);
+* ``mask_s`` -- drawing every dropout mask of one forward pass alone, as the layers draw
+  them, and ``mask_bernoulli_s`` with 32-bit ``jax.random.bernoulli`` masks for comparison.
+
+``--preset=trax_reformer`` sets the sizes of Trax's reformer benchmark (batch 8, seq 256,
+d_model 256, d_ff 1024, vocab 256, Adam) where no flag sets them, so the comparison with
+Trax can be rerun: ``python benchmarks/step_time.py --preset=trax_reformer --depths=2,16
+--dropout=0.1``.
 
 Writes ``step_time.json``, ``.md`` and ``.png`` to ``--out_dir``.
 """
@@ -44,12 +54,20 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness, phases  # noqa: E402
+
+PRESETS = {"trax_reformer": {"batch_size": 8, "seq_len": 256, "d_model": 256, "d_ff": 1024,
+                             "vocab_size": 256}}
 
 flags.adopt_module_key_flags(harness)  # --help lists the shared flags.
 flags.DEFINE_integer("rounds", 1, "run every configuration this many times (fresh "
                      "processes, trainers of a depth back to back) and pool the steps",
                      lower_bound=1)
+flags.DEFINE_enum("preset", None, list(PRESETS), "model and batch sizes of a reference "
+                  f"configuration, for sizes no flag sets: {PRESETS}")
+flags.DEFINE_integer("phase_steps", 2, "extra steps timed per phase (forward / loss / "
+                     "backward) after the measured ones; 0 skips the phase breakdown and "
+                     "the mask timing", lower_bound=0)
 
 NAME = "step_time"
 QUIET_FRACTION = 0.1
@@ -127,12 +145,17 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
                  for k in range(config["steps"])]
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+    # After the timed steps, outside the compile count: the mask timing compiles its own.
+    start, n_phase = config["warmup"] + config["steps"], config.get("phase_steps", 0)
+    phase_s = phases.profile_phases(trainer, batch, range(start, start + n_phase))
+    masks = phases.time_masks(config) if n_phase else {}
     result = {"first_step_s": first["wall_s"], "first_step_compile_s": first_compile_s,
               "n_compiled_in_first_step": n_first_compiles,
               "n_dispatches_per_step": counter.n_dispatches,
               "n_compiles_after_first_step": sum(e == COMPILE_EVENTS[-1]
                                                  for e, _ in compile_events),
-              "losses": [first["loss"]] + [t["loss"] for t in timed]}
+              "losses": [first["loss"]] + [t["loss"] for t in timed],
+              "phase_s": phase_s, **masks}
     for name, key in POOLED.items():
         result[name] = [t[key] for t in timed]
     return result | summarise(result, config)
@@ -275,6 +298,7 @@ def markdown(payload: dict[str, Any]) -> str:
               f"{QUIET_FRACTION:.0%} of a core meanwhile); * marks a configuration without "
               f"any quiet step (median of all steps). A ratio to Trainer compares quiet "
               f"medians when both had quiet steps, else the medians of all steps."]
+    lines += phase_table(results)
     lines += ["", *payload["notes"]] if payload.get("notes") else []  # Added by hand.
     lines += [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
               for r in results if "error" in r]
@@ -286,14 +310,44 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def apply_preset(args: Any) -> Any:
+    """Sets ``args.preset``'s sizes (`PRESETS`) on ``args`` where no flag set them."""
+    for name, value in PRESETS.get(args.preset, {}).items():
+        if not flags.FLAGS[name].present:
+            setattr(args, name, value)
+    return args
+
+
+def phase_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown lines: seconds per phase and mask generation, per trainer and depth."""
+    rows = []
+    for kind in harness.TRAINERS:
+        for r in sorted((r for r in results if r["trainer"] == kind and r.get("phase_s")),
+                        key=lambda r: r["depth"]):
+            rows.append([harness.TRAINERS[kind], r["depth"],
+                         *(_fmt(r["phase_s"].get(p), "{:.3f}") for p in phases.PHASES),
+                         _fmt(r.get("mask_s"), "{:.4f}"),
+                         _fmt(r.get("mask_bernoulli_s"), "{:.4f}")])
+    if not rows:
+        return []
+    return ["", "Seconds per phase (median of the profiled steps, each dispatch waiting for "
+            "its inputs; `Trainer` runs one program, so only its whole step), and drawing "
+            "one forward pass's dropout masks alone (16-bit masks as the layers draw them; "
+            "32-bit `jax.random.bernoulli` for comparison):", "",
+            harness.markdown_table(["trainer", "depth", *(f"{p} (s)" for p in phases.PHASES),
+                                    "masks (s)", "bernoulli masks (s)"], rows)]
+
+
 def _run(args: Any) -> dict[str, Any]:
     """Runs every configuration (``--rounds`` times) in worker processes; the payload."""
     machine = harness.machine_info()  # Before the run: its date is the start.
-    configs = harness.configurations(args, args.rounds)
+    configs = [c | {"phase_steps": args.phase_steps}
+               for c in harness.configurations(args, args.rounds)]
     print(f"{NAME}: {len(configs)} runs, {harness.settings_line(configs[0])}")
     results = merge_rounds(harness.run_all(str(Path(__file__).resolve()), configs,
                                            args.timeout, _describe, args.jobs))
-    return {"benchmark": NAME, "config": harness.model_config(args) | {"rounds": args.rounds},
+    return {"benchmark": NAME, "config": harness.model_config(args) | {
+                "rounds": args.rounds, "preset": args.preset, "phase_steps": args.phase_steps},
             "depths": args.depths, "machine": machine, "results": results}
 
 
@@ -303,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     With ``--render_only`` it reads the JSON instead, recomputes the medians, ratios and
     targets from the per-step times in it, and rewrites all three files.
     """
-    args = harness.parse_flags(argv, steps=5, warmup=2)
+    args = apply_preset(harness.parse_flags(argv, steps=5, warmup=2))
     out = Path(args.out_dir)
     payload = (harness.read_json(out / f"{NAME}.json") if args.render_only
                else _run(args))

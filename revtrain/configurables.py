@@ -12,7 +12,8 @@ Library code is never decorated; importing this module makes the names below usa
   (`revtrain.training.config`), ``optimizer_fn``, ``warmup_rsqrt_decay``,
   ``warmup_cosine_decay``, ``constant``;
 * layers: the losses/metrics ``CrossEntropyLoss``, ``WeightedCategoryCrossEntropy``,
-  ``Accuracy`` and the activations ``Relu``, ``Gelu``, ``Tanh``, ``Sigmoid``;
+  ``ProjectedCrossEntropy``, ``Accuracy`` (each with ``n_chunks``) and the activations
+  ``Relu``, ``Gelu``, ``Tanh``, ``Sigmoid``;
 * constants ``%jnp.float32`` and ``%jnp.bfloat16`` (for ``compute_dtype``).
 
 `train` is the registered (gin-wrapped) version of `revtrain.training.train_lib.train`;
@@ -41,8 +42,8 @@ REGISTRY = (
                            config.LogConfig, optimizer_fn, schedules.warmup_rsqrt_decay,
                            schedules.warmup_cosine_decay, schedules.constant)),
     ("revtrain.layers", (layers.CrossEntropyLoss, layers.WeightedCategoryCrossEntropy,
-                         layers.Accuracy, layers.Relu, layers.Gelu, layers.Tanh,
-                         layers.Sigmoid)),
+                         layers.ProjectedCrossEntropy, layers.Accuracy, layers.Relu,
+                         layers.Gelu, layers.Tanh, layers.Sigmoid)),
 )
 CONSTANTS = {"jnp.float32": jnp.float32, "jnp.bfloat16": jnp.bfloat16}
 

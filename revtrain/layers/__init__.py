@@ -1,7 +1,7 @@
 """revtrain.layers: Trax-style layers and combinators that pass data on a stack."""
 
 from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh
-from revtrain.layers.attention import CausalAttention, dot_product_attention
+from revtrain.layers.attention import CausalAttention, dot_product_attention, einsum_attention
 from revtrain.layers.blocks import (
     blocks_to_layers,
     extract_reversible_blocks,
@@ -43,6 +43,7 @@ from revtrain.layers.metrics import (
     weighted_mean,
 )
 from revtrain.layers.normalization import BatchNorm, LayerNorm
+from revtrain.layers.projected_loss import ProjectedCrossEntropy
 from revtrain.layers.remat import Remat
 from revtrain.layers.reversible import (
     ReversibleHalfResidual,
@@ -62,9 +63,10 @@ __all__ = [
     "Split", "Swap", "split_rng",
     "Dense", "Dropout", "Embedding", "Flatten", "Gelu", "LogSoftmax", "Mean",
     "PositionalEncoding", "Relu", "ShiftRight", "Sigmoid", "Softmax", "Tanh",
-    "Accuracy", "CrossEntropyLoss", "L2Loss", "WeightedCategoryCrossEntropy", "weighted_mean",
+    "Accuracy", "CrossEntropyLoss", "L2Loss", "ProjectedCrossEntropy",
+    "WeightedCategoryCrossEntropy", "weighted_mean",
     "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LayerNorm", "MaxPool",
-    "dot_product_attention",
+    "dot_product_attention", "einsum_attention",
     "Remat",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
     "ReversibleSerial", "ReversibleSwap", "blocks_to_layers", "extract_reversible_blocks",

@@ -1,9 +1,12 @@
 """Multi-head causal self-attention: `CausalAttention`.
 
-A plain implementation of scaled dot-product attention (Vaswani et al., 2017, section 3.2):
-``softmax(q k^T / sqrt(d_head) + causal_mask) v`` per head, with learned query, key, value
-and output projections. The attention logits and softmax are computed in at least float32
-whatever the input dtype; the output has the input dtype.
+Scaled dot-product attention (Vaswani et al., 2017, section 3.2): ``softmax(q k^T /
+sqrt(d_head) + causal_mask) v`` per head, with learned query, key, value and output
+projections. Without attention dropout (rate 0, or ``'eval'``/``'predict'`` mode) it runs
+``jax.nn.dot_product_attention`` (``implementation='cudnn'`` selects cuDNN's flash
+attention on GPUs; JAX's default is its XLA attention); with dropout, plain einsums
+(`einsum_attention`). The attention logits and softmax are computed
+in at least float32 whatever the input dtype; the output has the input dtype.
 
 References: Vaswani et al., 2017, "Attention Is All You Need"; Trax's
 ``trax.layers.attention.CausalAttention`` (arguments, dropout on the attention
@@ -28,26 +31,62 @@ def causal_mask(length: int) -> jax.Array:
     return jnp.tril(jnp.ones((length, length), dtype=bool))
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                          dropout_rate: float = 0.0,
-                          rng: jax.Array | None = None) -> jax.Array:
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          mask: jax.Array | None = None, dropout_rate: float = 0.0,
+                          rng: jax.Array | None = None, *, is_causal: bool = False,
+                          implementation: str | None = None) -> jax.Array:
     """Scaled dot-product attention over heads.
 
+    Without dropout (``dropout_rate == 0``) this is ``jax.nn.dot_product_attention``, with
+    its ``implementation``: None (JAX's default, XLA's attention in jax 0.8-0.10) or
+    ``'cudnn'`` (cuDNN's fused flash attention: NVIDIA GPUs, float16/bfloat16 inputs; JAX
+    raises where it does not apply). With dropout, or for what ``jax.nn`` does not take
+    (``q, k, v`` of different dtypes; float64, whose logits it would round to float32; a
+    ``v`` whose ``d_head`` differs from ``q``'s), a plain einsum-softmax-einsum path
+    (`einsum_attention`) that drops attention probabilities (`revtrain.layers.core.dropout`,
+    Trax's place for attention dropout). Both compute logits and softmax in at least
+    float32 and agree to float rounding.
+
     Args:
-      q, k, v: ``[batch, length, n_heads, d_head]`` queries, keys and values.
-      mask: bool array broadcastable to ``[batch, n_heads, length_q, length_k]``; False
+      q, k, v: ``[batch, length_q | length_k, n_heads, d_head]`` queries, keys and values,
+        of one dtype.
+      mask: None, or bool broadcastable to ``[batch, n_heads, length_q, length_k]``; False
         entries get zero probability. Every query must see at least one key.
       dropout_rate: drop rate for the attention probabilities (0 disables dropout).
       rng: PRNG key for the dropout mask; needed when ``dropout_rate > 0``.
+      is_causal: also mask keys after each query (query ``i`` sees keys ``j <= i``; needs
+        ``length_q == length_k``). Lets the fused kernels skip the masked blocks.
+      implementation: passed to ``jax.nn.dot_product_attention`` (see above).
 
     Returns:
-      ``[batch, length, n_heads, d_head]`` in ``v.dtype``. Logits and softmax are computed
-      in at least float32.
+      ``[batch, length_q, n_heads, d_head]`` in ``v.dtype``.
     """
+    fused = (dropout_rate == 0.0 and q.dtype == k.dtype == v.dtype
+             and jnp.promote_types(q.dtype, jnp.float32) == jnp.float32
+             and q.shape[-1] == v.shape[-1])
+    if fused:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
+                                            implementation=implementation)
+    return einsum_attention(q, k, v, mask, dropout_rate, rng, is_causal=is_causal)
+
+
+def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     mask: jax.Array | None = None, dropout_rate: float = 0.0,
+                     rng: jax.Array | None = None, *, is_causal: bool = False) -> jax.Array:
+    """`dot_product_attention` as plain einsums (materialises the attention probabilities).
+
+    The path `dot_product_attention` takes when dropping attention probabilities; with
+    ``dropout_rate == 0`` it equals ``jax.nn.dot_product_attention``. Arguments, shapes and
+    dtypes as `dot_product_attention`.
+    """
+    if is_causal:
+        causal = causal_mask(q.shape[1])
+        mask = causal if mask is None else jnp.logical_and(mask, causal)
     compute = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=compute)
     logits = logits / math.sqrt(q.shape[-1])
-    logits = jnp.where(mask, logits, jnp.finfo(compute).min)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(compute).min)
     probs = jax.nn.softmax(logits, axis=-1)
     probs = apply_dropout(probs, dropout_rate, rng)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
@@ -74,6 +113,9 @@ class CausalAttention(Layer):
         attention over the cache, instead of re-running ``O(length)`` positions.
         Without ``max_len``, ``'predict'`` behaves as ``'eval'``.
       max_len: cache length (longest decoded sequence) for ``'predict'`` mode.
+      implementation: for attention without dropout, ``jax.nn.dot_product_attention``'s
+        ``implementation``: None (JAX's choice, XLA) or ``'cudnn'`` (flash attention on
+        NVIDIA GPUs for bfloat16/float16 activations, e.g. ``compute_dtype=bfloat16``).
 
     Integer inputs are computed in float32 (as `Dense` does); float inputs in their dtype.
 
@@ -84,7 +126,8 @@ class CausalAttention(Layer):
     """
 
     def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
-                 mode: str = "train", max_len: int | None = None):
+                 mode: str = "train", max_len: int | None = None,
+                 implementation: str | None = None):
         super().__init__(n_in=1, n_out=1)
         for name, value in (("d_feature", d_feature), ("n_heads", n_heads)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -100,6 +143,10 @@ class CausalAttention(Layer):
         if max_len is not None and max_len < 1:
             raise ValueError(f"CausalAttention max_len={max_len} must be >= 1 or None")
         self._cache_len = max_len if mode == "predict" else None
+        if implementation not in (None, "xla", "cudnn"):
+            raise ValueError(f"CausalAttention implementation={implementation!r} is not one "
+                             f"of None, 'xla', 'cudnn'")
+        self._implementation = implementation
 
     def _check_input(self, shape: tuple[int, ...]) -> None:
         if len(shape) != 3 or shape[-1] != self._d_feature:
@@ -125,7 +172,8 @@ class CausalAttention(Layer):
             attended, state = self._attend_cached(q, k, v, state)
         else:
             rate = self._dropout if self._mode == "train" else 0.0
-            attended = dot_product_attention(q, k, v, causal_mask(length), rate, rng)
+            attended = dot_product_attention(q, k, v, None, rate, rng, is_causal=True,
+                                             implementation=self._implementation)
         return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
 
     def _attend_cached(self, q, k, v, state):
@@ -137,7 +185,7 @@ class CausalAttention(Layer):
         query_positions = index + jnp.arange(q.shape[1])
         mask = jnp.arange(self._cache_len)[None, :] <= query_positions[:, None]
         attended = dot_product_attention(q, keys.astype(q.dtype), values.astype(v.dtype),
-                                         mask)
+                                         mask, implementation=self._implementation)
         return attended, (keys, values, index + q.shape[1])
 
     def init_weights_and_state(self, input_signature, rng):

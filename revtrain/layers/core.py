@@ -6,7 +6,8 @@ except `Embedding`, whose output has the dtype of its table.
 
 Modes follow Trax: ``'train'`` turns dropout on, ``'eval'`` and ``'predict'`` turn it off.
 revtrain has no incremental (one-token-at-a-time) decoding state, so ``'predict'`` behaves
-exactly as ``'eval'`` everywhere in this module.
+exactly as ``'eval'`` everywhere in this module. Dropout masks come from 16 (or 8) random
+bits per element (`revtrain.layers.dropout_masks`), not from 32-bit uniforms.
 
 References: the Trax layers ``trax.layers.core`` and ``trax.layers.attention`` (names,
 arguments and defaults); Vaswani et al., 2017, "Attention Is All You Need" (positional
@@ -22,6 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from revtrain.layers.dropout_masks import (
+    DEFAULT_MASK_BITS,
+    check_mask_bits,
+    drop_threshold,
+    keep_mask,
+    quantised_rate,
+)
 from revtrain.layers.layer import Layer
 from revtrain.layers.signatures import float_dtype
 
@@ -78,23 +86,35 @@ def check_rate(rate: float, layer_name: str) -> float:
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None,
-            shared_axes: Sequence[int] = ()) -> jax.Array:
+            shared_axes: Sequence[int] = (),
+            mask_bits: int = DEFAULT_MASK_BITS) -> jax.Array:
     """Inverted dropout: zeroes entries with probability ``rate``, scales the rest.
+
+    The mask comes from `revtrain.layers.dropout_masks.keep_mask`: ``mask_bits`` random bits
+    per element compared with an integer threshold, so the realised drop rate is
+    ``r = round(rate * 2**mask_bits) / 2**mask_bits`` (within ``7.6e-6`` of ``rate`` for 16
+    bits, ``2e-3`` for 8) and kept values are scaled by ``1 / (1 - r)``, which keeps
+    ``E[y] = x`` exactly. Trax draws a 32-bit uniform per element; the masks differ, not
+    the distribution (up to the quantisation).
 
     Args:
       x: array of any shape and float dtype.
-      rate: drop probability in ``[0, 1)``; 0 returns ``x`` unchanged.
+      rate: drop probability in ``[0, 1)``; 0 (or a rate that quantises to 0) returns
+        ``x`` unchanged.
       rng: PRNG key for the mask; the same key gives the same mask.
       shared_axes: axes along which one mask value is shared (size 1 in the mask).
+      mask_bits: random bits per mask element, 16 (default) or 8 (half the hashing).
 
     Returns:
-      ``x * mask / (1 - rate)`` in ``x.dtype``, with ``mask ~ Bernoulli(1 - rate)``.
+      ``x * mask / (1 - r)`` in ``x.dtype``, with ``mask ~ Bernoulli(1 - r)``.
 
     Raises:
       ValueError: if ``rate > 0`` and ``rng`` is None, ``x`` is not of a float dtype (e.g.
-        token ids: drop after the `Embedding`), or a shared axis is out of range.
+        token ids: drop after the `Embedding`), a shared axis is out of range, or
+        ``mask_bits`` is not 8 or 16.
     """
-    if rate == 0.0:
+    check_mask_bits(mask_bits, "dropout")
+    if rate == 0.0 or drop_threshold(rate, mask_bits) == 0:
         return x
     if rng is None:
         raise ValueError(f"dropout with rate={rate} needs an rng; pass a jax.random.key or "
@@ -107,8 +127,8 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None,
                          f"rank-{x.ndim} inputs; use axes in [-{x.ndim}, {x.ndim})")
     shared = {a % x.ndim for a in shared_axes}
     noise_shape = tuple(1 if i in shared else d for i, d in enumerate(x.shape))
-    keep = jax.random.bernoulli(rng, 1.0 - rate, noise_shape)
-    scale = jnp.asarray(1.0 / (1.0 - rate), dtype=x.dtype)
+    keep = keep_mask(rng, noise_shape, rate, mask_bits)
+    scale = jnp.asarray(1.0 / (1.0 - quantised_rate(rate, mask_bits)), dtype=x.dtype)
     return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
 
@@ -193,31 +213,35 @@ class Embedding(Layer):
 class Dropout(Layer):
     """Inverted dropout with a mask drawn from the layer's rng (see `dropout`).
 
-    In ``'train'`` mode with ``rate > 0``: ``y = x * mask / (1 - rate)``, ``mask ~
-    Bernoulli(1 - rate)``; the same rng gives the same mask (the reversible trainers rely on
-    this to recompute activations). Otherwise ``y = x``.
+    In ``'train'`` mode with ``rate > 0``: ``y = x * mask / (1 - r)``, ``mask ~
+    Bernoulli(1 - r)`` with ``r`` the rate quantised to ``mask_bits`` bits (`dropout`); the
+    same rng gives the same mask (the reversible trainers rely on this to recompute
+    activations). Otherwise ``y = x``.
 
     Args:
       rate: drop probability in ``[0, 1)``.
       shared_axes: axes along which one mask value is shared (Trax's ``shared_axes``), e.g.
         ``(1,)`` drops whole feature vectors per position of a ``[batch, length, d]`` input.
       mode: ``'train'``, ``'eval'`` or ``'predict'``.
+      mask_bits: random bits per mask element: 16 (rate error <= 7.6e-6) or 8 (rate error
+        <= 2e-3, half the random-number work of 16).
 
     Raises (from ``pure_fn``, in ``'train'`` mode with ``rate > 0``):
       LayerError: for inputs not of a float dtype, or ``shared_axes`` out of their range.
     """
 
     def __init__(self, rate: float = 0.0, shared_axes: Sequence[int] | None = None,
-                 mode: str = "train"):
+                 mode: str = "train", mask_bits: int = DEFAULT_MASK_BITS):
         super().__init__(n_in=1, n_out=1)
         self._rate = check_rate(rate, "Dropout")
         self._shared_axes = tuple(shared_axes or ())
         self._mode = check_mode(mode, "Dropout")
+        self._mask_bits = check_mask_bits(mask_bits, "Dropout")
 
     def forward_with_state(self, x, weights, state, rng):
         if self._mode != "train":
             return x, state
-        return dropout(x, self._rate, rng, self._shared_axes), state
+        return dropout(x, self._rate, rng, self._shared_axes, self._mask_bits), state
 
 
 def sinusoidal_encoding(length: int, d_feature: int) -> np.ndarray:

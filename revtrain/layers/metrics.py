@@ -17,6 +17,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from revtrain.layers.chunked_loss import (
+    check_n_chunks,
+    chunk_count,
+    chunked_weighted_sums,
+    flatten_positions,
+    mean_from_sums,
+)
 from revtrain.layers.layer import Layer
 from revtrain.layers.stack import check_n_items
 
@@ -46,7 +53,14 @@ def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.where(total == 0, 0.0, jnp.sum(weighted) / safe_total)
 
 
-def _check_targets(predictions: jax.Array, targets: jax.Array, name: str) -> None:
+def check_label_smoothing(label_smoothing: float | None) -> float | None:
+    """Returns ``label_smoothing`` if it is None or in ``[0, 1]``, else raises ValueError."""
+    if label_smoothing is not None and not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+    return label_smoothing
+
+
+def check_targets(predictions: jax.Array, targets: jax.Array, name: str) -> None:
     """Checks class-index targets: an integer dtype and shape ``predictions.shape[:-1]``."""
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"{name} expects integer class-index targets but received "
@@ -73,10 +87,16 @@ def _nll(log_probs: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 class _WeightedMetric(Layer):
-    """A weightless ``(predictions, targets, weights) -> float32 scalar`` layer."""
+    """A weightless ``(predictions, targets, weights) -> float32 scalar`` layer.
 
-    def __init__(self):
+    With more than one chunk (`revtrain.layers.chunked_loss.chunk_count`) the positions
+    are computed in chunks under ``jax.checkpoint``: same value and gradient (to float
+    rounding), one chunk's temporaries at a time.
+    """
+
+    def __init__(self, n_chunks: int | None = 1):
         super().__init__(n_in=3, n_out=1)
+        self._n_chunks = check_n_chunks(n_chunks)
 
     def per_position(self, predictions: jax.Array, targets: jax.Array) -> jax.Array:
         """Returns the unweighted value at each target position."""
@@ -85,7 +105,15 @@ class _WeightedMetric(Layer):
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         predictions, targets, mask = x
-        return weighted_mean(self.per_position(predictions, targets), mask), state
+        n_chunks = 1
+        if self._n_chunks != 1 and predictions.ndim == targets.ndim + 1:
+            check_targets(predictions, targets, type(self).__name__)
+            n_chunks = chunk_count(targets.size, predictions.shape[-1], self._n_chunks)
+        if n_chunks == 1:
+            return weighted_mean(self.per_position(predictions, targets), mask), state
+        rows = flatten_positions(predictions, targets, mask)
+        sums = chunked_weighted_sums(self.per_position, rows[:2], rows[2], n_chunks)
+        return mean_from_sums(*sums), state
 
 
 class CrossEntropyLoss(_WeightedMetric):
@@ -94,12 +122,19 @@ class CrossEntropyLoss(_WeightedMetric):
     Inputs: ``log_probs: float[..., vocab]`` (e.g. the output of `LogSoftmax`), ``targets:
     int[...]`` class indices, ``weights: [...]``. Output: float32 scalar, in nats.
 
+    Args:
+      n_chunks: compute in this many chunks of positions (`revtrain.layers.chunked_loss`);
+        None picks enough chunks for at most 4M logits (16 MiB float32) per chunk.
+
     Raises (from ``pure_fn``):
       LayerError: for non-integer targets or targets not shaped ``log_probs.shape[:-1]``.
     """
 
+    def __init__(self, n_chunks: int | None = None):
+        super().__init__(n_chunks)
+
     def per_position(self, predictions, targets):
-        _check_targets(predictions, targets, "CrossEntropyLoss")
+        check_targets(predictions, targets, "CrossEntropyLoss")
         return _nll(predictions, targets)
 
 
@@ -112,25 +147,44 @@ class WeightedCategoryCrossEntropy(_WeightedMetric):
     Args:
       label_smoothing: if set, the target distribution is ``(1 - s) * one_hot + s / vocab``
         (Szegedy et al., 2016), as Trax's ``label_smoothing`` argument.
+      n_chunks: compute the log-softmax and loss in this many chunks of positions, each
+        rematerialised in the backward pass (`revtrain.layers.chunked_loss`), so no full
+        ``[..., vocab]`` temporary outlives its chunk. None (default) picks enough chunks
+        for at most 4M logits (16 MiB float32) per chunk: one chunk, i.e. the unchunked
+        computation, for byte-level models (vocab 256 at 8 x 256 positions); 8 at vocab
+        32,000, length 256, batch 8. 1 never chunks.
 
     Raises (from ``pure_fn``):
       LayerError: for non-integer targets or targets not shaped ``logits.shape[:-1]``.
     """
 
-    def __init__(self, label_smoothing: float | None = None):
-        super().__init__()
-        if label_smoothing is not None and not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
-        self._label_smoothing = label_smoothing
+    def __init__(self, label_smoothing: float | None = None, n_chunks: int | None = None):
+        super().__init__(n_chunks)
+        self._label_smoothing = check_label_smoothing(label_smoothing)
 
     def per_position(self, predictions, targets):
-        _check_targets(predictions, targets, "WeightedCategoryCrossEntropy")
-        log_probs = jax.nn.log_softmax(predictions.astype(jnp.float32), axis=-1)
-        if not self._label_smoothing:
-            return _nll(log_probs, targets)
-        s, vocab = self._label_smoothing, predictions.shape[-1]
-        soft = jax.nn.one_hot(targets, vocab) * (1.0 - s) + s / vocab
-        return _nan_outside_classes(-jnp.sum(soft * log_probs, axis=-1), targets, vocab)
+        check_targets(predictions, targets, "WeightedCategoryCrossEntropy")
+        return category_cross_entropy(predictions, targets, self._label_smoothing)
+
+
+def category_cross_entropy(logits: jax.Array, targets: jax.Array,
+                           label_smoothing: float | None = None) -> jax.Array:
+    """float32 ``-sum(target_distribution * log_softmax(logits))`` at each position.
+
+    Args:
+      logits: ``float[..., vocab]``.
+      targets: ``int[...]`` class indices (NaN where out of ``[0, vocab)``).
+      label_smoothing: None, or ``s``: targets ``(1 - s) * one_hot + s / vocab``.
+
+    Returns:
+      float32 ``[...]``, in nats.
+    """
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if not label_smoothing:
+        return _nll(log_probs, targets)
+    s, vocab = label_smoothing, logits.shape[-1]
+    soft = jax.nn.one_hot(targets, vocab) * (1.0 - s) + s / vocab
+    return _nan_outside_classes(-jnp.sum(soft * log_probs, axis=-1), targets, vocab)
 
 
 class Accuracy(_WeightedMetric):
@@ -138,10 +192,16 @@ class Accuracy(_WeightedMetric):
 
     Inputs: ``predictions: float[..., n_classes]`` (logits or log-probabilities), ``targets:
     int[...]``, ``weights: [...]``. Output: float32 scalar in ``[0, 1]``.
+
+    Args:
+      n_chunks: compute in this many chunks of positions; None as `CrossEntropyLoss`.
     """
 
+    def __init__(self, n_chunks: int | None = None):
+        super().__init__(n_chunks)
+
     def per_position(self, predictions, targets):
-        _check_targets(predictions, targets, "Accuracy")
+        check_targets(predictions, targets, "Accuracy")
         return (jnp.argmax(predictions, axis=-1) == targets).astype(jnp.float32)
 
 
@@ -154,6 +214,9 @@ class L2Loss(_WeightedMetric):
     Raises (from ``pure_fn``):
       LayerError: when predictions and targets differ in shape.
     """
+
+    def __init__(self):
+        super().__init__(n_chunks=1)  # No class axis: nothing vocabulary-sized to chunk.
 
     def per_position(self, predictions, targets):
         if predictions.shape != targets.shape:

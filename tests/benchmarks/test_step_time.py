@@ -1,9 +1,10 @@
 """benchmarks/step_time.py: runs end to end at tiny sizes; ratios and targets."""
 import json
+import time
 
 import pytest
 
-from benchmarks import harness, step_time
+from benchmarks import harness, phases, step_time
 
 
 def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, tmp_path):
@@ -24,6 +25,13 @@ def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, t
         expected = 1 if kind[0].startswith("trainer") else 2 * n_flat_layers - 1
         assert r["n_dispatches_per_step"] == expected
     assert table[("trainer", 2)]["ratio_to_trainer"] == 1.0
+    for kind, r in table.items():  # The phase breakdown and the masks alone.
+        expected = {"step"} if kind[0].startswith("trainer") else {"forward", "loss",
+                                                                    "backward"}
+        assert set(r["phase_s"]) == expected and min(r["phase_s"].values()) >= 0
+        assert r["mask_s"] > 0 and r["mask_bernoulli_s"] > 0
+    assert "| ReversibleSerialTrainer | 2 |" in (tmp_path / "step_time.md").read_text().split(
+        "forward (s)")[1]
     assert "| MemoryEfficientTrainer | 2 |" in (tmp_path / "step_time.md").read_text()
     assert (tmp_path / "step_time.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -94,3 +102,47 @@ def test_medians_use_quiet_steps_and_ratios_compare_like_with_like():
 
 _SETTINGS = {"d_model": 8, "d_ff": 16, "n_heads": 2, "vocab_size": 16, "dropout": 0.0,
              "steps": 3, "warmup": 1}
+
+
+def test_trax_reformer_preset_sets_the_sizes_no_flag_sets():
+    args = step_time.apply_preset(harness.parse_flags(
+        ["--preset", "trax_reformer", "--seq_len", "16", "--dropout", "0"], steps=5,
+        warmup=2))
+    assert (args.batch_size, args.seq_len, args.d_model, args.d_ff, args.vocab_size) == (
+        8, 16, 256, 1024, 256)
+    assert args.dropout == 0.0
+    plain = step_time.apply_preset(harness.parse_flags([], steps=5, warmup=2))
+    assert plain.preset is None and plain.seq_len == harness.MODEL_DEFAULTS["seq_len"]
+
+
+def test_phase_timer_books_time_to_the_phase_each_dispatch_waits_in():
+    timer = phases.PhaseTimer()
+    for label, pause in [("step_start", 0.0), ("dispatch", 0.02), ("dispatch", 0.01),
+                         ("loss_start", 0.0), ("dispatch", 0.03), ("backward_start", 0.0),
+                         ("dispatch", 0.04)]:
+        time.sleep(pause)
+        if label == "dispatch":
+            timer.on_dispatch("op", None, ())
+        else:
+            timer.on_phase(label)
+    time.sleep(0.05)
+    timer.finish(())
+    got = dict(timer.seconds)
+    # Before the loss dispatch: the forward layers (booked to "step", named forward by
+    # profile_phases); waiting at the loss dispatch ends them, its own time ends at the
+    # first backward dispatch.
+    assert set(got) == {"step", "loss", "backward"}
+    assert got["step"] == pytest.approx(0.06, abs=0.03)
+    assert got["loss"] == pytest.approx(0.04, abs=0.03)
+    assert got["backward"] == pytest.approx(0.05, abs=0.03)
+
+
+def test_mask_timing_covers_every_dropout_site_and_skips_rate_zero():
+    config = {"batch_size": 2, "seq_len": 4, "d_model": 8, "d_ff": 16, "n_heads": 2,
+              "depth": 3, "dropout": 0.1}
+    sites = phases.mask_sites(config)
+    assert len(sites) == 2 + 3 * 3 and ((2, 2, 4, 4), 0.1) in sites
+    assert phases.time_masks(config | {"dropout": 0.0}) == {"mask_s": 0.0,
+                                                            "mask_bernoulli_s": 0.0}
+    timed = phases.time_masks(config, repeats=1)
+    assert timed["mask_s"] > 0 and timed["mask_bernoulli_s"] > 0

@@ -5,7 +5,12 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from revtrain.layers import CausalAttention, LayerError, dot_product_attention
+from revtrain.layers import (
+    CausalAttention,
+    LayerError,
+    dot_product_attention,
+    einsum_attention,
+)
 
 SDS = jax.ShapeDtypeStruct
 B, L, D = 2, 6, 8
@@ -149,3 +154,80 @@ def test_length_one_and_batch_one():
     w_o, b_o = layer.weights[3]
     # One position attends only to itself: output = (x W_v + b_v) W_o + b_o.
     np.testing.assert_allclose(layer(x), (x @ w_v + b_v) @ w_o + b_o, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# jax.nn.dot_product_attention (no dropout) against the einsum path (dropout).
+
+
+def _qkv(lq, lk, seed=0, n_heads=2, d_head=4):
+    q = jnp.asarray(_x((B, lq, n_heads, d_head), seed))
+    k = jnp.asarray(_x((B, lk, n_heads, d_head), seed + 1))
+    v = jnp.asarray(_x((B, lk, n_heads, d_head), seed + 2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "is_causal", "cache", "padding", "none"])
+def test_fused_attention_equals_einsum_attention(mask_kind):
+    lq, lk = (3, 7) if mask_kind == "cache" else (L, L)
+    q, k, v = _qkv(lq, lk)
+    mask, is_causal = None, False
+    if mask_kind == "causal":
+        mask = np.tril(np.ones((L, L), bool))
+    elif mask_kind == "is_causal":
+        is_causal = True
+    elif mask_kind == "cache":  # queries at positions 2..4 of a 7-long key/value cache
+        mask = np.arange(lk)[None, :] <= (2 + np.arange(lq))[:, None]
+    elif mask_kind == "padding":  # [batch, 1, 1, length_k]: the last two keys are padding
+        mask = np.broadcast_to(np.arange(lk) < lk - 2, (B, 1, 1, lk))
+    fused = dot_product_attention(q, k, v, mask, is_causal=is_causal)
+    plain = einsum_attention(q, k, v, mask, is_causal=is_causal)
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5)
+    grads = [jax.grad(lambda q_, f=f: jnp.sum(jnp.sin(f(q_, k, v, mask, is_causal=is_causal))))(q)
+             for f in (dot_product_attention, einsum_attention)]
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_rate_zero_runs_jax_nn_attention_and_dropout_the_einsum_path(monkeypatch):
+    calls = []
+    fused_fn = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or fused_fn(*a, **kw))
+    q, k, v = _qkv(L, L)
+    x = _x()
+    _layer(2)(x)
+    CausalAttention(D, n_heads=2, dropout=0.5, mode="eval").pure_fn(x, _layer(2).weights, (),
+                                                                     None)
+    assert [kw["is_causal"] for kw in calls] == [True, True]
+    _layer(2, dropout=0.5).pure_fn(x, _layer(2).weights, (), jax.random.key(0))
+    assert len(calls) == 2
+    dropped = dot_product_attention(q, k, v, None, 0.5, jax.random.key(0), is_causal=True)
+    again = einsum_attention(q, k, v, None, 0.5, jax.random.key(0), is_causal=True)
+    np.testing.assert_array_equal(dropped, again)
+    assert not np.allclose(dropped, einsum_attention(q, k, v, is_causal=True), atol=1e-3)
+
+
+def test_predict_mode_cache_matches_train_mode_without_dropout():
+    train = _layer(2)
+    predict = CausalAttention(D, n_heads=2, mode="predict", max_len=L)
+    predict.init(SDS((B, 1, D), jnp.float32), rng=jax.random.key(1))
+    x = _x()
+    state, steps = predict.state, []
+    for t in range(L):
+        y, state = predict.pure_fn(x[:, t:t + 1], train.weights, state, None)
+        steps.append(y)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), train(x), rtol=1e-5, atol=1e-5)
+
+
+def test_implementation_is_passed_to_jax_nn_and_checked(monkeypatch):
+    seen = []
+    fused_fn = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, **kw: seen.append(kw["implementation"]) or fused_fn(*a, **kw))
+    x = _x()
+    weights = _layer(2).weights
+    y = CausalAttention(D, n_heads=2, implementation="xla").pure_fn(x, weights, (), None)[0]
+    np.testing.assert_allclose(y, _reference(x, weights, 2), rtol=1e-4, atol=1e-5)
+    assert seen == ["xla"]
+    with pytest.raises(ValueError, match="implementation='flash'"):
+        CausalAttention(D, implementation="flash")
