@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from revtrain.layers.layer import Layer
-from revtrain.layers.scan import run_in_series
+from revtrain.layers.scan import run_in_series, serial_arity
 from revtrain.layers.stack import (
     _as_tuple,
     _bare,
@@ -52,17 +52,6 @@ def split_rng(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
     return list(jax.random.split(rng, n))
 
 
-def _serial_arity(layers: Sequence[Layer]) -> tuple[int, int]:
-    """Returns ``(n_in, n_out)`` of running ``layers`` one after another on a stack."""
-    needed, have = 0, 0
-    for layer in layers:
-        if layer.n_in > have:
-            needed += layer.n_in - have
-            have = layer.n_in
-        have += layer.n_out - layer.n_in
-    return needed, have
-
-
 class Serial(Layer):
     """Runs sublayers one after another on the stack: ``Serial(l1, l2, ...)``.
 
@@ -85,7 +74,7 @@ class Serial(Layer):
 
     def __init__(self, *layers: Any, name: str | None = None, scan: bool = True):
         sublayers = _flatten_layers(layers)
-        n_in, n_out = _serial_arity(sublayers)
+        n_in, n_out = serial_arity(sublayers)
         super().__init__(n_in=n_in, n_out=n_out, name=name, sublayers=sublayers)
         self._initialized = not sublayers  # an empty combinator has nothing to initialise
         self._scan = scan

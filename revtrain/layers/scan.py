@@ -93,8 +93,8 @@ def plan_runs(signatures: Sequence[Hashable | None], max_period: int = MAX_PERIO
     return segments
 
 
-def _group_arity(layers: Sequence[Layer]) -> tuple[int, int]:
-    """``(n_in, n_out)`` of ``layers`` run in series (as `Serial`)."""
+def serial_arity(layers: Sequence[Layer]) -> tuple[int, int]:
+    """Returns ``(n_in, n_out)`` of running ``layers`` one after another on a stack."""
     needed, have = 0, 0
     for layer in layers:
         if layer.n_in > have:
@@ -134,7 +134,7 @@ def _scan_run(layers: Sequence[Layer], repeats: int, stack: Any, weights: Sequen
               states: Sequence, keys: jax.Array | None) -> tuple[Any, list]:
     """Runs ``layers`` (one group) ``repeats`` times by ``lax.scan``; weights, states and
     keys (an array, or None) are flat over the run (``repeats * len(layers)`` entries)."""
-    p, (n_in, _) = len(layers), _group_arity(layers)
+    p, (n_in, _) = len(layers), serial_arity(layers)
     per_position = [(_stacked(weights[j::p]), _stacked(states[j::p])) for j in range(p)]
     xs_keys = None if keys is None else keys.reshape((repeats, p) + keys.shape[1:])
 
@@ -198,7 +198,7 @@ def run_in_series(layers: Sequence[Layer], stack: Any, weights: Weights, state: 
 def _scannable(group: Sequence[Layer], stack: Any, weights: Sequence, states: Sequence,
                keys: Sequence) -> bool:
     """Whether the group's carry keeps its count and types (`_keeps_types`)."""
-    n_in, n_out = _group_arity(group)
+    n_in, n_out = serial_arity(group)
     if n_in != n_out:
         return False
     p = len(group)
@@ -206,4 +206,5 @@ def _scannable(group: Sequence[Layer], stack: Any, weights: Sequence, states: Se
     return _keeps_types(group, carry, weights[:p], states[:p], keys[:p])
 
 
-__all__ = ["MAX_PERIOD", "MIN_REPEATS", "layer_signature", "plan_runs", "run_in_series"]
+__all__ = ["MAX_PERIOD", "MIN_REPEATS", "layer_signature", "plan_runs", "run_in_series",
+           "serial_arity"]
