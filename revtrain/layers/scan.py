@@ -144,7 +144,7 @@ def _scan_run(layers: Sequence[Layer], repeats: int, stack: Any, weights: Sequen
         return _run_group(layers, carry, group_weights, group_states, group_keys)
 
     xs = (tuple(w for w, _ in per_position), tuple(s for _, s in per_position), xs_keys)
-    carry, new_states = jax.lax.scan(body, inputs_from_stack(stack, n_in), xs)
+    carry, new_states = jax.lax.scan(body, inputs_from_stack(stack, n_in), xs, length=repeats)
     stack = outputs_onto_stack(carry, stack, n_in)
     flat_states = [jax.tree.map(lambda a, i=i: a[i], new_states[j])
                    for i in range(repeats) for j in range(p)]

@@ -153,3 +153,13 @@ def test_a_long_serial_of_tiny_layers_compiles_quickly():
     assert lowered.as_text().count("dot_general") == 1
     lowered.compile()
     assert time.perf_counter() - start < 30.0
+
+
+def test_a_run_of_weightless_layers_without_rng_is_scanned():
+    model = Serial([Relu() for _ in range(3)])
+    model.init(X)
+    x = jax.random.normal(jax.random.key(0), X.shape)
+    lowered = jax.jit(model.pure_fn).lower(x, model.weights, model.state, None)
+    assert "while" in lowered.as_text()
+    np.testing.assert_array_equal(model.pure_fn(x, model.weights, model.state, None)[0],
+                                  jax.nn.relu(x))
