@@ -24,7 +24,6 @@ import numpy as np
 from revtrain.layers.base import Layer, inputs_from_stack, outputs_onto_stack
 from revtrain.layers.blocks import blocks_to_layers
 from revtrain.layers.reversible import ReversibleLayer
-from revtrain.layers.stack import _bare
 from revtrain.trainers import devices
 from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.fbo import FBO, FORWARD, LOSS, FnCache
@@ -32,7 +31,7 @@ from revtrain.trainers.precompile import (
     AbstractStore,
     CallRecorder,
     CompileTimes,
-    abstract_batch,
+    abstract_step_inputs,
     compile_all,
     timed,
 )
@@ -220,8 +219,7 @@ class BlockTrainer(TrainerBase):
                                                    self.mesh),
                   "weight_total": self._weight_totals(batch)}
         lr_rep = None if lr is None else jax.device_put(lr, devices.replicated(self.mesh))
-        self._notify_phase("step_start")
-        loss, stats = self._run_ops(self._store, stack, common, lr_rep)
+        loss, stats = self._run_schedule(stack, common, lr_rep)
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
         self._notify_phase("step_end")
@@ -238,13 +236,10 @@ class BlockTrainer(TrainerBase):
                    learning_rate: float | None = None) -> CompileTimes:
         """Traces and compiles every per-layer program of a step before the first step.
 
-        Walks the schedule once on abstract values (tracing each distinct function once),
-        then lowers and compiles the distinct programs concurrently in a thread pool
-        (`revtrain.trainers.precompile`); the steps then run the compiled executables and
-        compile nothing. `one_step` calls this on its first call when it was not called.
-        JAX's persistent compilation cache serves these compilations when enabled
-        (``jax.config.update("jax_compilation_cache_dir", path)`` before building the
-        trainer; see `revtrain.trainers.precompile`).
+        Walks the schedule once on abstract values, then compiles the distinct programs
+        side by side in a thread pool; the steps then compile nothing (details, and how
+        to enable JAX's persistent compilation cache, in `revtrain.trainers.precompile`).
+        The first `one_step` calls this when it was not called.
 
         Args:
           batch_signature: the global batch ``(inputs, targets, weights)`` as arrays or
@@ -259,40 +254,29 @@ class BlockTrainer(TrainerBase):
           ValueError: for a batch not divisible by ``n_devices``; any error tracing or
             compiling a layer's functions.
         """
-        lr = self._learning_rate_arg(learning_rate)
-        replicated = devices.replicated(self.mesh)
-        rng_data = self._rng_data(jax.random.key(0), len(self.layers))
-        common = {"rngs": jax.ShapeDtypeStruct(rng_data.shape, rng_data.dtype,
-                                               sharding=devices.per_device(self.mesh)),
-                  "weight_total": jax.ShapeDtypeStruct(
-                      (self.n_devices,), np.float32, sharding=devices.per_device(self.mesh))}
-        lr_rep = None if lr is None else jax.ShapeDtypeStruct((), np.float32,
-                                                              sharding=replicated)
-        stack = _bare(abstract_batch(batch_signature, self.mesh, self.n_devices))
-        self._recorder, observers, self.observers = CallRecorder(self.mesh), self.observers, []
+        stack, common, lr_rep = abstract_step_inputs(
+            self.mesh, self.n_devices, batch_signature,
+            self._rng_data(jax.random.key(0), len(self.layers)),
+            self._learning_rate_arg(learning_rate))
+        saved = self._store, self.observers
+        self._recorder, self.observers = CallRecorder(self.mesh), []
+        self._store = AbstractStore(self.mesh, self.n_devices, self._signature)
         try:
             start = time.perf_counter()
-            self._run_ops(AbstractStore(self.mesh, self.n_devices, self._signature), stack,
-                          common, lr_rep)
+            self._run_schedule(stack, common, lr_rep)
             trace_s = time.perf_counter() - start
             calls = list(self._recorder.calls.values())
         finally:
-            self._recorder, self.observers = None, observers
+            self._recorder, (self._store, self.observers) = None, saved
         _, compile_s = timed(compile_all, calls)
         self.compile_times = CompileTimes(trace_s, compile_s, math.nan, len(calls))
         return self.compile_times
 
-    def _run_ops(self, store: Any, stack: Any, common: dict, lr_rep: Any) -> tuple:
-        """Runs the schedule on ``store``; returns ``(loss, per-layer stats)``."""
-        saved, self._store = self._store, store
-        try:
-            return self._run_schedule(stack, common, lr_rep)
-        finally:
-            self._store = saved
-
     def _run_schedule(self, stack: Any, common: dict, lr_rep: Any) -> tuple:
+        """Runs the schedule's ops; returns ``(loss, per-layer stats)``."""
         store = self._store
         store.begin_step()
+        self._notify_phase("step_start")
         kept: dict[int, Any] = {}
         stats: dict[str, Any] = {}
         ct = loss = final = None

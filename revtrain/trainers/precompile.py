@@ -146,6 +146,27 @@ def abstract_batch(batch_signature: Sequence[Any], mesh: Mesh, n_devices: int) -
     return tuple(out)
 
 
+def abstract_step_inputs(mesh: Mesh, n_devices: int, batch_signature: Sequence[Any],
+                         rng_data: np.ndarray, learning_rate: np.ndarray | None
+                         ) -> tuple[tuple, dict, Any]:
+    """Abstract ``(stack, common, learning rate)`` of a block trainer's step.
+
+    Args:
+      mesh, n_devices: the trainer's.
+      batch_signature: the global batch's arrays or `jax.ShapeDtypeStruct`s.
+      rng_data: any step's per-device, per-layer key data (its shape and dtype are used).
+      learning_rate: the step's learning-rate argument (a float32 scalar) or None.
+    """
+    per_device = devices.per_device(mesh)
+    common = {"rngs": jax.ShapeDtypeStruct(rng_data.shape, rng_data.dtype,
+                                           sharding=per_device),
+              "weight_total": jax.ShapeDtypeStruct((n_devices,), np.float32,
+                                                   sharding=per_device)}
+    lr = None if learning_rate is None else jax.ShapeDtypeStruct(
+        (), np.float32, sharding=devices.replicated(mesh))
+    return abstract_batch(batch_signature, mesh, n_devices), common, lr
+
+
 class CallRecorder:
     """Stands in for dispatching: records each call and returns ``jax.eval_shape`` of it.
 
@@ -205,4 +226,5 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-__all__ = ["AbstractStore", "CallRecorder", "CompileTimes", "abstract_batch", "compile_all"]
+__all__ = ["AbstractStore", "CallRecorder", "CompileTimes", "abstract_batch",
+           "abstract_step_inputs", "compile_all"]
