@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
 from revtrain.trainers import devices
@@ -42,7 +43,10 @@ class TrainerBase:
 
     Attributes:
       n_devices: number of devices (per process) the batch is split over.
-      mesh: the one-axis (``batch``) mesh.
+      mesh: the one-axis (``batch``) mesh (from ``mesh`` or ``n_devices``; see
+        `revtrain.trainers.devices.resolve_mesh`).
+      fsdp: whether weights and optimizer slots are sharded over the mesh
+        (`revtrain.trainers.devices.fsdp_spec`) instead of replicated.
       learning_rate: the current injectable learning rate (float), or None when the
         optimizer has none.
       observers: `revtrain.trainers.protocols.Observer` objects told of every dispatch of
@@ -50,7 +54,7 @@ class TrainerBase:
     """
 
     def __init__(self, layers: Sequence[Layer], optimizer_fn: OptimizerFn,
-                 n_devices: int | None):
+                 n_devices: int | None, mesh: Mesh | None = None, fsdp: bool = False):
         _check_each_layer_once(layers)
         for layer in layers:
             if not layer.initialized:
@@ -61,8 +65,10 @@ class TrainerBase:
         if not callable(optimizer_fn):
             raise TypeError(f"optimizer_fn must be a function returning an optax "
                             f"GradientTransformation; got {optimizer_fn!r}")
-        self.n_devices = devices.resolve_n_devices(n_devices)
-        self.mesh = devices.make_mesh(self.n_devices)
+        if not isinstance(fsdp, bool):
+            raise TypeError(f"fsdp={fsdp!r} must be True or False")
+        self.mesh, self.n_devices = devices.resolve_mesh(n_devices, mesh)
+        self.fsdp = fsdp
         self._optimizer_fn = optimizer_fn
         self.observers: list[Observer] = []
         self._copy_batch = False

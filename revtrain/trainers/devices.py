@@ -58,6 +58,90 @@ def make_mesh(n_devices: int) -> Mesh:
     return Mesh(np.array(devices), (BATCH_AXIS,))
 
 
+def resolve_mesh(n_devices: int | None, mesh: Mesh | None) -> tuple[Mesh, int]:
+    """The trainer's ``batch`` mesh and its devices per process, from either argument.
+
+    ``mesh`` is a user's one-axis `jax.sharding.Mesh` (any axis name, e.g. ``'data'``;
+    under ``jax.distributed`` it may span processes): its devices, in its order, become the
+    trainer's ``batch`` axis. Without it, `make_mesh(n_devices)`.
+
+    Raises:
+      ValueError: for a mesh with more than one axis of size > 1; one that holds no device
+        of this process, a different number of devices of each process, or a process's
+        devices not consecutive; or an ``n_devices`` that contradicts ``mesh``.
+      TypeError: when ``mesh`` is not a ``jax.sharding.Mesh``.
+    """
+    if mesh is None:
+        n_devices = resolve_n_devices(n_devices)
+        return make_mesh(n_devices), n_devices
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r} is not a jax.sharding.Mesh; pass a one-axis Mesh or "
+                        f"use n_devices")
+    big_axes = [(name, size) for name, size in mesh.shape.items() if size > 1]
+    if len(big_axes) > 1:
+        raise ValueError(f"mesh has axes {dict(mesh.shape)}; revtrain splits the batch (and, "
+                         f"with fsdp=True, the weights) over one axis: pass a one-axis mesh")
+    flat = list(mesh.devices.flat)
+    counts: dict[int, int] = {}
+    for device in flat:
+        counts[device.process_index] = counts.get(device.process_index, 0) + 1
+    local = counts.get(jax.process_index(), 0)
+    if local == 0 or len(set(counts.values())) != 1:
+        raise ValueError(f"mesh holds {counts} devices per process index; it must hold the "
+                         f"same number (> 0) of devices of every process")
+    order = [d.process_index for d in flat]
+    if sum(a != b for a, b in zip(order, order[1:], strict=False)) != len(counts) - 1:
+        raise ValueError(f"mesh devices belong to processes {order} in that order; each "
+                         f"process's devices must be consecutive along the mesh axis (each "
+                         f"process feeds one contiguous slice of the global batch)")
+    if n_devices is not None and n_devices != local:
+        raise ValueError(f"n_devices={n_devices} but mesh holds {local} devices of this "
+                         f"process; pass only one of them")
+    return Mesh(np.array(flat), (BATCH_AXIS,)), local
+
+
+FSDP_MIN_SIZE = 1024
+"""Leaves with fewer elements than this stay replicated under ``fsdp=True``: biases, norms
+and optimizer counters are too small for sharding to save memory worth a collective."""
+
+
+def fsdp_spec(shape: tuple[int, ...], n_shards: int,
+              min_size: int = FSDP_MIN_SIZE) -> P:
+    """The FSDP partition of one leaf over the ``batch`` axis (ZeRO-3 / FSDP layout).
+
+    The leaf is split along its largest dimension that ``n_shards`` divides (the first
+    such dimension on a tie); it stays replicated (``P()``) when it has fewer than
+    ``min_size`` elements, when no dimension is divisible by ``n_shards``, or when
+    ``n_shards == 1``. This is the rule of MaxText/flax FSDP meshes: split weights along
+    the data axis, keep what cannot be split whole.
+
+    Args:
+      shape: the leaf's full (global) shape.
+      n_shards: size of the ``batch`` axis (devices of all processes).
+      min_size: smallest number of elements that is sharded.
+
+    Returns:
+      A ``PartitionSpec`` naming `BATCH_AXIS` on at most one dimension.
+    """
+    size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if n_shards == 1 or size < min_size:
+        return P()
+    divisible = [d for d, n in enumerate(shape) if n % n_shards == 0]
+    if not divisible:
+        return P()
+    dim = max(divisible, key=lambda d: (shape[d], -d))
+    return P(*([None] * dim), BATCH_AXIS)
+
+
+def value_shardings(tree: Any, mesh: Mesh, fsdp: bool) -> Any:
+    """``NamedSharding`` per leaf of ``tree`` (arrays or ShapeDtypeStructs): `fsdp_spec`
+    when ``fsdp`` is True, replicated otherwise."""
+    n_shards = mesh.devices.size
+    return jax.tree.map(
+        lambda a: NamedSharding(mesh, fsdp_spec(tuple(np.shape(a)), n_shards) if fsdp
+                                else P()), tree)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding of a value held whole on every device of ``mesh``."""
     return NamedSharding(mesh, P())
@@ -178,6 +262,22 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     sharding = replicated(mesh)
     # np.array copies: on the CPU backend device_put may alias a numpy array's memory.
     return jax.tree.map(lambda a: jax.device_put(np.array(a), sharding), tree)
+
+
+def put_sharded(tree: Any, shardings: Any) -> Any:
+    """Copies host (or device) ``tree`` onto the devices with one sharding per leaf.
+
+    Every process passes the whole (global) value; each device receives only its own
+    slice (``jax.make_array_from_callback``), so with ``fsdp`` shardings no device ever
+    holds a full copy. Always new buffers (never an alias of the input).
+    """
+    def put(a, sharding):
+        if isinstance(a, jax.Array) and a.sharding == sharding:
+            return a.copy()
+        host = np.asarray(a)
+        return jax.make_array_from_callback(host.shape, sharding,
+                                            lambda index: np.array(host[index]))
+    return jax.tree.map(put, tree, shardings)
 
 
 def unreplicate(tree: Any) -> Any:

@@ -164,7 +164,12 @@ class ParamStore(Protocol):
     (in the backward pass) leaves the layers already updated with their new values, and
     ``restore`` (which must work whatever state a failed step left) undoes it.
     ``host_values(part)`` gives host copies of ``'weights'``, ``'state'`` or ``'slots'``,
-    one entry per flat layer.
+    one entry per flat layer. ``saved_values(part)`` gives the same values as they live,
+    without a host copy, for a sharded checkpoint: global ``jax.Array`` s in their own
+    sharding (each process then writes only its shards), or host arrays where the store
+    keeps values in host memory; ``value_shardings(part)`` gives, per leaf, the
+    ``NamedSharding`` a checkpoint should be restored into (None for a host-held leaf), and
+    ``restore`` accepts host arrays or ``jax.Array`` s in any sharding (resharding them).
     Implementations: `revtrain.trainers.stores.DeviceStore` (all on the
     devices) and `revtrain.trainers.stores.HostStore` (host memory, prefetch window).
     """
@@ -194,6 +199,10 @@ class ParamStore(Protocol):
     def finish_step(self) -> None: ...
 
     def host_values(self, part: str) -> tuple: ...
+
+    def saved_values(self, part: str) -> tuple: ...
+
+    def value_shardings(self, part: str) -> tuple: ...
 
     def restore(self, train_state: TrainState) -> None: ...
 

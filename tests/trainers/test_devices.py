@@ -1,6 +1,8 @@
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from revtrain.trainers import devices
 
@@ -103,3 +105,57 @@ def test_check_same_structure_names_the_first_mismatching_path():
         devices.check_same_structure({"a": 1.0, "c": 2.0}, {"a": 1.0, "b": 2.0}, "slots")
     with pytest.raises(ValueError, match=r"shape \(3,\)"):
         devices.check_same_structure({"a": np.ones(3)}, {"a": np.ones(2)}, "weights")
+
+
+# --- FSDP layout and user meshes --------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,n,expected", [
+    ((64, 128), 4, P(None, devices.BATCH_AXIS)),   # largest divisible dim
+    ((128, 64), 4, P(devices.BATCH_AXIS)),
+    ((128, 128), 4, P(devices.BATCH_AXIS)),        # tie: first dim
+    ((130, 64), 4, P(None, devices.BATCH_AXIS)),   # 130 not divisible, 64 is
+    ((33, 35), 4, P()),                            # nothing divisible
+    ((16,), 4, P()),                               # too small
+    ((), 4, P()),                                  # scalar
+    ((64, 128), 1, P()),                           # one shard
+])
+def test_fsdp_spec_splits_the_largest_divisible_dimension(shape, n, expected):
+    assert devices.fsdp_spec(shape, n) == expected
+
+
+def test_value_shardings_and_put_sharded_hold_one_slice_per_device():
+    mesh = devices.make_mesh(4)
+    tree = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
+            "b": np.ones(8, np.float32)}
+    shardings = devices.value_shardings(tree, mesh, fsdp=True)
+    put = devices.put_sharded(tree, shardings)
+    assert [s.data.shape for s in put["w"].addressable_shards] == [(16, 32)] * 4
+    assert [s.data.shape for s in put["b"].addressable_shards] == [(8,)] * 4
+    np.testing.assert_array_equal(np.asarray(put["w"]), tree["w"])
+    replicated = devices.value_shardings(tree, mesh, fsdp=False)
+    assert all(s.spec == P() for s in jax.tree.leaves(replicated))
+
+
+def test_resolve_mesh_accepts_a_one_axis_user_mesh():
+    user = Mesh(np.array(jax.devices()[:2]), ("data",))
+    mesh, n = devices.resolve_mesh(None, user)
+    assert n == 2 and mesh.axis_names == (devices.BATCH_AXIS,)
+    assert list(mesh.devices.flat) == list(user.devices.flat)
+    assert devices.resolve_mesh(2, user)[1] == 2
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("mesh", "not a jax.sharding.Mesh"),
+    ("2d", "one-axis mesh"),
+    ("n", "pass only one"),
+])
+def test_resolve_mesh_rejects_bad_meshes(bad, match):
+    if bad == "mesh":
+        arg, n = "data", None
+    elif bad == "2d":
+        arg, n = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b")), None
+    else:
+        arg, n = Mesh(np.array(jax.devices()[:2]), ("data",)), 4
+    with pytest.raises((ValueError, TypeError), match=match):
+        devices.resolve_mesh(n, arg)
