@@ -260,7 +260,7 @@ class BlockTrainer(TrainerBase):
             self._learning_rate_arg(learning_rate))
         saved = self._store, self.observers
         self._recorder, self.observers = CallRecorder(self.mesh), []
-        self._store = AbstractStore(self.mesh, self.n_devices, self._signature)
+        self._store = AbstractStore(self.mesh, self._signature, self.fsdp)
         try:
             start = time.perf_counter()
             self._run_schedule(stack, common, lr_rep)

@@ -63,22 +63,28 @@ def _sds(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
 class AbstractStore:
     """A `revtrain.trainers.protocols.ParamStore` of abstract values (no buffers).
 
-    Weights and slots are replicated `jax.ShapeDtypeStruct` trees, states per device
-    (``[n_devices, ...]``), as the real stores hand them to the compiled functions; new
-    states are kept so that reverse ops see them; updates are dropped (their shapes do not
-    change). Stashing is the identity.
+    Weights and slots are `jax.ShapeDtypeStruct` trees in the stores' sharding
+    (`revtrain.trainers.devices.value_shardings`: replicated, or FSDP-sharded), states
+    per device (``[devices of the mesh, ...]``), as the real stores hand them to the
+    compiled functions; new states are kept so that reverse ops see them; updates are
+    dropped (their shapes do not change). Stashing is the identity.
 
     Args:
       mesh: the trainer's mesh.
-      n_devices: devices per process.
       signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
+      fsdp: whether the trainer shards weights and slots (its ``fsdp``).
     """
 
-    def __init__(self, mesh: Mesh, n_devices: int, signature: TrainState):
-        replicated, per_device = devices.replicated(mesh), devices.per_device(mesh)
-        self._weights = [_sds(w, replicated) for w in signature.weights]
-        self._slots = [_sds(s, replicated) for s in signature.slots]
-        self._states = [_sds(s, per_device, (n_devices,)) for s in signature.state]
+    def __init__(self, mesh: Mesh, signature: TrainState, fsdp: bool = False):
+        def placed(tree):
+            shardings = devices.value_shardings(tree, mesh, fsdp)
+            return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(
+                np.shape(a), a.dtype, sharding=sharding), tree, shardings)
+
+        self._weights = [placed(w) for w in signature.weights]
+        self._slots = [placed(s) for s in signature.slots]
+        rows = (mesh.devices.size,)
+        self._states = [_sds(s, devices.per_device(mesh), rows) for s in signature.state]
         self._new_states: list[Any] = [None] * len(self._states)
 
     def begin_step(self) -> None:
@@ -128,7 +134,8 @@ class AbstractStore:
 
 
 def abstract_batch(batch_signature: Sequence[Any], mesh: Mesh, n_devices: int) -> tuple:
-    """The per-device ``[n_devices, batch // n_devices, ...]`` abstract batch.
+    """The abstract per-device batch ``[devices of the mesh, batch // n_devices, ...]``
+    (``batch`` is this process's; ``n_devices`` its devices).
 
     Raises:
       ValueError: when the batch size is not divisible by ``n_devices``.
@@ -141,7 +148,7 @@ def abstract_batch(batch_signature: Sequence[Any], mesh: Mesh, n_devices: int) -
             raise ValueError(f"batch item of shape {shape} cannot be split over n_devices="
                              f"{n_devices}; use a global batch that is a multiple of "
                              f"{n_devices}")
-        out.append(jax.ShapeDtypeStruct((n_devices, shape[0] // n_devices) + shape[1:],
+        out.append(jax.ShapeDtypeStruct((mesh.devices.size, shape[0] // n_devices) + shape[1:],
                                         np.dtype(item.dtype), sharding=per_device))
     return tuple(out)
 
@@ -154,13 +161,14 @@ def abstract_step_inputs(mesh: Mesh, n_devices: int, batch_signature: Sequence[A
     Args:
       mesh, n_devices: the trainer's.
       batch_signature: the global batch's arrays or `jax.ShapeDtypeStruct`s.
-      rng_data: any step's per-device, per-layer key data (its shape and dtype are used).
+      rng_data: any step's per-device, per-layer key data of this process (its shape
+        and dtype are used).
       learning_rate: the step's learning-rate argument (a float32 scalar) or None.
     """
-    per_device = devices.per_device(mesh)
-    common = {"rngs": jax.ShapeDtypeStruct(rng_data.shape, rng_data.dtype,
+    per_device, rows = devices.per_device(mesh), mesh.devices.size
+    common = {"rngs": jax.ShapeDtypeStruct((rows,) + rng_data.shape[1:], rng_data.dtype,
                                            sharding=per_device),
-              "weight_total": jax.ShapeDtypeStruct((n_devices,), np.float32,
+              "weight_total": jax.ShapeDtypeStruct((rows,), np.float32,
                                                    sharding=per_device)}
     lr = None if learning_rate is None else jax.ShapeDtypeStruct(
         (), np.float32, sharding=devices.replicated(mesh))
