@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from revtrain.layers.layer import Layer
+from revtrain.layers.scan import run_in_series, serial_arity
 from revtrain.layers.stack import (
     _as_tuple,
     _bare,
@@ -51,43 +52,37 @@ def split_rng(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
     return list(jax.random.split(rng, n))
 
 
-def _serial_arity(layers: Sequence[Layer]) -> tuple[int, int]:
-    """Returns ``(n_in, n_out)`` of running ``layers`` one after another on a stack."""
-    needed, have = 0, 0
-    for layer in layers:
-        if layer.n_in > have:
-            needed += layer.n_in - have
-            have = layer.n_in
-        have += layer.n_out - layer.n_in
-    return needed, have
-
-
 class Serial(Layer):
     """Runs sublayers one after another on the stack: ``Serial(l1, l2, ...)``.
 
     Nested lists/tuples of layers are flattened and None is skipped (nested `Serial` objects
     are kept as they are). ``n_in``/``n_out`` follow from the sublayers' arities; stack items
     below those a sublayer uses pass through. The rng is split into one key per sublayer.
+
+    Consecutive sublayers that repeat one group of equal structure (e.g. the blocks of a
+    deep Transformer) run as one ``jax.lax.scan`` over their stacked weights, so the
+    compiled program holds one copy of the group and compile time does not grow with the
+    depth; results, keys and the weights/state layout are those of running them one by one
+    (the rules are in `revtrain.layers.scan`).
+
+    Args:
+      *layers: the sublayers (nested lists/tuples flattened, None skipped).
+      name: the layer's name.
+      scan: False runs every sublayer unrolled (e.g. for a layer whose Python code needs
+        concrete values outside ``jit``).
     """
 
-    def __init__(self, *layers: Any, name: str | None = None):
+    def __init__(self, *layers: Any, name: str | None = None, scan: bool = True):
         sublayers = _flatten_layers(layers)
-        n_in, n_out = _serial_arity(sublayers)
+        n_in, n_out = serial_arity(sublayers)
         super().__init__(n_in=n_in, n_out=n_out, name=name, sublayers=sublayers)
         self._initialized = not sublayers  # an empty combinator has nothing to initialise
+        self._scan = scan
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
-        stack = x
-        new_states = []
-        for layer, w, s, r in zip(self.sublayers, weights, state,
-                                  split_rng(rng, len(self.sublayers)), strict=True):
-            inputs = inputs_from_stack(stack, layer.n_in)
-            outputs, new_s = layer.pure_fn(inputs, w, s, r)
-            stack = outputs_onto_stack(outputs, stack, layer.n_in)
-            new_states.append(new_s)
-        return stack, tuple(new_states)
+        return run_in_series(self.sublayers, x, weights, state, rng, scan=self._scan)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)

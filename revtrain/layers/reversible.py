@@ -44,6 +44,7 @@ from revtrain.layers.combinators import (
     split_rng,
 )
 from revtrain.layers.layer import Layer, State, Weights
+from revtrain.layers.scan import run_in_series
 from revtrain.layers.signatures import LayerError, _error_signature
 from revtrain.layers.stack import (
     _as_tuple,
@@ -56,15 +57,10 @@ from revtrain.layers.stack import (
 
 
 def _run_serially(layers: Sequence[Layer], stack: Any, weights: Weights, state: State,
-                  rng: jax.Array | None) -> tuple[Any, State]:
-    """Runs ``layers`` one after another on ``stack`` with one rng key each, as `Serial`."""
-    new_states = []
-    for layer, w, s, r in zip(layers, weights, state, split_rng(rng, len(layers)),
-                              strict=True):
-        y, new_s = layer.pure_fn(inputs_from_stack(stack, layer.n_in), w, s, r)
-        stack = outputs_onto_stack(y, stack, layer.n_in)
-        new_states.append(new_s)
-    return stack, tuple(new_states)
+                  rng: jax.Array | None, scan: bool = True) -> tuple[Any, State]:
+    """Runs ``layers`` one after another on ``stack`` with one rng key each, as `Serial`
+    (repeated runs by ``lax.scan``: `revtrain.layers.scan`)."""
+    return run_in_series(layers, stack, weights, state, rng, scan=scan)
 
 
 def _raising_layer_errors(method: Callable) -> Callable:
@@ -331,13 +327,14 @@ class ReversibleSerial(ReversibleLayer):
     sublayer (``jax.random.split(rng, n)``), ``state``/``weights`` are tuples of the
     sublayers'. `reverse` walks the sublayers backwards, giving sublayer ``i`` its own old
     state ``state[i]`` and new state ``new_state[i]``; `reverse_and_grad` chains the
-    sublayers' (possibly fused) ``reverse_and_grad``.
+    sublayers' (possibly fused) ``reverse_and_grad``. The forward pass scans repeated runs
+    of sublayers as `Serial` does (``scan=False`` runs them unrolled).
 
     Raises:
       TypeError: when a sublayer is not a `ReversibleLayer` (the message names it).
     """
 
-    def __init__(self, *layers: Any, name: str | None = None):
+    def __init__(self, *layers: Any, name: str | None = None, scan: bool = True):
         sublayers = _flatten_layers(layers)
         for i, layer in enumerate(sublayers):
             if not isinstance(layer, ReversibleLayer):
@@ -347,10 +344,12 @@ class ReversibleSerial(ReversibleLayer):
         serial = Serial(*sublayers)
         super().__init__(n_in=serial.n_in, n_out=serial.n_out, name=name,
                          sublayers=sublayers)
+        self._scan = scan
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        return _run_serially(self.sublayers, x, weights, state, rng)
+        check_per_sublayer(self, weights=weights, state=state)
+        return _run_serially(self.sublayers, x, weights, state, rng, scan=self._scan)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)

@@ -16,6 +16,7 @@ from revtrain.trainers.devices import (
     unreplicate,
 )
 from revtrain.trainers.memory_efficient import MemoryEfficientTrainer, MemoryLog
+from revtrain.trainers.precompile import CompileTimes
 from revtrain.trainers.protocols import (
     DeviceFootprint,
     Observer,
@@ -30,7 +31,7 @@ from revtrain.trainers.trainer import Trainer
 __all__ = [
     "Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer", "BlockTrainer",
     "TrainState", "DeviceFootprint", "ParamStore", "Observer", "DeviceStore", "HostStore",
-    "MemoryLog", "Op", "build_schedule",
+    "MemoryLog", "Op", "build_schedule", "CompileTimes",
     "blocks_to_layers", "extract_reversible_blocks", "init_reversible_blocks",
     "for_n_devices", "on_accelerator", "on_cpu", "per_device_rngs", "replicate",
     "reshape_by_device", "unreplicate",

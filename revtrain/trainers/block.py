@@ -16,6 +16,8 @@ holds ``(weights + slots) / n_devices`` plus one layer's gathered weights.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +32,14 @@ from revtrain.layers.reversible import ReversibleLayer
 from revtrain.trainers import devices
 from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.fbo import FBO, FORWARD, LOSS, FnCache
+from revtrain.trainers.precompile import (
+    AbstractStore,
+    CallRecorder,
+    CompileTimes,
+    abstract_step_inputs,
+    compile_all,
+    timed,
+)
 from revtrain.trainers.protocols import DeviceFootprint, ParamStore, TrainState
 from revtrain.trainers.schedule import Op, build_schedule
 from revtrain.trainers.stores import delete_arrays
@@ -153,6 +163,8 @@ class BlockTrainer(TrainerBase):
                           jax.device_put(np.float32(clip_global_norm), replicated))
         self._norm_counted = eqx.debug.assert_max_traces(_global_norm, max_traces=None)
         self._global_norm = jax.jit(self._norm_counted)
+        self._recorder: CallRecorder | None = None
+        self.compile_times: CompileTimes | None = None
 
     # ----------------------------------------------------------------------------------
     # The training values.
@@ -222,10 +234,69 @@ class BlockTrainer(TrainerBase):
         del step
         lr = self._learning_rate_arg(learning_rate)
         stack = self._shard_batch(batch)
+        first = self.compile_times is None or math.isnan(self.compile_times.run_s)
+        if self.compile_times is None:
+            self.precompile(batch, learning_rate)
+        start = time.perf_counter()
         common = {"rngs": devices.shard_per_device(self._rng_data(rng, len(self.layers)),
                                                    self.mesh),
                   "weight_total": self._weight_totals(batch)}
         lr_rep = None if lr is None else jax.device_put(lr, devices.replicated(self.mesh))
+        loss, stats = self._run_schedule(stack, common, lr_rep)
+        if learning_rate is not None:
+            self.learning_rate = float(learning_rate)
+        self._notify_phase("step_end")
+        stats = {"loss": loss, **stats}
+        if lr is not None:
+            stats["learning_rate"] = np.float32(lr)
+        if first:  # One wait, in the first step only, to tell running from compiling.
+            jax.block_until_ready(loss)
+            self.compile_times = self.compile_times._replace(
+                run_s=time.perf_counter() - start)
+        return loss, stats
+
+    def precompile(self, batch_signature: Sequence[Any],
+                   learning_rate: float | None = None) -> CompileTimes:
+        """Traces and compiles every per-layer program of a step before the first step.
+
+        Walks the schedule once on abstract values, then compiles the distinct programs
+        side by side in a thread pool; the steps then compile nothing (details, and how
+        to enable JAX's persistent compilation cache, in `revtrain.trainers.precompile`).
+        The first `one_step` calls this when it was not called.
+
+        Args:
+          batch_signature: the global batch ``(inputs, targets, weights)`` as arrays or
+            `jax.ShapeDtypeStruct`s (``[batch, ...]``, batch divisible by ``n_devices``).
+          learning_rate: as `one_step`'s (only whether one is passed matters).
+
+        Returns:
+          `CompileTimes` (``run_s`` NaN until the first step ran); also kept as
+          ``compile_times``.
+
+        Raises:
+          ValueError: for a batch not divisible by ``n_devices``; any error tracing or
+            compiling a layer's functions.
+        """
+        stack, common, lr_rep = abstract_step_inputs(
+            self.mesh, self.n_devices, batch_signature,
+            self._rng_data(jax.random.key(0), len(self.layers)),
+            self._learning_rate_arg(learning_rate))
+        saved = self._store, self.observers
+        self._recorder, self.observers = CallRecorder(self.mesh), []
+        self._store = AbstractStore(self.mesh, self._signature, self.fsdp)
+        try:
+            start = time.perf_counter()
+            self._run_schedule(stack, common, lr_rep)
+            trace_s = time.perf_counter() - start
+            calls = list(self._recorder.calls.values())
+        finally:
+            self._recorder, (self._store, self.observers) = None, saved
+        _, compile_s = timed(compile_all, calls)
+        self.compile_times = CompileTimes(trace_s, compile_s, math.nan, len(calls))
+        return self.compile_times
+
+    def _run_schedule(self, stack: Any, common: dict, lr_rep: Any) -> tuple:
+        """Runs the schedule's ops; returns ``(loss, per-layer stats)``."""
         store = self._store
         store.begin_step()
         self._notify_phase("step_start")
@@ -239,7 +310,8 @@ class BlockTrainer(TrainerBase):
                 final = store.end_forward(stack) if final is None else final
                 stack = final
                 if not op.norm_only and squared_norms:
-                    clip = (self._global_norm(tuple(squared_norms)), self._max_norm)
+                    clip = (self._call(self._global_norm, tuple(squared_norms)),
+                            self._max_norm)
                     stats["gradients_l2"] = clip[0]
             if position in self._phase_starts:
                 self._notify_phase(self._phase_starts[position])
@@ -262,18 +334,19 @@ class BlockTrainer(TrainerBase):
                 ct = self._std_backward(op, fn, layer, stack, ct, common, rep, stats)
             else:
                 stack, ct = self._reverse(op, fn, layer, stack, ct, common, rep, stats)
-        if self.free_accelerators_on_step:
+        if self.free_accelerators_on_step and self._recorder is None:
             delete_arrays((stack, ct, kept, final))
         store.finish_step()
-        if learning_rate is not None:
-            self.learning_rate = float(learning_rate)
-        self._notify_phase("step_end")
-        stats = {"loss": loss, **stats}
-        if lr is not None:
-            stats["learning_rate"] = np.float32(lr)
         return loss, stats
 
+    def _call(self, fn: Callable, *args: Any) -> Any:
+        """Calls ``fn``, or records the call while `precompile` walks the schedule."""
+        return fn(*args) if self._recorder is None else self._recorder(fn, *args,
+                                                                       grouped=False)
+
     def _dispatch(self, op: Op, fn: Callable, *args: Any) -> Any:
+        if self._recorder is not None:
+            return self._recorder(fn, *args)
         if self.observers:
             self._notify_dispatch(op.label, fn, args)
         return fn(*args)

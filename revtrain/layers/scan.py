@@ -1,0 +1,210 @@
+"""Running layers in series with ``lax.scan`` over repeated runs: one compiled copy per run.
+
+A deep model repeats one group of layers (a Transformer block, a RevNet unit) many times.
+Unrolled, its compiled program holds one copy of the group per repetition and XLA's compile
+time grows faster than the depth. `run_in_series` finds maximal runs of a group of ``p``
+consecutive layers repeated ``k >= MIN_REPEATS`` times (``p <= MAX_PERIOD``) and runs each
+run as one ``jax.lax.scan`` over the group's weights and states stacked along a new leading
+axis (the scan-over-layers technique of flax ``nn.scan`` and MaxText), so the program holds
+one copy of the group whatever ``k`` is.
+
+A run is scanned only when it provably computes what the unrolled layers compute:
+
+* every layer of the group has a non-None `Layer.structure_key` and the ``i``-th layer of
+  each repetition has the same key and the same weights and state signature (tree
+  structure, shapes, dtypes) as the ``i``-th layer of the first;
+* the group leaves as many stack items as it takes (``n_in == n_out`` of the group; items
+  below pass through untouched), and its outputs have the shapes, dtypes and sharding
+  types of its inputs (checked by abstract evaluation; when only the first repetition
+  changes them, it runs unrolled and the rest is scanned).
+
+Results are exactly those of the unrolled layers: each layer gets the key it gets unrolled
+(``jax.random.split(rng, n)[i]`` for layer ``i``, as `Serial`), the same weights and state,
+and its new state is returned in its own slot. Public weights and states keep their layout
+(one entry per layer); stacking happens inside the traced function, so it costs one
+transient copy of the run's weights and states.
+
+Reference: the flax ``nn.scan`` lifted transform and MaxText's ``scan_layers`` option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from revtrain.layers.layer import Layer, State, Weights
+from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
+
+MIN_REPEATS = 2
+"""The fewest repetitions of a group that are scanned (two copies are already one too many)."""
+
+MAX_PERIOD = 8
+"""The most layers in a repeated group (a reversible Transformer block is four)."""
+
+
+def _tree_signature(tree: Any) -> tuple:
+    """Tree structure and every leaf's shape and dtype."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
+
+
+def layer_signature(layer: Layer, weights: Weights, state: State) -> Hashable | None:
+    """What must be equal for two layers to share one scan body; None: never scanned."""
+    key = layer.structure_key
+    if key is None:
+        return None
+    return key, _tree_signature(weights), _tree_signature(state)
+
+
+def plan_runs(signatures: Sequence[Hashable | None], max_period: int = MAX_PERIOD,
+              min_repeats: int = MIN_REPEATS) -> list[tuple[int, int, int]]:
+    """Splits a layer list into segments ``(start, period, repeats)``, in order.
+
+    Greedy from the left: at each position the period (``1..max_period``) whose repetition
+    covers the most layers wins (the smallest on ties); a position where no group repeats
+    ``min_repeats`` times is a single unrolled layer, ``(start, 1, 1)``.
+
+    Args:
+      signatures: one per layer (`layer_signature`); None never matches.
+      max_period: the largest group size tried.
+      min_repeats: the fewest repetitions worth a scan (>= 2).
+
+    Returns:
+      Segments covering ``range(len(signatures))``; ``repeats >= min_repeats`` for a run.
+    """
+    n, start, segments = len(signatures), 0, []
+    while start < n:
+        best = (1, 1)
+        for period in range(1, max_period + 1):
+            group = list(signatures[start:start + period])
+            if start + min_repeats * period > n or None in group:
+                break
+            repeats = 1
+            while signatures[start + repeats * period:start + (repeats + 1) * period] == group:
+                repeats += 1
+            if repeats >= min_repeats and period * repeats > best[0] * best[1]:
+                best = (period, repeats)
+        segments.append((start, *best))
+        start += best[0] * best[1]
+    return segments
+
+
+def serial_arity(layers: Sequence[Layer]) -> tuple[int, int]:
+    """Returns ``(n_in, n_out)`` of running ``layers`` one after another on a stack."""
+    needed, have = 0, 0
+    for layer in layers:
+        if layer.n_in > have:
+            needed += layer.n_in - have
+            have = layer.n_in
+        have += layer.n_out - layer.n_in
+    return needed, have
+
+
+def _run_group(layers: Sequence[Layer], stack: Any, weights: Sequence, states: Sequence,
+               keys: Sequence) -> tuple[Any, tuple]:
+    new_states = []
+    for layer, w, s, r in zip(layers, weights, states, keys, strict=True):
+        y, new_s = layer.pure_fn(inputs_from_stack(stack, layer.n_in), w, s, r)
+        stack = outputs_onto_stack(y, stack, layer.n_in)
+        new_states.append(new_s)
+    return stack, tuple(new_states)
+
+
+def _keeps_types(layers: Sequence[Layer], carry: Any, weights: Sequence, states: Sequence,
+                 keys: Sequence) -> bool:
+    """Whether running the group once gives a carry of the input carry's abstract types
+    (tree structure; shape, dtype, weak type and device variance of every leaf)."""
+    jaxpr, out_tree = jax.make_jaxpr(
+        lambda c, w, s, k: _run_group(layers, c, w, s, k)[0], return_shape=True)(
+            carry, weights, states, keys)
+    leaves, treedef = jax.tree.flatten(carry)
+    return (treedef == jax.tree.structure(out_tree)
+            and [jax.typeof(leaf) for leaf in leaves] == list(jaxpr.out_avals))
+
+
+def _stacked(trees: Sequence[Any]) -> Any:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def _scan_run(layers: Sequence[Layer], repeats: int, stack: Any, weights: Sequence,
+              states: Sequence, keys: jax.Array | None) -> tuple[Any, list]:
+    """Runs ``layers`` (one group) ``repeats`` times by ``lax.scan``; weights, states and
+    keys (an array, or None) are flat over the run (``repeats * len(layers)`` entries)."""
+    p, (n_in, _) = len(layers), serial_arity(layers)
+    per_position = [(_stacked(weights[j::p]), _stacked(states[j::p])) for j in range(p)]
+    xs_keys = None if keys is None else keys.reshape((repeats, p) + keys.shape[1:])
+
+    def body(carry, xs):
+        group_weights, group_states, group_keys = xs
+        group_keys = [None] * p if group_keys is None else list(group_keys)
+        return _run_group(layers, carry, group_weights, group_states, group_keys)
+
+    xs = (tuple(w for w, _ in per_position), tuple(s for _, s in per_position), xs_keys)
+    carry, new_states = jax.lax.scan(body, inputs_from_stack(stack, n_in), xs, length=repeats)
+    stack = outputs_onto_stack(carry, stack, n_in)
+    flat_states = [jax.tree.map(lambda a, i=i: a[i], new_states[j])
+                   for i in range(repeats) for j in range(p)]
+    return stack, flat_states
+
+
+def run_in_series(layers: Sequence[Layer], stack: Any, weights: Weights, state: State,
+                  rng: jax.Array | None, scan: bool = True) -> tuple[Any, tuple]:
+    """Runs ``layers`` one after another on ``stack``, scanning repeated runs.
+
+    Args:
+      layers: the layers, in order.
+      stack: the input stack (one array or a tuple, top first).
+      weights: one entry per layer.
+      state: one entry per layer.
+      rng: split into one key per layer (``jax.random.split(rng, len(layers))``, as
+        `Serial`); None gives every layer None.
+      scan: False runs every layer unrolled.
+
+    Returns:
+      ``(stack, new_states)``, ``new_states`` one per layer: the values the unrolled
+      layers give.
+    """
+    weights, state = list(weights), list(state)
+    all_keys = None if rng is None or not layers else jax.random.split(rng, len(layers))
+    keys = [None] * len(layers) if all_keys is None else list(all_keys)
+    if not scan or len(layers) < MIN_REPEATS:
+        return _run_group(layers, stack, weights, state, keys)
+    signatures = [layer_signature(layer, w, s)
+                  for layer, w, s in zip(layers, weights, state, strict=True)]
+    new_states: list = []
+    for start, period, repeats in plan_runs(signatures):
+        while repeats:
+            group = layers[start:start + period]
+            end = start + period * repeats
+            args = (weights[start:end], state[start:end])
+            if repeats >= MIN_REPEATS and _scannable(group, stack, *args, keys[start:end]):
+                run_keys = None if all_keys is None else all_keys[start:end]
+                stack, run_states = _scan_run(group, repeats, stack, *args, run_keys)
+                new_states += run_states
+                break
+            # The first repetition runs unrolled; the rest may still be a run.
+            end = start + period
+            stack, run_states = _run_group(group, stack, weights[start:end],
+                                           state[start:end], keys[start:end])
+            new_states += run_states
+            start, repeats = end, repeats - 1
+    return stack, tuple(new_states)
+
+
+def _scannable(group: Sequence[Layer], stack: Any, weights: Sequence, states: Sequence,
+               keys: Sequence) -> bool:
+    """Whether the group's carry keeps its count and types (`_keeps_types`)."""
+    n_in, n_out = serial_arity(group)
+    if n_in != n_out:
+        return False
+    p = len(group)
+    carry = inputs_from_stack(stack, n_in)
+    return _keeps_types(group, carry, weights[:p], states[:p], keys[:p])
+
+
+__all__ = ["MAX_PERIOD", "MIN_REPEATS", "layer_signature", "plan_runs", "run_in_series",
+           "serial_arity"]
