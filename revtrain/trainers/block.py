@@ -157,6 +157,9 @@ class BlockTrainer(TrainerBase):
     def device_footprint(self) -> DeviceFootprint:
         return self._store.device_footprint()
 
+    def block_until_ready(self) -> None:
+        self._store.block_until_ready()
+
     def trace_counts(self) -> dict[str, int]:
         counts = self._cache.trace_counts()
         if self.clip_global_norm is not None:

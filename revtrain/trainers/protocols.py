@@ -164,7 +164,9 @@ class ParamStore(Protocol):
     (in the backward pass) leaves the layers already updated with their new values, and
     ``restore`` (which must work whatever state a failed step left) undoes it.
     ``host_values(part)`` gives host copies of ``'weights'``, ``'state'`` or ``'slots'``,
-    one entry per flat layer.
+    one entry per flat layer. ``block_until_ready()`` waits until every value the store
+    holds is computed and every transfer it started has landed, without copying anything
+    that stays on the devices to the host.
     Implementations: `revtrain.trainers.stores.DeviceStore` (all on the
     devices) and `revtrain.trainers.stores.HostStore` (host memory, prefetch window).
     """
@@ -192,6 +194,8 @@ class ParamStore(Protocol):
     def end_forward(self, stack: Stack) -> Any: ...
 
     def finish_step(self) -> None: ...
+
+    def block_until_ready(self) -> None: ...
 
     def host_values(self, part: str) -> tuple: ...
 

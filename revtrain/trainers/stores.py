@@ -5,9 +5,9 @@
 * `HostStore` -- weights, slots and states in host memory (numpy) between uses; a layer's
   values are put on the devices just before its op, the next ``n_async_layers`` layers'
   are prefetched (``jax.device_put`` is asynchronous), new values are copied back with
-  ``copy_to_host_async`` and their device buffers released before the next op, and block
-  inputs wait on the host (`MemoryEfficientTrainer`, after Trax's
-  ``trainer.MemoryEfficientTrainer``).
+  ``copy_to_host_async`` into the same host buffers (allocated once, updated in place) and
+  their device buffers released before the next op, and block inputs wait on the host
+  (`MemoryEfficientTrainer`, after Trax's ``trainer.MemoryEfficientTrainer``).
 
 See `revtrain.trainers.protocols.ParamStore` for the contract.
 """
@@ -34,14 +34,33 @@ def delete_arrays(tree: Any) -> None:
             leaf.delete()
 
 
+def _host_buffers(tree: Any) -> Any:
+    """Writeable C-contiguous numpy copies the store owns (a caller's array is never
+    aliased): its host buffers, allocated once and updated in place by every step."""
+    return jax.tree.map(lambda a: np.array(a, order="C"), tree)
+
+
 def _host_copy(tree: Any) -> Any:
-    """Read-only numpy copies: the store's host values are its own (a caller's array is
-    never aliased) and `train_state` can hand them out without another copy."""
+    """Read-only numpy copies (values a store keeps whole and replaces each step)."""
     def copy(a):
         a = np.array(a)
         a.flags.writeable = False
         return a
     return jax.tree.map(copy, tree)
+
+
+def _copy_into(host: Any, result: Any) -> None:
+    """Copies the replicated jax arrays of ``result`` into the host buffers of ``host``
+    (the same leaves in the same order), then frees their device buffers.
+
+    On the CPU backend ``np.asarray`` of a single-process array is a view of its buffer,
+    so this is the only copy; elsewhere it is the host copy ``copy_to_host_async``
+    started, freed as soon as its values are in place.
+    """
+    for buffer, leaf in zip(jax.tree.leaves(host), jax.tree.leaves(result), strict=True):
+        value = leaf if leaf.is_fully_addressable else leaf.addressable_shards[0].data
+        np.copyto(buffer, np.asarray(value))
+        leaf.delete()
 
 
 def _delete_quietly(tree: Any) -> None:
@@ -52,6 +71,13 @@ def _delete_quietly(tree: Any) -> None:
                 leaf.delete()
         except Exception:  # noqa: BLE001 -- a failed buffer is gone either way.
             pass
+
+
+def _block_until_ready(tree: Any) -> None:
+    """Waits for the live jax arrays of ``tree`` (deleted ones, e.g. donated by a failed
+    step, have nothing to wait for)."""
+    jax.block_until_ready([leaf for leaf in jax.tree.leaves(tree)
+                           if isinstance(leaf, jax.Array) and not leaf.is_deleted()])
 
 
 def _first_device_bytes(tree: Any, device: jax.Device) -> int:
@@ -130,6 +156,9 @@ class DeviceStore:
     def finish_step(self) -> None:
         self._states = self._new_states
 
+    def block_until_ready(self) -> None:
+        _block_until_ready((self._weights, self._slots, self._states))
+
     def host_values(self, part: str) -> tuple:
         if part == "state":
             return tuple(devices.first_device_slice(s) for s in self._states)
@@ -180,8 +209,8 @@ class HostStore:
         for _, params in self._pending:  # Results of a step that failed: dropped.
             _delete_quietly(params)
         self._pending = []
-        self._weights = [_host_copy(w) for w in train_state.weights]
-        self._slots = [_host_copy(s) for s in train_state.slots]
+        self._weights = [_host_buffers(w) for w in train_state.weights]
+        self._slots = [_host_buffers(s) for s in train_state.slots]
         self._states = [_host_copy(devices.for_n_devices(s, self._n_devices))
                         for s in train_state.state]
         self._new_states: list[Any] = [None] * len(self._states)
@@ -189,18 +218,27 @@ class HostStore:
     # ----------------------------------------------------------------------------------
     # The prefetch window.
 
+    def _put(self, host: Any) -> Any:
+        """Replicated device arrays of host buffers. On the CPU backend ``device_put``
+        lets them share the buffers' memory, so nothing is copied; the fbos donate them,
+        which frees the arrays and leaves the memory (the store's) untouched."""
+        sharding = devices.replicated(self._mesh)
+        return jax.tree.map(lambda a: jax.device_put(a, sharding), host)
+
     def _fetch(self, i: int, with_slots: bool) -> list:
         entry = self._resident.get(i)
         if entry is None:
-            entry = self._resident[i] = [devices.replicate(self._weights[i], self._mesh), None]
+            entry = self._resident[i] = [self._put(self._weights[i]), None]
         if with_slots and entry[1] is None:
-            entry[1] = devices.replicate(self._slots[i], self._mesh)
+            entry[1] = self._put(self._slots[i])
         return entry
 
     def _resolve_pending(self) -> None:
+        """Lands the new weights and slots in the host buffers. A layer's buffers are
+        written only after its fbo finished (``np.asarray`` waits for it), and no device
+        array sharing them is live then: its fbo took them (donated)."""
         for i, params in self._pending:
-            self._weights[i], self._slots[i] = devices.unreplicate(tuple(params))
-            delete_arrays(params)
+            _copy_into((self._weights[i], self._slots[i]), tuple(params))
         self._pending = []
 
     def _free_resident(self) -> None:
@@ -270,6 +308,10 @@ class HostStore:
             self._free_resident()
         self._states = self._new_states
 
+    def block_until_ready(self) -> None:
+        self._resolve_pending()  # Lands the copies back to host memory.
+        _block_until_ready(list(self._resident.values()))
+
     # ----------------------------------------------------------------------------------
     # Host values and the device account.
 
@@ -277,7 +319,9 @@ class HostStore:
         self._resolve_pending()
         if part == "state":
             return tuple(jax.tree.map(lambda a: np.asarray(a)[0], s) for s in self._states)
-        return tuple({"weights": self._weights, "slots": self._slots}[part])
+        # Copies: the host buffers change in place with every step.
+        return tuple(_host_copy(v) for v in {"weights": self._weights,
+                                               "slots": self._slots}[part])
 
     def device_footprint(self) -> DeviceFootprint:
         device = self._mesh.devices.flat[0]

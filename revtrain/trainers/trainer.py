@@ -161,6 +161,9 @@ class Trainer(TrainerBase):
                                _device_bytes(self._slots, device),
                                len(self._model.sublayers) or 1)
 
+    def block_until_ready(self) -> None:
+        jax.block_until_ready((self._weights, self._state, self._slots))
+
     def trace_counts(self) -> dict[str, int]:
         return {"train_step": eqx.debug.get_num_traces(self._counted)}
 
