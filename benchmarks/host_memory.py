@@ -19,7 +19,8 @@ Defaults are Trax's reformer benchmark sizes (batch 8, sequence 256, d_model 256
   mmapped): a large ``heap_free_bytes`` means freed memory the allocator did not return to
   the system (fragmentation), not live data;
 * ``median_step_s`` -- median wall time of the measured steps, each until
-  ``trainer.block_until_ready()`` returns.
+  ``trainer.block_until_ready()`` returns; ``median_cpu_s``, the process's CPU time per
+  step (all threads), which other processes on a shared machine inflate far less.
 
 ``--env=NAME=VALUE`` sets environment variables of the worker processes (e.g. glibc's
 ``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, or ``LD_PRELOAD`` of another allocator), to
@@ -100,9 +101,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     after_build = rss_bytes()
     phases = _PhaseRss()
     trainer.observers.append(phases)
-    times = []
+    times, cpu_times = [], []
     for step in range(config["warmup"] + config["steps"]):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = trainer.one_step(batch, jax.random.key(step))
         if hasattr(trainer, "block_until_ready"):
             trainer.block_until_ready()
@@ -110,9 +111,11 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             jax.block_until_ready(out)
         if step >= config["warmup"]:
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
     return {"peak_rss_bytes": peak_rss_bytes(), "rss_after_build_bytes": after_build,
             "rss_end_bytes": rss_bytes(), "phase_rss_bytes": phases.records,
             **heap_info(), "median_step_s": statistics.median(times),
+            "median_cpu_s": statistics.median(cpu_times),
             "env": {k: os.environ[k] for k in config["env"]}}
 
 
@@ -128,7 +131,8 @@ def _describe(r: dict[str, Any]) -> str:
 def markdown(payload: dict[str, Any]) -> str:
     rows = [[harness.TRAINERS[r["trainer"]], r["depth"], harness.mib(r["peak_rss_bytes"]),
              harness.mib(r["rss_after_build_bytes"]), harness.mib(r["rss_end_bytes"]),
-             harness.mib(r.get("heap_free_bytes")), f"{r['median_step_s']:.3f}"]
+             harness.mib(r.get("heap_free_bytes")), f"{r['median_step_s']:.3f}",
+             f"{r['median_cpu_s']:.2f}"]
             for r in payload["results"] if "error" not in r]
     env = " ".join(payload["env"]) or "none"
     lines = [f"Host memory by depth; {harness.settings_line(payload['config'])}; worker "
@@ -136,7 +140,8 @@ def markdown(payload: dict[str, Any]) -> str:
              f"{payload['machine']['cpu_count']} cores.", "",
              harness.markdown_table(["trainer", "depth", "peak RSS (MiB)",
                                      "RSS after build (MiB)", "RSS at end (MiB)",
-                                     "malloc free (MiB)", "median step (s)"], rows)]
+                                     "malloc free (MiB)", "median step (s)",
+                                     "CPU s/step"], rows)]
     lines += [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
               for r in payload["results"] if "error" in r]
     return "\n".join(lines) + "\n"
