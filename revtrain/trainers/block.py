@@ -346,7 +346,7 @@ class BlockTrainer(TrainerBase):
 class _InitialSlots(Sequence):
     """Each layer's initial optimizer slots, made when read: a store copies them where they
     live one layer at a time, so the whole model's initial slots never exist beside the
-    store's copies (at depth 32 of the reformer benchmark that was 194 MiB of peak RSS)."""
+    store's copies (at depth 32 of the reformer benchmark, about 200 MiB of RSS)."""
 
     def __init__(self, optimizers: Sequence[Any], weights: Sequence[Any]):
         self._optimizers, self._weights = optimizers, weights
