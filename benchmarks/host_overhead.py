@@ -5,10 +5,11 @@ dispatches (argument handling, cache look-ups, transfers) decides whether the de
 This script times ``ReversibleSerialTrainer.one_step`` on a model so small that the device
 work is negligible: a ``ReversibleTransformerLM`` with ``d_model=16`` and 16 layers (66 flat
 layers). ``dispatch_s`` is the time until ``one_step`` returns (everything dispatched,
-nothing awaited); ``step_s`` also waits for the results. Medians over ``--steps`` steps
-after ``--warmup`` steps. Beside the wall times: the CPU time of the calling thread during
-the dispatch (``dispatch_thread_cpu_s``, the host's own work: a shared machine slows wall
-time far more than CPU time) and of the whole process (XLA's threads included).
+nothing awaited); ``step_s`` also waits for every update (``trainer.block_until_ready()``).
+Medians over ``--steps`` steps after ``--warmup`` steps. Beside the wall times: the CPU
+time of the calling thread during the dispatch (``dispatch_thread_cpu_s``, the host's own
+work: a shared machine slows wall time far more than CPU time) and of the whole process
+(XLA's threads included).
 
     python benchmarks/host_overhead.py --depth=16 --steps=50 --trainers=reversible
 
@@ -43,6 +44,16 @@ def _define_flags() -> None:
     flags.DEFINE_string("json_out", None, "also write the results here")
 
 
+def _wait(trainer, out) -> None:
+    """Waits for every layer's update; an older checkout without
+    ``block_until_ready`` waits for the step's loss and stats."""
+    import jax
+    if hasattr(trainer, "block_until_ready"):
+        trainer.block_until_ready()
+    else:
+        jax.block_until_ready(out)
+
+
 def measure(depth: int, d_model: int, steps: int, warmup: int, n_devices: int,
             trainer_kind: str) -> dict:
     """Builds the trainer and returns median dispatch/step seconds and CPU seconds."""
@@ -66,7 +77,7 @@ def measure(depth: int, d_model: int, steps: int, warmup: int, n_devices: int,
     cls = ReversibleSerialTrainer if trainer_kind == "reversible" else MemoryEfficientTrainer
     trainer = cls(blocks, loss, adam, n_devices=n_devices)
     for step in range(warmup):
-        jax.block_until_ready(trainer.one_step(batch, jax.random.key(step)))
+        _wait(trainer, trainer.one_step(batch, jax.random.key(step)))
     dispatch, cpu, thread, total = [], [], [], []
     for step in range(warmup, warmup + steps):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -75,7 +86,7 @@ def measure(depth: int, d_model: int, steps: int, warmup: int, n_devices: int,
         dispatch.append(time.perf_counter() - start)
         thread.append(time.thread_time() - thread_start)
         cpu.append(time.process_time() - cpu_start)
-        jax.block_until_ready(out)
+        _wait(trainer, out)
         total.append(time.perf_counter() - start)
     return {"revtrain": revtrain.__file__, "trainer": trainer_kind, "depth": depth,
             "d_model": d_model, "n_flat_layers": len(trainer.layers), "steps": steps,

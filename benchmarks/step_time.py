@@ -8,7 +8,8 @@ Usage (from the repository root, after ``pip install -e '.[bench]'``)::
 Each (trainer, depth) runs in a fresh process on one device (``n_devices=1``; on CPU that
 one XLA device uses every core), so every first step compiles from scratch. Each step is
 timed from the ``one_step`` call until its loss and stats are ready
-(``jax.block_until_ready``). Reported per configuration:
+(``trainer.block_until_ready()``: every layer's update landed). Reported per
+configuration:
 
 * ``first_step_s`` -- the first step, compilation included, and ``first_step_compile_s``,
   the part of it JAX spent tracing, lowering and compiling (from ``jax.monitoring``);
@@ -112,8 +113,8 @@ def _timed_step(trainer: Any, batch: tuple, step: int) -> dict[str, float]:
     """
     import jax
     busy, cpu, start = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
-    loss, stats = trainer.one_step(batch, jax.random.key(step))
-    jax.block_until_ready((loss, stats))
+    loss, _ = trainer.one_step(batch, jax.random.key(step))
+    trainer.block_until_ready()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     busy_after = _busy_cpu_seconds()
     others = math.nan if busy is None else max(busy_after - busy - cpu, 0.0)

@@ -99,6 +99,19 @@ class TrainerBase:
         """Bytes of weights and slots resident on the mesh's first device now."""
         raise NotImplementedError
 
+    def block_until_ready(self) -> None:
+        """Waits until the updates of every step run so far have landed.
+
+        `one_step` returns as soon as its work is dispatched (JAX's asynchronous dispatch);
+        this waits for the trainer's values -- weights, state, optimizer slots and, for a
+        trainer that keeps them in host memory, their transfers back -- as
+        ``jax.block_until_ready`` does for arrays. It copies nothing to the host that lives
+        on the devices, so it is cheap enough for timing every step (unlike reading
+        `train_state`). Waiting for the returned loss and stats alone does not cover the
+        last layers' optimizer updates.
+        """
+        raise NotImplementedError
+
     @property
     def weights(self) -> Any:
         """Host copy of the weights (``train_state.weights``)."""

@@ -254,14 +254,21 @@ def per_device_keys(rng: jax.Array, n_devices: int, process_index: int = 0,
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Copies ``tree`` onto every device of ``mesh`` (new buffers, never aliases the input).
+    """Copies ``tree`` onto every device of ``mesh`` into buffers the runtime owns.
 
-    Goes through host memory: ``device_put`` of a device array may share the source buffer
-    with one shard, and trainers donate these buffers.
+    The copy is a compiled one (one small program per leaf shape and dtype): ``device_put``
+    may share memory with its source (a device array's buffer, or on the CPU backend a
+    suitably aligned numpy array's), and the trainers donate these buffers to their
+    updates. A donated buffer the runtime owns is updated in place; one that shares a
+    numpy array's memory cannot be, so the first step would allocate every layer's
+    weights and slots anew between its temporaries (on the CPU backend a one-off rise of
+    the process's resident memory by the model's size).
     """
     sharding = replicated(mesh)
-    # np.array copies: on the CPU backend device_put may alias a numpy array's memory.
-    return jax.tree.map(lambda a: jax.device_put(np.array(a), sharding), tree)
+    return jax.tree.map(lambda a: _copy(jax.device_put(a, sharding)), tree)
+
+
+_copy = jax.jit(jnp.copy)
 
 
 def put_sharded(tree: Any, shardings: Any) -> Any:
@@ -269,14 +276,15 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
 
     Every process passes the whole (global) value; each device receives only its own
     slice (``jax.make_array_from_callback``), so with ``fsdp`` shardings no device ever
-    holds a full copy. Always new buffers (never an alias of the input).
+    holds a full copy. Always new buffers the runtime owns, never an alias of the input
+    (the compiled copy of `replicate`, for the same reason).
     """
     def put(a, sharding):
         if isinstance(a, jax.Array) and a.sharding == sharding:
-            return a.copy()
+            return _copy(a)
         host = np.asarray(a)
-        return jax.make_array_from_callback(host.shape, sharding,
-                                            lambda index: np.array(host[index]))
+        return _copy(jax.make_array_from_callback(host.shape, sharding,
+                                                  lambda index: host[index]))
     return jax.tree.map(put, tree, shardings)
 
 

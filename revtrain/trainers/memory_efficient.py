@@ -8,9 +8,12 @@ For models whose weights plus optimizer state do not fit on the accelerator. It 
 * just before a layer's function runs its weights (and, for its fbo, its slots) are put on
   the accelerator, and the next ``n_async_layers`` layers' are prefetched while it
   computes (``jax.device_put`` is asynchronous);
-* new weights and slots are copied back to host asynchronously (``copy_to_host_async``) and
-  their device buffers released before the next layer runs, so at most
-  ``1 + n_async_layers`` layers' weights are on the accelerator at once;
+* new weights and slots are copied back to host asynchronously (``copy_to_host_async``),
+  into the same host buffers every step (allocated once: a step makes no host arrays of a
+  layer's size, so the C heap does not fragment), and their device buffers released
+  before the next layer runs, so at most ``1 + n_async_layers`` layers' weights are on
+  the accelerator at once; on the CPU backend, where device buffers are host memory too,
+  a layer's device arrays may share its host buffers' memory, and the model is held once;
 * block-boundary activations and layer states wait on the host between the forward and
   backward passes.
 

@@ -170,6 +170,9 @@ class ParamStore(Protocol):
     keeps values in host memory; ``value_shardings(part)`` gives, per leaf, the
     ``NamedSharding`` a checkpoint should be restored into (None for a host-held leaf), and
     ``restore`` accepts host arrays or ``jax.Array`` s in any sharding (resharding them).
+    ``block_until_ready()`` waits until every value the store holds is computed and
+    every transfer it started has landed, without copying anything that stays on the
+    devices to the host.
     Implementations: `revtrain.trainers.stores.DeviceStore` (all on the
     devices) and `revtrain.trainers.stores.HostStore` (host memory, prefetch window).
     """
@@ -197,6 +200,8 @@ class ParamStore(Protocol):
     def end_forward(self, stack: Stack) -> Any: ...
 
     def finish_step(self) -> None: ...
+
+    def block_until_ready(self) -> None: ...
 
     def host_values(self, part: str) -> tuple: ...
 

@@ -7,10 +7,11 @@
 * `HostStore` -- weights, slots and states in host memory (numpy) between uses; a layer's
   values are put on the devices just before its op, the next ``n_async_layers`` layers'
   are prefetched (``jax.device_put`` is asynchronous), new values are copied back with
-  ``copy_to_host_async`` and their device buffers released before the next op, and block
-  inputs wait on the host (`MemoryEfficientTrainer`, after Trax's
-  ``trainer.MemoryEfficientTrainer``). With ``fsdp`` a put sends each device only its
-  shard and a copy-back brings only the shards home.
+  ``copy_to_host_async`` into the same host buffers (allocated once, updated in place) and
+  their device buffers released before the next op, and block inputs wait on the host
+  (`MemoryEfficientTrainer`, after Trax's ``trainer.MemoryEfficientTrainer``). With
+  ``fsdp`` a put sends each device only its shard and a copy-back brings only the shards
+  home.
 
 See `revtrain.trainers.protocols.ParamStore` for the contract.
 """
@@ -73,14 +74,40 @@ def put_values(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(put, tree, shardings)
 
 
+def _host_buffers(tree: Any) -> Any:
+    """Writeable C-contiguous numpy copies the store owns (a caller's array is never
+    aliased): its host buffers, allocated once and updated in place by every step."""
+    return jax.tree.map(lambda a: np.array(a, order="C"), tree)
+
+
 def _host_copy(tree: Any) -> Any:
-    """Read-only numpy copies: the store's host values are its own (a caller's array is
-    never aliased) and `train_state` can hand them out without another copy."""
+    """Read-only numpy copies (values a store keeps whole and replaces each step)."""
     def copy(a):
         a = np.array(_host_value(a))
         a.flags.writeable = False
         return a
     return jax.tree.map(copy, tree)
+
+
+def _copy_into(host: Any, result: Any) -> None:
+    """Copies the jax arrays of ``result`` into the host buffers of ``host`` (the same
+    leaves in the same order), then frees their device buffers.
+
+    A replicated leaf is read from this process's first copy; an FSDP-sharded one shard by
+    shard into its slice of the buffer (all-gathered over processes when some shards live
+    elsewhere: a collective every process reaches, in the same order). On the CPU backend
+    ``np.asarray`` of a shard is a view of its buffer, so this is the only copy; elsewhere
+    it is the host copy ``copy_to_host_async`` started, freed once its values are in place.
+    """
+    for buffer, leaf in zip(jax.tree.leaves(host), jax.tree.leaves(result), strict=True):
+        if leaf.sharding.is_fully_replicated:
+            np.copyto(buffer, np.asarray(leaf.addressable_shards[0].data))
+        elif leaf.is_fully_addressable:
+            for shard in leaf.addressable_shards:
+                np.copyto(buffer[shard.index], np.asarray(shard.data))
+        else:
+            np.copyto(buffer, _host_value(leaf))
+        leaf.delete()
 
 
 def _delete_quietly(tree: Any) -> None:
@@ -91,6 +118,13 @@ def _delete_quietly(tree: Any) -> None:
                 leaf.delete()
         except Exception:  # noqa: BLE001 -- a failed buffer is gone either way.
             pass
+
+
+def _block_until_ready(tree: Any) -> None:
+    """Waits for the live jax arrays of ``tree`` (deleted ones, e.g. donated by a failed
+    step, have nothing to wait for)."""
+    jax.block_until_ready([leaf for leaf in jax.tree.leaves(tree)
+                           if isinstance(leaf, jax.Array) and not leaf.is_deleted()])
 
 
 def _first_device_bytes(tree: Any, device: jax.Device) -> int:
@@ -121,13 +155,15 @@ class DeviceStore:
         self.restore(train_state)
 
     def restore(self, train_state: TrainState) -> None:
-        self._shardings = {part: [devices.value_shardings(v, self._mesh, self._fsdp)
-                                  for v in getattr(train_state, part)]
-                           for part in ("weights", "slots")}
-        self._weights = [put_values(w, s) for w, s in
-                         zip(train_state.weights, self._shardings["weights"], strict=True)]
-        self._slots = [put_values(v, s) for v, s in
-                       zip(train_state.slots, self._shardings["slots"], strict=True)]
+        self._shardings = {"weights": [], "slots": []}
+        self._weights, self._slots = [], []
+        # One pass, one layer at a time: ``slots`` may be made as they are read.
+        for weights, slots in zip(train_state.weights, train_state.slots, strict=True):
+            for part, values, kept in (("weights", weights, self._weights),
+                                       ("slots", slots, self._slots)):
+                sharding = devices.value_shardings(values, self._mesh, self._fsdp)
+                self._shardings[part].append(sharding)
+                kept.append(put_values(values, sharding))
         self._states = [self._per_device(_host_values(s)) for s in train_state.state]
         self._new_states: list[Any] = [None] * len(self._states)
         self._kept_ids: set[int] = set()
@@ -178,6 +214,9 @@ class DeviceStore:
 
     def finish_step(self) -> None:
         self._states = self._new_states
+
+    def block_until_ready(self) -> None:
+        _block_until_ready((self._weights, self._slots, self._states))
 
     def host_values(self, part: str) -> tuple:
         if part == "state":
@@ -244,8 +283,8 @@ class HostStore:
         for _, params in self._pending:  # Results of a step that failed: dropped.
             _delete_quietly(params)
         self._pending = []
-        self._weights = [_host_copy(w) for w in train_state.weights]
-        self._slots = [_host_copy(s) for s in train_state.slots]
+        self._weights = [_host_buffers(_host_values(w)) for w in train_state.weights]
+        self._slots = [_host_buffers(_host_values(s)) for s in train_state.slots]
         self._shardings = [tuple(devices.value_shardings(v, self._mesh, self._fsdp)
                                  for v in values)
                            for values in zip(self._weights, self._slots, strict=True)]
@@ -256,19 +295,33 @@ class HostStore:
     # ----------------------------------------------------------------------------------
     # The prefetch window.
 
+    def _put(self, host: Any, shardings: Any) -> Any:
+        """Device arrays of host buffers, one sharding per leaf. A replicated leaf goes
+        through ``device_put``, which on the CPU backend lets the arrays share the buffers'
+        memory, so nothing is copied (the fbos donate them, which frees the arrays and
+        leaves the memory, the store's, untouched); an FSDP-sharded leaf sends each device
+        only its slice (`revtrain.trainers.devices.put_sharded`)."""
+        def put(a, sharding):
+            if sharding.is_fully_replicated:
+                return jax.device_put(a, sharding)
+            return devices.put_sharded(a, sharding)
+        return jax.tree.map(put, host, shardings)
+
     def _fetch(self, i: int, with_slots: bool) -> list:
         entry = self._resident.get(i)
         if entry is None:
-            entry = self._resident[i] = [put_values(self._weights[i], self._shardings[i][0]),
+            entry = self._resident[i] = [self._put(self._weights[i], self._shardings[i][0]),
                                          None]
         if with_slots and entry[1] is None:
-            entry[1] = put_values(self._slots[i], self._shardings[i][1])
+            entry[1] = self._put(self._slots[i], self._shardings[i][1])
         return entry
 
     def _resolve_pending(self) -> None:
+        """Lands the new weights and slots in the host buffers. A layer's buffers are
+        written only after its fbo finished (``np.asarray`` waits for it), and no device
+        array sharing them is live then: its fbo took them (donated)."""
         for i, params in self._pending:
-            self._weights[i], self._slots[i] = _host_values(tuple(params))
-            delete_arrays(params)
+            _copy_into((self._weights[i], self._slots[i]), tuple(params))
         self._pending = []
 
     def _free_resident(self) -> None:
@@ -338,6 +391,10 @@ class HostStore:
             self._free_resident()
         self._states = self._new_states
 
+    def block_until_ready(self) -> None:
+        self._resolve_pending()  # Lands the copies back to host memory.
+        _block_until_ready(list(self._resident.values()))
+
     # ----------------------------------------------------------------------------------
     # Host values and the device account.
 
@@ -345,7 +402,9 @@ class HostStore:
         self._resolve_pending()
         if part == "state":
             return tuple(jax.tree.map(lambda a: np.asarray(a)[0], s) for s in self._states)
-        return tuple({"weights": self._weights, "slots": self._slots}[part])
+        # Copies: the host buffers change in place with every step.
+        return tuple(_host_copy(v) for v in {"weights": self._weights,
+                                               "slots": self._slots}[part])
 
     def saved_values(self, part: str) -> tuple:
         return self.host_values(part)

@@ -161,6 +161,11 @@ class Trainer(TrainerBase):
                                _device_bytes(self._slots, device),
                                len(self._model.sublayers) or 1)
 
+    def block_until_ready(self) -> None:
+        values = jax.tree.leaves((self._weights, self._state, self._slots))
+        # A failed step may have donated some: there is nothing to wait for in those.
+        jax.block_until_ready([a for a in values if not a.is_deleted()])
+
     def trace_counts(self) -> dict[str, int]:
         return {"train_step": eqx.debug.get_num_traces(self._counted)}
 

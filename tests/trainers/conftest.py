@@ -63,6 +63,20 @@ def flat_weights(blocks, loss):
     return jax.tree.map(np.asarray, tl.Serial(tl.blocks_to_layers(blocks, loss)).weights)
 
 
+def deep_blocks(n_layers: int, d: int, batch):
+    """Initialised ``(blocks, loss)``: ``n_layers`` reversible half-residual ``Dense(d)``
+    and swap layers after an embedding; the layers hold numpy weights."""
+    revs = []
+    for _ in range(n_layers // 2):
+        revs += [tl.ReversibleHalfResidual(tl.Dense(d)), tl.ReversibleSwap()]
+    blocks = [(tl.Serial(tl.Embedding(VOCAB, d), tl.Dup()), revs)]
+    loss = tl.Serial(tl.Concatenate(), tl.Dense(VOCAB), tl.LogSoftmax(),
+                     tl.CrossEntropyLoss())
+    tl.init_reversible_blocks(blocks, loss, signature(batch), jax.random.key(0))
+    tl.Serial(tl.blocks_to_layers(blocks, loss)).weights = flat_weights(blocks, loss)
+    return blocks, loss
+
+
 def adam():
     return optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
 

@@ -1,4 +1,6 @@
 """Tests for revtrain.trainers.base: input checks shared by every trainer."""
+import tracemalloc
+
 import jax
 import numpy as np
 import optax
@@ -6,7 +8,7 @@ import pytest
 
 from revtrain import layers as tl
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
-from tests.trainers.conftest import adam, initialised_blocks, signature
+from tests.trainers.conftest import adam, deep_blocks, initialised_blocks, signature
 from tests.tree_utils import assert_trees_close
 
 KINDS = ["plain", "reversible", "memory_efficient"]
@@ -146,6 +148,8 @@ def test_restore_takes_lists_for_tuples_and_never_aliases_the_callers_arrays(kin
 
 _FAILED_STEP_SCRIPT = """
 import sys
+import tracemalloc
+
 import jax
 import numpy as np
 from revtrain import layers as tl
@@ -204,3 +208,20 @@ def test_restore_recovers_a_trainer_after_a_step_failed_on_the_device():
     for kind in KINDS:
         assert f"{kind} failed: True" in out, out
         assert f"{kind} restored: True next step finite: True" in out, out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_until_ready_waits_for_every_value_without_host_copies(kind, batch):
+    d = 512  # A layer's weights (1 MiB) dwarf the call's Python objects.
+    trainer = _trainer(kind, batch, n_devices=1, blocks_and_loss=deep_blocks(4, d, batch))
+    trainer.one_step(batch, jax.random.key(0))
+    trainer.block_until_ready()
+    trainer.one_step(batch, jax.random.key(1))  # Dispatched; its last updates may still run.
+    tracemalloc.start()  # Counts numpy's array buffers: a host copy of weights would show.
+    try:
+        trainer.block_until_ready()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert all(a.is_ready() for a in jax.live_arrays())
+    assert peak < (d * d + d) * 4, f"{peak} bytes of host arrays while waiting"

@@ -150,3 +150,19 @@ def test_gin_configs_set_clip_global_norm_and_keep_every(batch):
             assert (trainer.keep_every, trainer.clip_global_norm) == expected
     finally:
         gin.clear_config()
+
+
+@pytest.mark.parametrize("trainer_cls", BLOCK_TRAINERS)
+def test_frees_host_heap_once_after_compiling_and_never_in_later_steps(trainer_cls, batch,
+                                                                      monkeypatch):
+    from revtrain.trainers import host_heap
+    calls = []
+    monkeypatch.setattr(host_heap, "release_free_host_memory", lambda: calls.append(1))
+    trainer = trainer_cls(*initialised_blocks("two", batch), adam, n_devices=1)
+    trainer.one_step(batch, jax.random.key(0))  # precompiles every function, then runs
+    n_compiled = sum(trainer.trace_counts().values())
+    assert len(calls) == 1 and n_compiled > 1
+    for step in range(1, 4):
+        trainer.one_step(batch, jax.random.key(step))
+    assert len(calls) == 1
+    assert sum(trainer.trace_counts().values()) == n_compiled

@@ -1,5 +1,6 @@
 """MemoryEfficientTrainer: same results as Trainer, weights in host memory between steps."""
 import gc
+import tracemalloc
 
 import jax
 import numpy as np
@@ -11,11 +12,11 @@ from revtrain import memory
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
 from tests.trainers.conftest import (
     adam,
+    deep_blocks,
     flat_weights,
     initialised_blocks,
     make_batch,
     run_steps,
-    signature,
 )
 from tests.tree_utils import assert_trees_close
 
@@ -94,22 +95,10 @@ def test_logs_host_rss_and_device_bytes(batch):
     assert met.memory_log[0]["step"] == 0
 
 
-def _deep_blocks(n_layers, d, batch):
-    """``n_layers`` reversible half-residual Dense layers of width ``d``."""
-    revs = []
-    for _ in range(n_layers // 2):
-        revs += [tl.ReversibleHalfResidual(tl.Dense(d)), tl.ReversibleSwap()]
-    blocks = [(tl.Serial(tl.Embedding(16, d), tl.Dup()), revs)]
-    loss = tl.Serial(tl.Concatenate(), tl.Dense(16), tl.LogSoftmax(), tl.CrossEntropyLoss())
-    tl.init_reversible_blocks(blocks, loss, signature(batch), jax.random.key(0))
-    tl.Serial(tl.blocks_to_layers(blocks, loss)).weights = flat_weights(blocks, loss)
-    return blocks, loss
-
-
 def test_deep_model_trains_with_device_memory_near_one_layer():
     batch = make_batch(batch_size=4)
     d = 128
-    blocks, loss = _deep_blocks(24, d, batch)
+    blocks, loss = deep_blocks(24, d, batch)
     slow_adam = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-4)
     met = MemoryEfficientTrainer(blocks, loss, slow_adam, n_devices=1, n_async_layers=1)
     layer_bytes = 3 * (d * d + d) * 4  # weights + two Adam slots of one Dense(d)
@@ -131,3 +120,26 @@ def test_deep_model_trains_with_device_memory_near_one_layer():
     assert peak < limit
     assert peak < (2 + met.n_async_layers) * layer_bytes
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_a_step_makes_no_host_copies_of_weights_or_slots(free, batch):
+    # The host buffers are updated in place; on the CPU backend a device array can share
+    # their memory, so a step needs no host (numpy) array of a layer's size at all.
+    d = 512  # A layer's buffers (1 MiB) dwarf the step's Python objects (~0.2 MiB).
+    met = MemoryEfficientTrainer(*deep_blocks(4, d, batch), adam, n_devices=1,
+                                 free_accelerators_on_step=free)
+    dense_bytes = (d * d + d) * 4  # the weights alone of one of its Dense(d) layers
+    met.one_step(batch, jax.random.key(0))
+    before = met.train_state
+    tracemalloc.start()  # Counts numpy's array buffers.
+    try:
+        for step in range(1, 3):
+            met.one_step(batch, jax.random.key(step))
+            met.block_until_ready()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < dense_bytes, f"{peak} bytes of host arrays at once in a step"
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), met.train_state, before)
+    assert all(jax.tree.leaves(changed.weights)), "every layer with weights is updated"
