@@ -269,11 +269,14 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
 
     Every process passes the whole (global) value; each device receives only its own
     slice (``jax.make_array_from_callback``), so with ``fsdp`` shardings no device ever
-    holds a full copy. Always new buffers (never an alias of the input).
+    holds a full copy. A ``jax.Array`` in another sharding (e.g. restored from a checkpoint
+    saved with another device count or ``fsdp`` setting) is resharded on the devices
+    (``jax.device_put``), never through one host. Always new buffers (never an alias of
+    the input).
     """
     def put(a, sharding):
-        if isinstance(a, jax.Array) and a.sharding == sharding:
-            return a.copy()
+        if isinstance(a, jax.Array):
+            return jax.device_put(a, sharding, may_alias=False)
         host = np.asarray(a)
         return jax.make_array_from_callback(host.shape, sharding,
                                             lambda index: np.array(host[index]))
