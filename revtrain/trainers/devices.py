@@ -276,7 +276,9 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
     """
     def put(a, sharding):
         if isinstance(a, jax.Array):
-            return jax.device_put(a, sharding, may_alias=False)
+            # device_put may hand back the input's buffer for a shard already in place
+            # (even with may_alias=False); the copy makes every buffer the caller's own.
+            return (a if a.sharding == sharding else jax.device_put(a, sharding)).copy()
         host = np.asarray(a)
         return jax.make_array_from_callback(host.shape, sharding,
                                             lambda index: np.array(host[index]))
