@@ -173,7 +173,8 @@ class Trainer(TrainerBase):
         lr = self._learning_rate_arg(learning_rate)
         sharded = self._shard_batch(batch)
         totals = self._weight_totals(batch)
-        rng_data = self._rng_data(rng)
+        # This process's rows of the device keys, as a global array (several processes).
+        rng_data = devices.shard_per_device(self._rng_data(rng), self.mesh)
         args = (sharded, self._weights, self._state, rng_data, totals, self._slots, lr)
         self._notify_phase("step_start")
         if self.observers:
