@@ -112,3 +112,17 @@ def test_a_run_with_fsdp_resumes_without_it_on_fewer_devices(tmp_path):
         assert resumed.step == 2
         assert_trees_close(resumed.trainer.train_state, saved, rtol=0, atol=0)
         resumed.run(3)
+
+
+def test_an_async_save_is_not_disturbed_by_the_next_steps_donating_the_arrays(tmp_path):
+    trainer = build("Trainer", True, 4, dropout=0.0)
+    batch = make_batch()
+    trainer.one_step(batch, jax.random.key(0))
+    expected = trainer.train_state
+    checkpointer = Checkpointer(str(tmp_path), async_save=True)
+    checkpointer.save(1, {part: trainer.saved_values(part) for part in PARTS})
+    for step in range(1, 3):  # Donates (deletes) the buffers the save was given.
+        trainer.one_step(batch, jax.random.key(step))
+    checkpointer.close()
+    _restore(trainer, str(tmp_path))
+    assert_trees_close(trainer.train_state, expected, rtol=0, atol=0)
