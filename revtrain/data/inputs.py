@@ -39,7 +39,9 @@ class Inputs(abc.ABC):
       ends; a caller takes as many batches as it wants to evaluate.
     * `eval_pass()` (optional) yields one exact pass over finite eval data: every example
       once, the last partial batch padded to the full batch with weight 0 (as Paxml's
-      eval over a finite split). Data without an end does not override it.
+      eval over a finite split). Over all processes together every example is scored
+      once, and every process yields the same number of batches (padding with batches
+      of weight 0 where needed). Data without an end does not override it.
     * `vocab_size` is the number of token ids (`None` for images); `n_classes` is the number
       of labels for classification data (`None` for sequences); `byte_level` says that
       tokens are bytes of text, so a loss in nats per token is one per byte (the loop

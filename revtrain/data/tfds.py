@@ -10,6 +10,14 @@ process count (a run resumed on a different number of hosts sees the same data),
 cost of each process reading and decoding the whole global batch. For datasets where that
 cost matters, sharding the files per process (`tfds.split_for_jax_process`) is the
 alternative; it gives up the identical-batch property.
+
+The exact eval pass (`TFDS.eval_pass`) is sharded the other way, by examples: its result is
+a sum over the split that does not depend on which process scores which example, so each
+process reads only its own slice (`tfds.even_splits`; slices differ by at most one
+example, their windows by more). Every process must still run the same number of eval
+batches (an eval step may be a collective computation, and the processes' sums are added
+at the end), so a process whose slice ends first yields all-masked batches until every
+process's slice has ended; which is known from one small all-gather of a flag per batch.
 """
 
 from __future__ import annotations
@@ -48,6 +56,36 @@ def _import_tensorflow() -> tuple[Any, Any]:
     except RuntimeError:  # TensorFlow already initialised its devices; keep its choice.
         pass
     return tf, tfds
+
+
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` holds in any JAX process; with several, every process must call.
+
+    One all-gather of a bool (`multihost_utils.process_allgather`); no collective with one
+    process.
+    """
+    import jax  # Lazily, as `batching.ProcessSlice.create`.
+
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _zero_rows(spec: Any, tf: Any) -> Any:
+    """An endless dataset of all-zero rows shaped as ``spec`` (padding, weight 0).
+
+    Raises:
+      ValueError: a row's shape is not static (images of varying sizes).
+    """
+    def zeros(s: Any) -> Any:
+        if not s.shape.is_fully_defined():
+            raise ValueError(f"cannot pad eval batches of rows shaped {s.shape}; give the "
+                             f"images one fixed shape, or set EvalConfig.steps")
+        return tf.zeros(s.shape, s.dtype)
+
+    return tf.data.Dataset.from_tensors(tf.nest.map_structure(zeros, spec)).repeat()
 
 
 def _detect_keys(features: Any, text_type: type, dataset_name: str) -> tuple[str, ...]:
@@ -100,6 +138,8 @@ class TFDS(Inputs):
     `k` of `train_stream()`; skipping still reads the skipped examples, so resuming a late
     step costs time proportional to the step. Eval stream: the eval split in file order,
     unshuffled, repeated forever (batches run across the end of the split into its start).
+    Exact eval pass (`eval_pass`): the same windows or images once each, read per process
+    (see the module docstring).
     The first stream created downloads and prepares the dataset if `data_dir` lacks it
     (`tfds.load`'s default behaviour).
 
@@ -203,8 +243,34 @@ class TFDS(Inputs):
         """
         return self._numpy_batches(self._dataset(self.eval_split, train=False))
 
-    def _dataset(self, split: str, train: bool) -> Any:
-        """The global-batch tf.data pipeline of one split."""
+    def eval_pass(self) -> Iterator[Batch]:
+        """Yields one exact pass over this process's slice of the eval split.
+
+        Each window (text) or image of the slice is in exactly one batch, in file order,
+        unshuffled; the last batch is filled with all-zero rows of weight 0, and once the
+        slice has ended, batches of such rows follow until every process's slice has ended
+        (so all processes yield the same number of batches). Batches hold
+        `batch_size // process_count` rows, as the other streams. With several processes
+        every process must iterate the pass to its end, in step with the others.
+
+        Raises:
+          ValueError: for images without one static shape (the padding needs it).
+        """
+        tf = self._tf
+        split = self.eval_split
+        if self.shard.process_count > 1:
+            split = self._tfds.even_splits(split, n=self.shard.process_count)[
+                self.shard.process_index]
+        rows = self._rows(split, train=False).map(lambda a, b: (a, b, True))
+        ds = rows.concatenate(_zero_rows(rows.element_spec, tf))
+        ds = ds.batch(self.shard.local_batch_size).prefetch(tf.data.AUTOTUNE)
+        for first, second, real in self._tfds.as_numpy(ds):
+            if not _any_process(bool(real.any())):
+                return
+            yield self._batch(first, second, real)
+
+    def _rows(self, split: str, train: bool) -> Any:
+        """One split's examples as rows: (window, mask) for text, (image, label)."""
         tf, tfds = self._tf, self._tfds
         ds = tfds.load(
             self.dataset_name,
@@ -214,10 +280,13 @@ class TFDS(Inputs):
             read_config=tfds.ReadConfig(shuffle_seed=self.seed),
         )
         if len(self.keys) == 1:
-            ds = ds.flat_map(self._text_windows)
-        else:
-            ds = ds.map(self._image_example, num_parallel_calls=tf.data.AUTOTUNE)
-        ds = ds.repeat()
+            return ds.flat_map(self._text_windows)
+        return ds.map(self._image_example, num_parallel_calls=tf.data.AUTOTUNE)
+
+    def _dataset(self, split: str, train: bool) -> Any:
+        """The global-batch tf.data pipeline of one split, repeated forever."""
+        tf = self._tf
+        ds = self._rows(split, train).repeat()
         if train and self.shuffle_buffer > 0:
             ds = ds.shuffle(self.shuffle_buffer, seed=self.seed)
         ds = ds.batch(self.shard.batch_size, drop_remainder=True)
@@ -245,8 +314,12 @@ class TFDS(Inputs):
         """This process's rows of each global batch, as numpy `Batch`es."""
         ds = ds.prefetch(self._tf.data.AUTOTUNE)
         for global_batch in self._tfds.as_numpy(ds):
-            first, second = self.shard.take(global_batch)
-            if len(self.keys) == 1:
-                yield batching.lm_batch(first, second)
-            else:
-                yield first, second, np.ones(second.shape, np.float32)
+            yield self._batch(*self.shard.take(global_batch))
+
+    def _batch(self, first: np.ndarray, second: np.ndarray,
+               real: np.ndarray | None = None) -> Batch:
+        """Rows as a `Batch`; ``real`` (bool `[batch]`) is 0 on padding rows."""
+        if len(self.keys) == 1:  # A padding row's mask is all False already.
+            return batching.lm_batch(first, second)
+        weights = np.ones(second.shape, np.float32) if real is None else real
+        return first, second, np.asarray(weights, np.float32)

@@ -7,6 +7,11 @@ layer with its own fused forward-backward-optimizer function as soon as its grad
 known (Trax's ``ReversibleSerialTrainer`` design). Where values live is a `ParamStore`;
 `ReversibleSerialTrainer` and `MemoryEfficientTrainer` are this class with a
 `DeviceStore` and a `HostStore`.
+
+With ``fsdp=True`` (ZeRO-3 / FSDP) the store keeps each layer's weights and slots sharded
+over the mesh; each of the layer's functions all-gathers its weights first, reduce-scatters
+its gradient and updates only the local shard (see `revtrain.trainers.fbo`), so a device
+holds ``(weights + slots) / n_devices`` plus one layer's gathered weights.
 """
 
 from __future__ import annotations
@@ -67,8 +72,14 @@ class BlockTrainer(TrainerBase):
         layers initialised (e.g. with `init_reversible_blocks`).
       loss_layer: maps the final stack to a scalar loss; consumes every stack item.
       optimizer_fn: returns an optax ``GradientTransformation``.
-      make_store: ``(mesh, n_devices, initial TrainState, schedule) -> ParamStore``.
+      make_store: ``(mesh, n_devices, initial TrainState, schedule) -> ParamStore``; with
+        ``fsdp`` the store must keep weights and slots in `devices.value_shardings` layout.
       n_devices: devices to use (default: all local devices).
+      mesh: a one-axis ``jax.sharding.Mesh`` to use instead of ``n_devices`` (see
+        `revtrain.trainers.devices.resolve_mesh`).
+      fsdp: shard weights and optimizer slots over the mesh (`devices.fsdp_spec`). Results
+        do not change (the invariance); any optax transformation works, the non-elementwise
+        ones (e.g. ``clip_by_global_norm`` inside ``optimizer_fn``) see the global gradient.
       free_accelerators_on_step: delete this trainer's transient device buffers (the
         batch, block inputs, final activations and cotangents) at the end of each step;
         the batch is then copied through host memory, so a caller's arrays are never
@@ -103,7 +114,8 @@ class BlockTrainer(TrainerBase):
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
                  make_store: StoreFactory, n_devices: int | None = None,
                  free_accelerators_on_step: bool = False, keep_every: int | None = None,
-                 clip_global_norm: float | None = None):
+                 clip_global_norm: float | None = None, mesh: jax.sharding.Mesh | None = None,
+                 fsdp: bool = False):
         if clip_global_norm is not None and not clip_global_norm > 0:
             raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
         blocks = [(std, list(revs)) for std, revs in blocks]
@@ -114,7 +126,7 @@ class BlockTrainer(TrainerBase):
                                     f"is not a ReversibleLayer; put it in the block's "
                                     f"standard layer")
         self.layers = blocks_to_layers(blocks, loss_layer)
-        super().__init__(self.layers, optimizer_fn, n_devices)
+        super().__init__(self.layers, optimizer_fn, n_devices, mesh=mesh, fsdp=fsdp)
         self.free_accelerators_on_step = free_accelerators_on_step
         self._copy_batch = free_accelerators_on_step
         self.keep_every, self.clip_global_norm = keep_every, clip_global_norm
@@ -129,7 +141,7 @@ class BlockTrainer(TrainerBase):
         self._init_learning_rate(initial.slots[-1])
         self._remember_signature(initial)
         self._store = make_store(self.mesh, self.n_devices, initial, self._schedule)
-        self._cache = FnCache(self.mesh, optimizers[0])
+        self._cache = FnCache(self.mesh, optimizers[0], fsdp=self.fsdp)
         self._fns = tuple(self._cache.get(op.kind, self.layers[op.layer], op.norm_only)
                           for op in self._schedule)
         loss_at = next(k for k, op in enumerate(self._schedule) if op.kind == LOSS)
@@ -148,6 +160,17 @@ class BlockTrainer(TrainerBase):
     def host_values(self, part: str) -> tuple:
         """One entry per flat layer of ``part`` (weights, state or slots)."""
         return self._store.host_values(part)
+
+    def saved_values(self, part: str) -> tuple:
+        """One entry per flat layer of ``part`` as the store holds it, for a sharded
+        checkpoint: global ``jax.Array`` s (sharded with ``fsdp``) or host arrays (see
+        `revtrain.trainers.protocols.ParamStore`)."""
+        return self._store.saved_values(part)
+
+    def value_shardings(self, part: str) -> tuple:
+        """Per leaf of `saved_values`, the ``NamedSharding`` to restore it into (None for a
+        value held in host memory)."""
+        return self._store.value_shardings(part)
 
     def restore(self, train_state: TrainState) -> None:
         train_state = self._checked(train_state)

@@ -5,7 +5,8 @@ gradients across devices, applies the layer's optimizer update and returns the n
 new optimizer slots, the input cotangents and stats -- so the gradients of the whole model
 are never held at once (Trax's ``ReversibleSerialTrainer`` idea). Every function here is
 ``jax.jit(jax.shard_map(...))`` over the ``batch`` mesh axis: per-device values (activations,
-cotangents, layer state, rngs) have a leading device axis, weights and slots are replicated.
+cotangents, layer state, rngs) have a leading device axis, weights and slots are replicated
+(or, with ``fsdp``, sharded: see below).
 
 Combining across devices (the data-parallel invariance; see `loss_share`): the loss of a
 step is the weighted mean over the *global* batch, ``sum_d W_d * L_d / sum_d W_d``, where
@@ -19,6 +20,12 @@ mesh axis, and a ``pmean`` after it would multiply the gradient by the device co
 
 Cotangents of integer stack items (token ids, labels) carry no information; they are passed
 as a float32 placeholder of shape ``[n_devices]`` and replaced by ``float0`` zeros inside.
+
+FSDP (``fsdp=True``): weights arrive in their stored shards, are gathered inside
+``shard_map`` and their gradients reduce-scattered (`revtrain.trainers.fsdp`); the
+optimizer update, clipping and the stats' norms run outside ``shard_map`` on global
+arrays, so every optax transformation (elementwise or not) gives the same update as with
+replicated weights.
 
 Arguments are grouped (`revtrain.trainers.protocols`): ``dev`` (per-device values), the
 layer's weights or donated `Params`, and ``rep`` (replicated values); the step's keys of
@@ -39,10 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from revtrain.layers.base import Layer
-from revtrain.trainers.devices import BATCH_AXIS
+from revtrain.trainers import fsdp as fsdp_layout
+from revtrain.trainers.devices import BATCH_AXIS, value_shardings
 from revtrain.trainers.protocols import (
     FboFn,
     ForwardFn,
@@ -52,8 +59,7 @@ from revtrain.trainers.protocols import (
     ReverseFboFn,
 )
 
-DEV = P(BATCH_AXIS)
-REP = P()
+DEV, REP = fsdp_layout.DEV, fsdp_layout.REP
 
 
 _INJECTED_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -88,7 +94,10 @@ def learning_rate_of(slots: Any) -> float | None:
     """The current ``learning_rate`` held in optimizer slots, or None when there is none."""
     for state in _injected_states(slots):
         if "learning_rate" in state.hyperparams:
-            return float(np.asarray(state.hyperparams["learning_rate"]))
+            rate = state.hyperparams["learning_rate"]
+            if isinstance(rate, jax.Array):  # Replicated; maybe over several processes.
+                rate = rate.addressable_shards[0].data
+            return float(np.asarray(rate))
     return None
 
 
@@ -165,13 +174,17 @@ def varying(tree: Any) -> Any:
     return jax.lax.pcast(tree, BATCH_AXIS, to="varying")
 
 
-def combine_gradients(per_device_grads: Any) -> Any:
+def combine_gradients(per_device_grads: Any, specs: Any = None) -> Any:
     """The global gradient: the sum over devices of per-device gradients of the shares.
 
     Each device's gradient is of its share ``W_d / sum W`` of the global loss (see
-    `loss_share`), so the sum is the gradient of the global weighted mean.
+    `loss_share`), so the sum is the gradient of the global weighted mean. With ``specs``
+    (`revtrain.trainers.fsdp.weight_specs`), a sharded leaf's sum is reduce-scattered:
+    each device gets only its shard of it, the layout its weights are stored in.
     """
-    return jax.lax.psum(per_device_grads, BATCH_AXIS)
+    if specs is None:
+        return jax.lax.psum(per_device_grads, BATCH_AXIS)
+    return fsdp_layout.reduce_gradients(per_device_grads, specs)
 
 
 def loss_share(weight_total: jax.Array) -> jax.Array:
@@ -217,133 +230,113 @@ def clip_by_given_global_norm(grads: Any, clip: tuple[jax.Array, jax.Array] | No
                                  * max_norm.astype(t.dtype)), grads)
 
 
-def squared_norm(per_device_grads: Any) -> jax.Array:
-    """Squared L2 norm (float32) of the global gradient of one layer (`combine_gradients`)."""
-    grads = combine_gradients(per_device_grads)
+def squared_norm(grads: Any) -> jax.Array:
+    """Squared L2 norm (float32) of one layer's global gradient (global arrays, outside
+    ``shard_map``: for sharded leaves the partitioner sums the shards' squares once)."""
     return optax.tree.norm(grads, squared=True).astype(jnp.float32)
 
 
-def _update(optimizer, ct_w, params: Params, rep) -> tuple[Params, dict[str, jax.Array]]:
-    grads = combine_gradients(ct_w)
+def _update(optimizer, grads, params: Params, rep, mesh: Mesh,
+            fsdp: bool) -> tuple[Params, dict[str, jax.Array]]:
+    """The optimizer update on global arrays; the new values keep the stored layout."""
     clipped = clip_by_given_global_norm(grads, rep.get("clip"))
     new_w, new_slots = apply_optimizer(optimizer, clipped, params.weights, params.slots,
                                        rep["lr"])
-    return Params(new_w, new_slots), _layer_stats(grads, new_w)
+    new_params = jax.lax.with_sharding_constraint(
+        Params(new_w, new_slots), value_shardings(params, mesh, fsdp))
+    return new_params, _layer_stats(grads, new_w)
 
 
-def _compile(body: Callable, mesh: Mesh, out_specs: tuple, donate: bool) -> tuple[
-        Callable, Callable]:
-    """``jit(shard_map(body))`` over ``(dev, params_or_weights, rep)`` with fixed specs
-    (per-device, replicated, replicated), ``params`` donated by name when ``donate``.
+def _compile_fbo(body: Callable, mesh: Mesh, out_specs: tuple, fsdp: bool,
+                 optimizer: optax.GradientTransformation, norm_only: bool,
+                 place: int, norm_outs: slice) -> tuple[Callable, Callable]:
+    """Jits ``body``'s gradients into an fbo: ``(*outs[:place], new_params,
+    *outs[place:], stats)`` with ``params`` donated, or a `NormFn` ``(*outs[norm_outs],
+    squared_norm)`` when ``norm_only``."""
+    run, counted = fsdp_layout.gathering_shard_map(body, mesh, out_specs, fsdp, with_grads=True)
+    if norm_only:
+        def norm(dev, weights, rep):
+            outs, grads = run(dev, weights, rep)
+            return (*outs[norm_outs], squared_norm(grads))
+        return jax.jit(norm), counted
 
-    Returns the jitted function and the traced body (wrapped by equinox's trace counter,
-    so `equinox.debug.get_num_traces` on it counts compilations).
-    """
-    counted = eqx.debug.assert_max_traces(body, max_traces=None)
-    mapped = jax.shard_map(counted, mesh=mesh, in_specs=(DEV, REP, REP),
-                           out_specs=out_specs)
-    if donate:
-        def call(dev, params, rep):
-            return mapped(dev, params, rep)
-        return jax.jit(call, donate_argnames=("params",)), counted
-
-    def call_forward(dev, weights, rep):
-        return mapped(dev, weights, rep)
-    return jax.jit(call_forward), counted
+    def fbo(dev, params, rep):
+        outs, grads = run(dev, params.weights, rep)
+        new_params, stats = _update(optimizer, grads, params, rep, mesh, fsdp)
+        return (*outs[:place], new_params, *outs[place:], stats)
+    return jax.jit(fbo, donate_argnames=("params",)), counted
 
 
-def make_forward(layer: Layer, mesh: Mesh) -> tuple[ForwardFn, Callable]:
+def make_forward(layer: Layer, mesh: Mesh, fsdp: bool = False) -> tuple[ForwardFn, Callable]:
     """A `ForwardFn` for ``layer`` (and its trace-counted body)."""
     def body(dev, weights, rep):
         rng = _layer_key(dev["rngs"], rep["index"])
         y, new_state = layer.pure_fn(_squeeze(dev["x"]), weights, _squeeze(dev["state"]), rng)
         return _unsqueeze(y), _unsqueeze(new_state)
-    return _compile(body, mesh, (DEV, DEV), donate=False)
+    run, counted = fsdp_layout.gathering_shard_map(body, mesh, (DEV, DEV), fsdp, with_grads=False)
+    return jax.jit(run), counted
 
 
-def _std_grads(layer: Layer, dev, weights, rep) -> tuple[Any, Any]:
-    """A standard layer's per-device ``(ct_x, ct_w)``, recomputed from its stored input."""
+def _std_grads(layer: Layer, dev, weights, rep) -> tuple[tuple, Any]:
+    """A standard layer's per-device ``((ct_x,), ct_w)``, recomputed from its stored input."""
     x, state, ct_y = _squeeze(dev["x"]), _squeeze(dev["state"]), _squeeze(dev["ct_y"])
     rng = _layer_key(dev["rngs"], rep["index"])
     fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
-    y, vjp_fn, _ = jax.vjp(fn, x, varying(weights), has_aux=True)
+    y, vjp_fn, _ = jax.vjp(fn, x, weights, has_aux=True)
     ct_x, ct_w = vjp_fn(_ct_for_outputs(y, ct_y))
-    return _unsqueeze(_placeholders(ct_x)), ct_w
+    return (_unsqueeze(_placeholders(ct_x)),), ct_w
 
 
-def _reverse_grads(layer: Layer, dev, weights, rep) -> tuple[Any, Any, Any]:
-    """A reversible layer's per-device ``(x, ct_x, ct_w)``, its input reconstructed."""
+def _reverse_grads(layer: Layer, dev, weights, rep) -> tuple[tuple, Any]:
+    """A reversible layer's per-device ``((x, ct_x), ct_w)``, its input reconstructed."""
     y, ct_y = _squeeze(dev["y"]), _squeeze(dev["ct_y"])
     rng = _layer_key(dev["rngs"], rep["index"])
     x, (ct_x, ct_w) = layer.reverse_and_grad(
-        y, _ct_for_outputs(y, ct_y), varying(weights), _squeeze(dev["state"]),
+        y, _ct_for_outputs(y, ct_y), weights, _squeeze(dev["state"]),
         _squeeze(dev["new_state"]), rng)
-    return _unsqueeze(x), _unsqueeze(_placeholders(ct_x)), ct_w
+    return (_unsqueeze(x), _unsqueeze(_placeholders(ct_x))), ct_w
 
 
-def _loss_grads(layer: Layer, dev, weights, rep) -> tuple[Any, Any, Any, Any]:
-    """The loss layer's ``(global loss, ct_x, ct_w, new_state)``; see `make_loss_fbo`."""
+def _loss_grads(layer: Layer, dev, weights, rep) -> tuple[tuple, Any]:
+    """The loss layer's ``((global loss, ct_x, new_state), ct_w)``; see `make_loss_fbo`."""
     x, state = _squeeze(dev["x"]), _squeeze(dev["state"])
     rng = _layer_key(dev["rngs"], rep["index"])
     fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
-    loss, vjp_fn, new_state = jax.vjp(fn, x, varying(weights), has_aux=True)
+    loss, vjp_fn, new_state = jax.vjp(fn, x, weights, has_aux=True)
     check_scalar_loss(layer, loss)
     share = loss_share(dev["weight_total"][0])
     ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
-    return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)), ct_w,
-            _unsqueeze(new_state))
+    return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)),
+            _unsqueeze(new_state)), ct_w
 
 
 def make_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh,
-             norm_only: bool = False) -> tuple[FboFn | NormFn, Callable]:
+             norm_only: bool = False, fsdp: bool = False) -> tuple[FboFn | NormFn, Callable]:
     """An `FboFn` for a standard layer: recomputes the forward pass from the stored input
     (a `NormFn` giving ``(ct_x, squared_norm)`` when ``norm_only``)."""
-    if norm_only:
-        def norm_body(dev, weights, rep):
-            ct_x, ct_w = _std_grads(layer, dev, weights, rep)
-            return ct_x, squared_norm(ct_w)
-        return _compile(norm_body, mesh, (DEV, REP), donate=False)
-
-    def body(dev, params, rep):
-        ct_x, ct_w = _std_grads(layer, dev, params.weights, rep)
-        new_params, stats = _update(optimizer, ct_w, params, rep)
-        return ct_x, new_params, stats
-    return _compile(body, mesh, (DEV, REP, REP), donate=True)
+    return _compile_fbo(lambda dev, w, rep: _std_grads(layer, dev, w, rep), mesh, (DEV,),
+                        fsdp, optimizer, norm_only, place=1, norm_outs=slice(0, 1))
 
 
 def make_reverse_and_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh,
-                         norm_only: bool = False) -> tuple[ReverseFboFn | NormFn, Callable]:
+                         norm_only: bool = False,
+                         fsdp: bool = False) -> tuple[ReverseFboFn | NormFn, Callable]:
     """A `ReverseFboFn`: reconstructs the input from the output (no stored input); a
     `NormFn` giving ``(x, ct_x, squared_norm)`` when ``norm_only``."""
-    if norm_only:
-        def norm_body(dev, weights, rep):
-            x, ct_x, ct_w = _reverse_grads(layer, dev, weights, rep)
-            return x, ct_x, squared_norm(ct_w)
-        return _compile(norm_body, mesh, (DEV, DEV, REP), donate=False)
-
-    def body(dev, params, rep):
-        x, ct_x, ct_w = _reverse_grads(layer, dev, params.weights, rep)
-        new_params, stats = _update(optimizer, ct_w, params, rep)
-        return x, ct_x, new_params, stats
-    return _compile(body, mesh, (DEV, DEV, REP, REP), donate=True)
+    return _compile_fbo(lambda dev, w, rep: _reverse_grads(layer, dev, w, rep), mesh,
+                        (DEV, DEV), fsdp, optimizer, norm_only, place=2,
+                        norm_outs=slice(0, 2))
 
 
 def make_loss_fbo(layer: Layer, optimizer: optax.GradientTransformation, mesh: Mesh,
-                  norm_only: bool = False) -> tuple[LossFboFn | NormFn, Callable]:
+                  norm_only: bool = False,
+                  fsdp: bool = False) -> tuple[LossFboFn | NormFn, Callable]:
     """A `LossFboFn`: each device's loss cotangent is its `loss_share`, so every gradient
     downstream is of the loss over the global batch, whatever the device count. A
     `NormFn` giving ``(ct_x, squared_norm)`` when ``norm_only``."""
-    if norm_only:
-        def norm_body(dev, weights, rep):
-            _, ct_x, ct_w, _ = _loss_grads(layer, dev, weights, rep)
-            return ct_x, squared_norm(ct_w)
-        return _compile(norm_body, mesh, (DEV, REP), donate=False)
-
-    def body(dev, params, rep):
-        loss, ct_x, ct_w, new_state = _loss_grads(layer, dev, params.weights, rep)
-        new_params, stats = _update(optimizer, ct_w, params, rep)
-        return loss, ct_x, new_params, new_state, stats
-    return _compile(body, mesh, (REP, DEV, REP, DEV, REP), donate=True)
+    return _compile_fbo(lambda dev, w, rep: _loss_grads(layer, dev, w, rep), mesh,
+                        (REP, DEV, DEV), fsdp, optimizer, norm_only, place=2,
+                        norm_outs=slice(1, 2))
 
 
 FORWARD, LOSS, REVERSE, FBO = "forward", "loss", "reverse", "fbo"
@@ -358,15 +351,19 @@ class FnCache:
     inside a function, or an ``Fn`` of a lambda) gets functions of its own: a cache key
     must cover everything the cached function depends on, or the cache must not share.
     The cache belongs to one trainer (no module-level state) and keeps the layers it
-    keyed by identity alive, so their ids are never reused.
+    keyed by identity alive, so their ids are never reused. With ``fsdp`` every function
+    takes its weights sharded (`revtrain.trainers.fsdp.weight_specs`) and gives new
+    weights and slots sharded.
     """
 
     _MAKERS = {FORWARD: make_forward, FBO: make_fbo, REVERSE: make_reverse_and_fbo,
                LOSS: make_loss_fbo}
 
-    def __init__(self, mesh: Mesh, optimizer: optax.GradientTransformation):
+    def __init__(self, mesh: Mesh, optimizer: optax.GradientTransformation,
+                 fsdp: bool = False):
         self._mesh = mesh
         self._optimizer = optimizer
+        self._fsdp = fsdp
         self._fns: dict[Any, tuple[Callable, Callable, Layer]] = {}
 
     def get(self, kind: str, layer: Layer, norm_only: bool = False) -> Callable:
@@ -377,9 +374,10 @@ class FnCache:
         if key not in self._fns:
             maker = self._MAKERS[kind]
             if kind == FORWARD:
-                fn, counted = maker(layer, self._mesh)
+                fn, counted = maker(layer, self._mesh, fsdp=self._fsdp)
             else:
-                fn, counted = maker(layer, self._optimizer, self._mesh, norm_only=norm_only)
+                fn, counted = maker(layer, self._optimizer, self._mesh, norm_only=norm_only,
+                                    fsdp=self._fsdp)
             self._fns[key] = (fn, counted, layer)
         return self._fns[key][0]
 

@@ -14,6 +14,11 @@ For models whose weights plus optimizer state do not fit on the accelerator. It 
 * block-boundary activations and layer states wait on the host between the forward and
   backward passes.
 
+With ``fsdp=True`` a put sends each device only its shard of the host value (the gather
+to whole weights runs on the devices, inside the layer's function) and a copy-back brings
+only shards home, so each device holds ``1 / n_devices`` of the resident layers' weights
+and slots.
+
 Trax's ``trainer.MemoryEfficientTrainer`` is the model for this design.
 """
 
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import psutil
+from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
 from revtrain.trainers.base import OptimizerFn
@@ -93,6 +99,9 @@ class MemoryEfficientTrainer(BlockTrainer):
         any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
         norm-only backward pass that moves weights but no slots; see `BlockTrainer`);
         None does not clip.
+      mesh: a one-axis ``jax.sharding.Mesh`` instead of ``n_devices``.
+      fsdp: move weights and slots to the devices as shards (FSDP / ZeRO-3; see
+        `BlockTrainer` and `HostStore`).
 
     Raises:
       ValueError: for ``n_async_layers < 0`` or ``n_steps_per_log < 1`` (before anything
@@ -102,7 +111,8 @@ class MemoryEfficientTrainer(BlockTrainer):
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
                  n_devices: int | None = None, free_accelerators_on_step: bool = True,
                  n_async_layers: int = 1, n_steps_per_log: int = 100,
-                 keep_every: int | None = None, clip_global_norm: float | None = None):
+                 keep_every: int | None = None, clip_global_norm: float | None = None,
+                 mesh: Mesh | None = None, fsdp: bool = False):
         if n_async_layers < 0:
             raise ValueError(f"n_async_layers={n_async_layers} must be >= 0")
         if n_steps_per_log < 1:
@@ -110,13 +120,14 @@ class MemoryEfficientTrainer(BlockTrainer):
         self.n_async_layers = n_async_layers
         self.n_steps_per_log = n_steps_per_log
 
-        def make_store(mesh, n, values, schedule):
-            return HostStore(mesh, n, values, schedule, n_async_layers,
-                             free_accelerators_on_step)
+        def make_store(mesh_, n, values, schedule):
+            return HostStore(mesh_, n, values, schedule, n_async_layers,
+                             free_accelerators_on_step, fsdp=fsdp)
 
         super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
                          free_accelerators_on_step=free_accelerators_on_step,
-                         keep_every=keep_every, clip_global_norm=clip_global_norm)
+                         keep_every=keep_every, clip_global_norm=clip_global_norm,
+                         mesh=mesh, fsdp=fsdp)
         self._memory_log = MemoryLog(self.mesh.devices.flat[0], n_steps_per_log)
         self.observers.append(self._memory_log)
 

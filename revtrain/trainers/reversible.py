@@ -1,13 +1,15 @@
 """`ReversibleSerialTrainer`: block-wise training with every value on the devices.
 
 A `BlockTrainer` whose `ParamStore` is a `DeviceStore`: all layers' weights and optimizer
-slots replicated on the mesh, one layer's activations at a time (Trax's
-``ReversibleSerialTrainer``).
+slots on the mesh (replicated, or sharded with ``fsdp=True``), one layer's activations at a
+time (Trax's ``ReversibleSerialTrainer``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
 from revtrain.trainers.base import OptimizerFn
@@ -37,6 +39,9 @@ class ReversibleSerialTrainer(BlockTrainer):
       clip_global_norm: clip the whole model's gradient to this global L2 norm before
         any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
         norm-only backward pass; see `BlockTrainer`); None does not clip.
+      mesh: a one-axis ``jax.sharding.Mesh`` instead of ``n_devices``.
+      fsdp: keep weights and slots sharded over the mesh (FSDP / ZeRO-3; see
+        `BlockTrainer`): per-device weight and slot bytes drop to about ``1 / n_devices``.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
@@ -45,9 +50,12 @@ class ReversibleSerialTrainer(BlockTrainer):
 
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
                  n_devices: int | None = None, free_accelerators_on_step: bool = False,
-                 keep_every: int | None = None, clip_global_norm: float | None = None):
-        super().__init__(blocks, loss_layer, optimizer_fn,
-                         lambda mesh, n, values, schedule: DeviceStore(mesh, n, values),
-                         n_devices=n_devices,
+                 keep_every: int | None = None, clip_global_norm: float | None = None,
+                 mesh: Mesh | None = None, fsdp: bool = False):
+        def make_store(mesh_, n, values, schedule):
+            return DeviceStore(mesh_, n, values, fsdp=fsdp)
+
+        super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
                          free_accelerators_on_step=free_accelerators_on_step,
-                         keep_every=keep_every, clip_global_norm=clip_global_norm)
+                         keep_every=keep_every, clip_global_norm=clip_global_norm,
+                         mesh=mesh, fsdp=fsdp)

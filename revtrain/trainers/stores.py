@@ -1,13 +1,16 @@
 """`ParamStore` implementations: where a block trainer's values live during a step.
 
-* `DeviceStore` -- every layer's weights and slots replicated on the mesh, layer states
-  per device, block inputs kept on the devices (`ReversibleSerialTrainer`).
+* `DeviceStore` -- every layer's weights and slots on the mesh (replicated, or with
+  ``fsdp`` sharded by `revtrain.trainers.devices.fsdp_spec`: each device holds
+  ``1/n_devices`` of every large leaf), layer states per device, block inputs kept on the
+  devices (`ReversibleSerialTrainer`).
 * `HostStore` -- weights, slots and states in host memory (numpy) between uses; a layer's
   values are put on the devices just before its op, the next ``n_async_layers`` layers'
   are prefetched (``jax.device_put`` is asynchronous), new values are copied back with
   ``copy_to_host_async`` and their device buffers released before the next op, and block
   inputs wait on the host (`MemoryEfficientTrainer`, after Trax's
-  ``trainer.MemoryEfficientTrainer``).
+  ``trainer.MemoryEfficientTrainer``). With ``fsdp`` a put sends each device only its
+  shard and a copy-back brings only the shards home.
 
 See `revtrain.trainers.protocols.ParamStore` for the contract.
 """
@@ -19,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from revtrain.trainers import devices
@@ -34,11 +38,46 @@ def delete_arrays(tree: Any) -> None:
             leaf.delete()
 
 
+def _host_value(a: Any) -> np.ndarray:
+    """The whole (global) value of one leaf in host memory.
+
+    A replicated ``jax.Array`` is read from this process's first copy; a sharded one is
+    assembled from its shards (all-gathered over processes when not all are addressable:
+    a collective every process must reach).
+    """
+    if not isinstance(a, jax.Array):
+        return np.asarray(a)
+    if a.sharding.is_fully_replicated:
+        return np.asarray(a.addressable_shards[0].data)
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def _host_values(tree: Any) -> Any:
+    return jax.tree.map(_host_value, tree)
+
+
+def put_values(tree: Any, shardings: Any) -> Any:
+    """New device buffers holding ``tree`` with one ``NamedSharding`` per leaf.
+
+    ``tree``'s leaves are host arrays or ``jax.Array`` s in any sharding; only each
+    device's slice is transferred (`revtrain.trainers.devices.put_sharded`), and an array
+    that spans other processes is resharded on the devices.
+    """
+    def put(a, sharding):
+        if (isinstance(a, jax.Array) and not a.is_fully_addressable
+                and a.sharding != sharding):
+            return jax.device_put(a, sharding)
+        return devices.put_sharded(a, sharding)
+    return jax.tree.map(put, tree, shardings)
+
+
 def _host_copy(tree: Any) -> Any:
     """Read-only numpy copies: the store's host values are its own (a caller's array is
     never aliased) and `train_state` can hand them out without another copy."""
     def copy(a):
-        a = np.array(a)
+        a = np.array(_host_value(a))
         a.flags.writeable = False
         return a
     return jax.tree.map(copy, tree)
@@ -64,22 +103,32 @@ def _first_device_bytes(tree: Any, device: jax.Device) -> int:
 
 
 class DeviceStore:
-    """All values on the devices: weights and slots replicated, states per device.
+    """All values on the devices: weights and slots replicated (or sharded), states per
+    device.
 
     Args:
       mesh: the trainer's one-axis ``batch`` mesh.
       n_devices: devices per process.
-      train_state: the initial values (host trees, one entry per flat layer).
+      train_state: the initial values (one entry per flat layer): host arrays or
+        ``jax.Array`` s in any sharding.
+      fsdp: store weights and slots sharded (`revtrain.trainers.devices.value_shardings`)
+        instead of replicated.
     """
 
-    def __init__(self, mesh: Mesh, n_devices: int, train_state: TrainState):
-        self._mesh, self._n_devices = mesh, n_devices
+    def __init__(self, mesh: Mesh, n_devices: int, train_state: TrainState,
+                 fsdp: bool = False):
+        self._mesh, self._n_devices, self._fsdp = mesh, n_devices, fsdp
         self.restore(train_state)
 
     def restore(self, train_state: TrainState) -> None:
-        self._weights = [devices.replicate(w, self._mesh) for w in train_state.weights]
-        self._slots = [devices.replicate(s, self._mesh) for s in train_state.slots]
-        self._states = [self._per_device(s) for s in train_state.state]
+        self._shardings = {part: [devices.value_shardings(v, self._mesh, self._fsdp)
+                                  for v in getattr(train_state, part)]
+                           for part in ("weights", "slots")}
+        self._weights = [put_values(w, s) for w, s in
+                         zip(train_state.weights, self._shardings["weights"], strict=True)]
+        self._slots = [put_values(v, s) for v, s in
+                       zip(train_state.slots, self._shardings["slots"], strict=True)]
+        self._states = [self._per_device(_host_values(s)) for s in train_state.state]
         self._new_states: list[Any] = [None] * len(self._states)
         self._kept_ids: set[int] = set()
         self._kept_bytes = 0
@@ -134,7 +183,17 @@ class DeviceStore:
         if part == "state":
             return tuple(devices.first_device_slice(s) for s in self._states)
         values = {"weights": self._weights, "slots": self._slots}[part]
-        return tuple(devices.unreplicate(v) for v in values)
+        return tuple(_host_values(v) for v in values)
+
+    def saved_values(self, part: str) -> tuple:
+        if part == "state":
+            return self.host_values(part)
+        return tuple({"weights": self._weights, "slots": self._slots}[part])
+
+    def value_shardings(self, part: str) -> tuple:
+        if part == "state":
+            return tuple(jax.tree.map(lambda _: None, s) for s in self.host_values(part))
+        return tuple(self._shardings[part])
 
     def device_footprint(self) -> DeviceFootprint:
         device = self._mesh.devices.flat[0]
@@ -157,6 +216,11 @@ class HostStore:
       free_accelerators_on_step: after the forward pass and at the end of the step,
         delete every device buffer this store holds; the final activations wait on the
         host for the loss op.
+      fsdp: put weights and slots on the devices sharded
+        (`revtrain.trainers.devices.value_shardings`): each device receives only its shard
+        of the host value and the all-gather runs on the devices, inside the layer's
+        function; new values come back as shards. With several processes each process's
+        host still holds whole values (a copy-back all-gathers the other processes' shards).
 
     Attributes:
       max_resident_layers: the most layers whose weights were on the devices at once
@@ -165,8 +229,8 @@ class HostStore:
 
     def __init__(self, mesh: Mesh, n_devices: int, train_state: TrainState,
                  schedule: Sequence[Op], n_async_layers: int,
-                 free_accelerators_on_step: bool):
-        self._mesh, self._n_devices = mesh, n_devices
+                 free_accelerators_on_step: bool, fsdp: bool = False):
+        self._mesh, self._n_devices, self._fsdp = mesh, n_devices, fsdp
         self._schedule = tuple(schedule)
         self._n_async = n_async_layers
         self._free = free_accelerators_on_step
@@ -182,7 +246,10 @@ class HostStore:
         self._pending = []
         self._weights = [_host_copy(w) for w in train_state.weights]
         self._slots = [_host_copy(s) for s in train_state.slots]
-        self._states = [_host_copy(devices.for_n_devices(s, self._n_devices))
+        self._shardings = [tuple(devices.value_shardings(v, self._mesh, self._fsdp)
+                                 for v in values)
+                           for values in zip(self._weights, self._slots, strict=True)]
+        self._states = [_host_copy(devices.for_n_devices(_host_values(s), self._n_devices))
                         for s in train_state.state]
         self._new_states: list[Any] = [None] * len(self._states)
 
@@ -192,14 +259,15 @@ class HostStore:
     def _fetch(self, i: int, with_slots: bool) -> list:
         entry = self._resident.get(i)
         if entry is None:
-            entry = self._resident[i] = [devices.replicate(self._weights[i], self._mesh), None]
+            entry = self._resident[i] = [put_values(self._weights[i], self._shardings[i][0]),
+                                         None]
         if with_slots and entry[1] is None:
-            entry[1] = devices.replicate(self._slots[i], self._mesh)
+            entry[1] = put_values(self._slots[i], self._shardings[i][1])
         return entry
 
     def _resolve_pending(self) -> None:
         for i, params in self._pending:
-            self._weights[i], self._slots[i] = devices.unreplicate(tuple(params))
+            self._weights[i], self._slots[i] = _host_values(tuple(params))
             delete_arrays(params)
         self._pending = []
 
@@ -278,6 +346,12 @@ class HostStore:
         if part == "state":
             return tuple(jax.tree.map(lambda a: np.asarray(a)[0], s) for s in self._states)
         return tuple({"weights": self._weights, "slots": self._slots}[part])
+
+    def saved_values(self, part: str) -> tuple:
+        return self.host_values(part)
+
+    def value_shardings(self, part: str) -> tuple:
+        return tuple(jax.tree.map(lambda _: None, v) for v in self.host_values(part))
 
     def device_footprint(self) -> DeviceFootprint:
         device = self._mesh.devices.flat[0]

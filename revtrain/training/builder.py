@@ -85,6 +85,12 @@ def resolve_inputs(inputs: Inputs | Any) -> Inputs:
     return inputs if isinstance(inputs, Inputs) else inputs()
 
 
+def eval_splits(inputs: Inputs, eval_config: EvalConfig) -> dict[str, Inputs]:
+    """``{'eval': inputs}`` followed by ``eval_config.splits``, each resolved to `Inputs`."""
+    return {"eval": inputs} | {name: resolve_inputs(split) for name, split in
+                               (eval_config.splits or {}).items()}
+
+
 def _loss(run: RunConfig) -> Layer:
     loss = WeightedCategoryCrossEntropy() if run.loss is None else run.loss
     return loss if isinstance(loss, Layer) else loss()
@@ -142,8 +148,7 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     built = build_model(run, inputs)
     trainer = build_trainer(run.trainer_class, built.model, built.loss, run.optimizer,
                             run.n_devices, **run.trainer_arguments())
-    splits = {"eval": inputs} | {name: resolve_inputs(split) for name, split in
-                                  (eval_config.splits or {}).items()}
+    splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
     # The training run holds the run lock, so temporary directories are a crashed save's.
     checkpointer = None if output_dir is None else Checkpointer(

@@ -30,7 +30,7 @@ import datetime
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -364,16 +364,27 @@ class Checkpointer:
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         expected = flatten_tree(template)
+        self._check_step(step, expected)
+        flat = self._manager.restore(step, args=ocp.args.StandardRestore(expected))
+        return unflatten_tree(flat, template)
+
+    def _check_step(self, step: int, expected: Mapping[str, Any],
+                    roots: Collection[str] | None = None) -> None:
+        """Checks ``step``'s saved paths (those under ``roots``; None: all), shapes and
+        dtypes against ``expected`` (a `flatten_tree` result) without reading arrays.
+
+        Raises:
+          FileNotFoundError: the step's metadata is missing or unreadable.
+          CheckpointMismatchError: as `check_matches`.
+        """
         metadata = self._manager.metadata(step).item_metadata
         tree = None if metadata is None else getattr(metadata, "tree", None)
         if tree is None:
             raise FileNotFoundError("its metadata (_METADATA) is missing or unreadable")
-        metadata = tree
-        found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in metadata.items()}
+        found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()
+                 if roots is None or k.split(SEPARATOR)[0] in roots}
         check_matches(_signatures(expected), found,
                       f"checkpoint {os.path.join(self.directory, str(step))}")
-        flat = self._manager.restore(step, args=ocp.args.StandardRestore(expected))
-        return unflatten_tree(flat, template)
 
     def reload(self) -> None:
         """Re-reads the directory: sees checkpoints other processes saved or deleted since."""
@@ -383,13 +394,13 @@ class Checkpointer:
         """Restores only ``template``'s top-level entries of the checkpoint of ``step``.
 
         For programs that need a model's values but no optimizer (``revtrain-eval``,
-        ``revtrain-decode``): ``template`` is e.g. ``{'weights': ..., 'state': ...}``; the
-        other entries of the checkpoint (``slots``, ``step``, ``rng``) are read by orbax
-        but never built into trees.
+        ``revtrain-decode``): ``template`` is e.g. ``{'weights': ..., 'state': ...}``. The
+        other entries of the checkpoint (``slots``, ``step``, ``rng``) are not read from
+        disk (orbax's partial restore, ``PyTreeRestore(partial_restore=True)``).
 
         Raises:
           FileNotFoundError: when there is no checkpoint of ``step`` (e.g. retention deleted
-            it after it was listed).
+            it after it was listed), or its metadata is unreadable.
           CheckpointMismatchError: naming the first path whose shape or dtype differs, or
             that is missing.
         """
@@ -397,25 +408,19 @@ class Checkpointer:
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         where = os.path.join(self.directory, str(step))
+        expected = flatten_tree(template)
         try:
-            metadata = self._manager.metadata(step).item_metadata
-            metadata = getattr(metadata, "tree", None) if metadata is not None else None
-            if metadata is None:
-                raise FileNotFoundError(f"{where} has no readable metadata")
-            expected = flatten_tree(template)
-            found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in metadata.items()
-                     if k.split(SEPARATOR)[0] in template}
-            check_matches(_signatures(expected), found, f"checkpoint {where}")
-            target = {k: expected[k] if k in expected else np.zeros(m.shape, m.dtype)
-                      for k, m in metadata.items()}
-            flat = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+            self._check_step(step, expected, roots=tuple(template))
+            flat = self._manager.restore(step, args=ocp.args.PyTreeRestore(
+                item=expected, partial_restore=True,
+                restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray) for k in expected}))
         except CheckpointMismatchError:
             raise
         except Exception as e:  # noqa: BLE001  A step deleted meanwhile fails in many ways.
             if not os.path.isdir(where):
                 raise FileNotFoundError(f"{where} was deleted while it was read") from e
             raise
-        return unflatten_tree({k: flat[k] for k in expected}, template)
+        return unflatten_tree(flat, template)
 
     def wait_until_finished(self) -> None:
         """Blocks until an asynchronous save has finished."""
@@ -435,5 +440,7 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
         registry.add(_DEFAULT_ITEM, args, ocp.StandardCheckpointHandler)
+    # The same files read by the general handler, for `restore_values`' partial restore.
+    registry.add(_DEFAULT_ITEM, ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
     return registry
 

@@ -23,6 +23,7 @@ from revtrain.training.builder import (
     BuiltModel,
     build_evaluator,
     build_model,
+    eval_splits,
     resolve_inputs,
 )
 from revtrain.training.checkpoints import (
@@ -60,8 +61,7 @@ class CheckpointEvaluator:
         inputs = resolve_inputs(run.inputs)
         self.built: BuiltModel = build_model(run, inputs)
         self._evaluator = build_evaluator(run, self.built, inputs)
-        splits = {"eval": inputs} | {name: resolve_inputs(s) for name, s in
-                                      (eval_config.splits or {}).items()}
+        splits = eval_splits(inputs, eval_config)
         if split is not None and split not in splits:
             raise ValueError(f"--split={split} is not a split of this run; use one of "
                              f"{sorted(splits)}")

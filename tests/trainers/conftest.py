@@ -9,29 +9,31 @@ from revtrain import layers as tl
 VOCAB, LENGTH, D = 16, 6, 8
 
 
-def _half_residual_pair():
-    return [tl.ReversibleHalfResidual(tl.LayerNorm(), tl.Dense(D), tl.Dropout(0.2)),
+def _half_residual_pair(d_model: int = D):
+    return [tl.ReversibleHalfResidual(tl.LayerNorm(), tl.Dense(d_model), tl.Dropout(0.2)),
             tl.ReversibleSwap(),
-            tl.ReversibleHalfResidual(tl.Dense(D), tl.Relu(), tl.Dropout(0.1)),
+            tl.ReversibleHalfResidual(tl.Dense(d_model), tl.Relu(), tl.Dropout(0.1)),
             tl.ReversibleSwap()]
 
 
-def make_blocks(kind: str = "one"):
-    """``(blocks, loss_layer)`` of a small LM with dropout everywhere (not initialised).
+def make_blocks(kind: str = "one", d_model: int = D):
+    """``(blocks, loss_layer)`` of a small LM with dropout everywhere (not initialised),
+    of width ``d_model``.
 
     kind: ``'one'`` -- embedding, dropout, two half-residual pairs, loss with dropout;
     ``'two'`` -- two blocks; ``'empty'`` -- a second block with no reversible layers.
     """
-    first = (tl.Serial(tl.Embedding(VOCAB, D), tl.Dropout(0.1), tl.Dup()),
-             _half_residual_pair() + _half_residual_pair())
+    first = (tl.Serial(tl.Embedding(VOCAB, d_model), tl.Dropout(0.1), tl.Dup()),
+             _half_residual_pair(d_model) + _half_residual_pair(d_model))
     head = [tl.Dense(VOCAB), tl.LogSoftmax(), tl.Dropout(0.1), tl.CrossEntropyLoss()]
     if kind == "one":
         return [first], tl.Serial(tl.Concatenate(), *head)
     if kind == "two":
-        second = (tl.Serial(tl.Parallel(tl.Dense(D), None)), _half_residual_pair())
+        second = (tl.Serial(tl.Parallel(tl.Dense(d_model), None)),
+                  _half_residual_pair(d_model))
         return [first, second], tl.Serial(tl.Concatenate(), *head)
     if kind == "empty":
-        second = (tl.Serial(tl.Concatenate(), tl.Dense(D), tl.Relu()), [])
+        second = (tl.Serial(tl.Concatenate(), tl.Dense(d_model), tl.Relu()), [])
         return [first, second], tl.Serial(*head)
     raise ValueError(kind)
 
@@ -47,9 +49,9 @@ def signature(batch):
     return tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
 
 
-def initialised_blocks(kind: str, batch, weights=None, seed: int = 0):
+def initialised_blocks(kind: str, batch, weights=None, seed: int = 0, d_model: int = D):
     """Builds and initialises blocks; optionally sets the flat weights to ``weights``."""
-    blocks, loss = make_blocks(kind)
+    blocks, loss = make_blocks(kind, d_model)
     tl.init_reversible_blocks(blocks, loss, signature(batch), jax.random.key(seed))
     if weights is not None:
         tl.Serial(tl.blocks_to_layers(blocks, loss)).weights = weights

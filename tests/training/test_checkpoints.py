@@ -109,3 +109,28 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     fresh = Checkpointer(str(tmp_path))
     assert fresh.latest_step() == 5
     assert float(fresh.restore(_tree())["weights"][0][0][0, 0]) == 5.0
+
+
+def test_restore_values_reads_only_the_template_entries(tmp_path, monkeypatch):
+    """Weights come back; the slots, step and rng arrays are never read from disk."""
+    ckpt = Checkpointer(str(tmp_path))
+    tree = _tree(2.5)
+    ckpt.save(4, tree)
+    read = []
+    deserialize = ocp.type_handlers.NumpyHandler.deserialize
+
+    async def spy(self, infos, args=None):
+        read.extend(info.name for info in infos)
+        return await deserialize(self, infos, args)
+
+    monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "deserialize", spy)
+    template = {"weights": _tree(0.0)["weights"]}
+    values = ckpt.restore_values(template, 4)
+    assert list(values) == ["weights"]
+    assert_trees_close(values["weights"], tree["weights"])
+    assert sorted(read) == sorted(checkpoints.flatten_tree(template))
+    ckpt.restore(_tree(0.0), 4)  # A full restore reads the rest through the same handler.
+    assert any(name.startswith("slots/") for name in read)
+    with pytest.raises(checkpoints.CheckpointMismatchError, match=r"'weights/0/0'"):
+        ckpt.restore_values({"weights": _tree(width=4)["weights"]}, 4)
+    ckpt.close()

@@ -1,9 +1,9 @@
 """Tests of revtrain/training/eval_program.py: evaluating a run's checkpoints."""
+import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -75,31 +75,47 @@ def test_follow_skips_a_checkpoint_deleted_after_listing(tmp_path):
         evaluator.close()
 
 
+def _commit_time(checkpoint_dir):
+    """When orbax committed a checkpoint (seconds since the epoch)."""
+    with open(os.path.join(checkpoint_dir, "_CHECKPOINT_METADATA")) as f:
+        return json.load(f)["commit_timestamp_nsecs"] / 1e9
+
+
 def test_evaluator_process_follows_a_training_process(tmp_path):
-    """Two real processes: revtrain-eval --wait starts first, then revtrain-train."""
-    out = str(tmp_path)
-    bin_dir = os.path.dirname(sys.executable)
-    bindings = TINY + ["train.steps=24", "CheckpointConfig.every=3",
+    """Two real processes, revtrain-eval --wait and revtrain-train, kept in step by
+    tests/training/follow_programs.py: one checkpoint is saved during an evaluation."""
+    out, events = str(tmp_path / "run"), str(tmp_path / "events.jsonl")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    program = [sys.executable, "-m", "tests.training.follow_programs"]
+    bindings = TINY + ["train.steps=12", "CheckpointConfig.every=3",
                        "CheckpointConfig.max_to_keep=None", "EvalConfig.steps=0",
-                       "LogConfig.every=1"]
+                       "LogConfig.every=3"]
     evaluator = subprocess.Popen(
-        [os.path.join(bin_dir, "revtrain-eval"), f"--output_dir={out}", "--wait",
-         "--poll_seconds=0.2", "--eval_steps=8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [*program, "eval", events, f"--output_dir={out}", "--wait", "--poll_seconds=0.2",
+         "--eval_steps=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     trainer = subprocess.run(
-        [os.path.join(bin_dir, "revtrain-train"),
-         f"--config_file={os.path.join(CONFIGS, 'copy_task.gin')}", f"--output_dir={out}",
-         *[f"--gin_bindings={b}" for b in bindings]],
-        capture_output=True, text=True, timeout=300)
+        [*program, "train", events, f"--config_file={os.path.join(CONFIGS, 'copy_task.gin')}",
+         f"--output_dir={out}", *[f"--gin_bindings={b}" for b in bindings]],
+        capture_output=True, text=True, timeout=300, env=env)
     assert trainer.returncode == 0, trainer.stderr[-2000:]
-    trained_until = time.time()
     stdout, stderr = evaluator.communicate(timeout=300)
     assert evaluator.returncode == 0, stderr[-2000:]
-    saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
-    assert saved == list(range(3, 25, 3))
+    checkpoints = os.path.join(out, "checkpoints")
+    saved = sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit())
+    assert saved == [3, 6, 9, 12]
+    # A checkpoint was saved while the evaluator was evaluating another one...
+    with open(events) as f:
+        records = [json.loads(line) for line in f]
+    spans = {r["step"]: [r["time"]] for r in records if r["event"] == "eval_start"}
+    for r in records:
+        if r["event"] == "eval_end":
+            spans[r["step"]].append(r["time"])
+    during = [(s, t) for s in saved for t, (start, end) in spans.items()
+              if s != t and start < _commit_time(os.path.join(checkpoints, str(s))) < end]
+    assert during, f"no save inside an evaluation: {spans}"
+    # ...and every saved step, that one included, was evaluated exactly once, in order.
     evals = read_metrics(out, "eval")
-    assert sorted(r["step"] for r in evals) == saved  # Every saved step exactly once.
-    assert [r["step"] for r in evals] == saved  # In step order.
-    assert stdout.strip().splitlines()[-1].startswith("eval at step 24:")
-    # The evaluator worked while training was still saving checkpoints.
-    assert min(r["time"] for r in evals) < trained_until
+    assert [r["step"] for r in evals] == saved
+    assert sorted(spans) == saved and all(len(span) == 2 for span in spans.values())
+    assert stdout.strip().splitlines()[-1].startswith("eval at step 12:")  # Then it exits.

@@ -1,0 +1,111 @@
+"""FSDP inside the block trainers' per-layer functions: gather weights, scatter gradients.
+
+With ``fsdp=True`` (ZeRO-3, Rajbhandari et al. 2020; PyTorch FSDP) a layer's weights and
+optimizer slots are stored sharded by `revtrain.trainers.devices.fsdp_spec`. Each of the
+layer's functions (`revtrain.trainers.fbo`) takes the weights into ``shard_map`` with those
+per-leaf specs and all-gathers them as its first op (`gather_weights`); the gathered copy
+lives only inside the function. The per-device weight gradient is reduce-scattered
+(``psum_scatter``, the transpose of the gather; `reduce_gradients`) instead of summed, so
+each device gets its shard of the global gradient, the layout the weights are stored in.
+With ``fsdp=False`` every spec is replicated, the gather is a cast to per-device values and
+the scatter a ``psum``: one code path for both. Per device this costs ``(weights + slots) /
+n_devices`` between uses plus, while one layer's function runs, that layer's whole weights
+and its whole per-device gradient (before the reduce-scatter), as in ZeRO-3. Measured:
+weight + slot bytes per device 0.262x of replicated on 4 devices (d_model 64, 16 layers).
+
+Prefetching the next layer's gather: nothing beyond asynchronous dispatch. The gather is
+the first op of each layer's function and the host enqueues the next layer's function
+while the current one runs. A separate gather dispatched ahead would hold two layers' full
+weights at once and, being a separate executable on the same device stream, would not
+overlap the current layer's compute (XLA overlaps collectives with compute only inside one
+executable, where every op of a layer needs the gathered weights first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from revtrain.trainers.devices import BATCH_AXIS, fsdp_spec
+
+DEV = P(BATCH_AXIS)
+REP = P()
+
+
+def weight_specs(tree: Any, n_shards: int, fsdp: bool) -> Any:
+    """Per-leaf ``PartitionSpec`` of stored weights or slots (global shapes): `fsdp_spec`
+    when ``fsdp``, else replicated -- the rule of `revtrain.trainers.devices.value_shardings`."""
+    return jax.tree.map(lambda a: fsdp_spec(tuple(np.shape(a)), n_shards) if fsdp else REP,
+                        tree)
+
+
+def _sharded_dim(spec: P) -> int | None:
+    return next((d for d, name in enumerate(spec) if name == BATCH_AXIS), None)
+
+
+def gather_weights(shards: Any, specs: Any) -> Any:
+    """Inside ``shard_map``: this device's weight shards -> the whole weights, per device.
+
+    A sharded leaf is all-gathered along its sharded dimension (``tiled``: ``[.., n / k,
+    ..] -> [.., n, ..]``); a replicated one is cast to varying over ``batch``
+    (``lax.pcast``). Either way the result is a per-device value, so a vjp with respect to
+    it gives each device's own gradient, which `reduce_gradients` combines.
+    """
+    def gather(a, spec):
+        dim = _sharded_dim(spec)
+        if dim is None:
+            return jax.lax.pcast(a, BATCH_AXIS, to="varying")
+        return jax.lax.all_gather(a, BATCH_AXIS, axis=dim, tiled=True)
+    return jax.tree.map(gather, shards, specs)
+
+
+def reduce_gradients(per_device_grads: Any, specs: Any) -> Any:
+    """Inside ``shard_map``: the sum over devices of per-device gradients, in ``specs``.
+
+    A replicated leaf is ``psum``-ed; a sharded one is reduce-scattered along its sharded
+    dimension, so each device gets only its shard of the sum.
+    """
+    def reduce(g, spec):
+        dim = _sharded_dim(spec)
+        if dim is None:
+            return jax.lax.psum(g, BATCH_AXIS)
+        return jax.lax.psum_scatter(g, BATCH_AXIS, scatter_dimension=dim, tiled=True)
+    return jax.tree.map(reduce, per_device_grads, specs)
+
+
+def gathering_shard_map(body: Callable, mesh: Mesh, out_specs: Any, fsdp: bool,
+                        with_grads: bool) -> tuple[Callable, Callable]:
+    """``shard_map(body)`` over ``(dev, weights, rep)`` with the weights in their stored
+    specs, gathered before ``body`` sees them.
+
+    ``dev`` is per device (`DEV`), ``rep`` replicated (only ``rep['index']`` is passed
+    in). With ``with_grads`` ``body`` returns ``(outs, per-device weight gradient)`` and
+    the function ``(outs, global gradient)``, the gradient in the weights' stored specs.
+
+    Returns:
+      The (unjitted) function and the trace-counted ``body`` (equinox's counter, so
+      `equinox.debug.get_num_traces` on it counts compilations). The specs come from the
+      weights' global shapes at trace time, so layers of one structure share a function.
+    """
+    counted = eqx.debug.assert_max_traces(body, max_traces=None)
+    n_shards = mesh.devices.size
+
+    def run(dev, weights, rep):
+        specs = weight_specs(weights, n_shards, fsdp)
+
+        def inner(dev_, shards, rep_):
+            result = counted(dev_, gather_weights(shards, specs), rep_)
+            if not with_grads:
+                return result
+            outs, ct_w = result
+            return outs, reduce_gradients(ct_w, specs)
+        mapped = jax.shard_map(inner, mesh=mesh, in_specs=(DEV, specs, REP),
+                               out_specs=(out_specs, specs) if with_grads else out_specs)
+        return mapped(dev, weights, {"index": rep["index"]})
+    return run, counted
