@@ -20,11 +20,10 @@ from revtrain.trainers.fbo import (
     REP,
     apply_optimizer,
     check_scalar_loss,
-    combine_gradients,
     global_loss,
     loss_share,
-    varying,
 )
+from revtrain.trainers.fsdp import gather_weights, reduce_gradients
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 
 
@@ -113,7 +112,6 @@ class Trainer(TrainerBase):
         model, optimizer = self._model, self._optimizer
         shardings = self._shardings
         specs = jax.tree.map(lambda s: s.spec, shardings["weights"])
-        dims = jax.tree.map(_sharded_dim, specs)
 
         def gradients(batch, weights, state, rng, weight_total):
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
@@ -125,9 +123,9 @@ class Trainer(TrainerBase):
                 check_scalar_loss(model, loss)
                 return share * loss.astype(jnp.float32), (loss, new_state)
 
-            full = jax.tree.map(_gather, weights, dims)
+            full = gather_weights(weights, specs)
             (_, (loss, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(full)
-            grads = jax.tree.map(_reduce, grads, dims)
+            grads = reduce_gradients(grads, specs)
             new_state = jax.tree.map(lambda a: a[None], new_state)
             return grads, global_loss(share, loss), new_state
 
@@ -225,26 +223,6 @@ class Trainer(TrainerBase):
 
     def _per_layer(self, tree: Any) -> list[Any]:
         return [tree]
-
-
-def _sharded_dim(spec: Any) -> int | None:
-    """The dimension an FSDP ``PartitionSpec`` splits over ``batch``, or None."""
-    dims = [d for d, name in enumerate(spec) if name == devices.BATCH_AXIS]
-    return dims[0] if dims else None
-
-
-def _gather(shard: jax.Array, dim: int | None) -> jax.Array:
-    """This device's full copy of a weight, as a per-device value (its own gradient)."""
-    if dim is None:
-        return varying(shard)
-    return jax.lax.all_gather(shard, devices.BATCH_AXIS, axis=dim, tiled=True)
-
-
-def _reduce(grad: jax.Array, dim: int | None) -> jax.Array:
-    """The global gradient of a weight (sum over devices), as the weight is stored."""
-    if dim is None:
-        return combine_gradients(grad)
-    return jax.lax.psum_scatter(grad, devices.BATCH_AXIS, scatter_dimension=dim, tiled=True)
 
 
 def _host_copy(a: jax.Array) -> np.ndarray:
