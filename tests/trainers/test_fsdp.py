@@ -64,7 +64,9 @@ def test_global_norm_clipping_is_exact_under_fsdp():
     assert_trees_close(sharded.weights, plain.weights, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("trainer_name", list(TRAINERS))
+# MemoryEfficientTrainer keeps its values in host memory between steps; its per-dispatch
+# device bytes are checked in test_fsdp_block.py.
+@pytest.mark.parametrize("trainer_name", ["Trainer", "ReversibleSerialTrainer"])
 def test_fsdp_stores_a_quarter_of_the_bytes_per_device_on_4_devices(trainer_name):
     batch = make_batch()
     device = jax.local_devices()[0]
