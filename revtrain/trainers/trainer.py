@@ -210,7 +210,10 @@ class Trainer(TrainerBase):
         self._put(self._checked(train_state))
 
     def device_footprint(self) -> DeviceFootprint:
-        device = self.mesh.devices.flat[0]
+        """Bytes of weights and slots on the mesh's first device of this process (sharded
+        leaves count their shard)."""
+        device = next(d for d in self.mesh.devices.flat
+                      if d.process_index == jax.process_index())
         return DeviceFootprint(_device_bytes(self._weights, device),
                                _device_bytes(self._slots, device),
                                len(self._model.sublayers) or 1)
