@@ -14,7 +14,13 @@ trainer differs:
 * ``trainer_remat`` -- the same, with every ``ReversibleHalfResidual`` wrapped in
   `revtrain.layers.Remat` (``jax.checkpoint``), the baseline a JAX user reaches for;
 * ``reversible`` -- `ReversibleSerialTrainer` on the extracted blocks;
-* ``memory_efficient`` -- `MemoryEfficientTrainer` on the same blocks.
+* ``memory_efficient`` -- `MemoryEfficientTrainer` on the same blocks;
+* ``trainer_fsdp``, ``reversible_fsdp`` -- `Trainer` / `ReversibleSerialTrainer` with
+  ``fsdp=True`` on `FSDP_DEVICES` devices (forced host devices on CPU): weights and slots
+  sharded, the batch split over the devices; memory is that of one device. They run only
+  where the trainer takes ``fsdp`` (`available_trainers`).
+
+Every other configuration runs on ``--n_devices`` devices (default 1).
 """
 
 from __future__ import annotations
@@ -39,7 +45,12 @@ TRAINERS = {
     "trainer_remat": "Trainer + remat",
     "reversible": "ReversibleSerialTrainer",
     "memory_efficient": "MemoryEfficientTrainer",
+    "trainer_fsdp": "Trainer + FSDP",
+    "reversible_fsdp": "ReversibleSerialTrainer + FSDP",
 }
+FSDP_KINDS = {"trainer_fsdp": "trainer", "reversible_fsdp": "reversible"}
+FSDP_DEVICES = 4
+DEFAULT_TRAINERS = [kind for kind in TRAINERS if kind not in FSDP_KINDS]
 MODEL_DEFAULTS = {"depths": "2,4,8,16,32", "d_model": 256, "d_ff": 1024, "n_heads": 4,
                   "seq_len": 512, "batch_size": 8, "vocab_size": 256, "dropout": 0.1}
 QUICK = {"depths": "2,4", "d_model": 32, "d_ff": 64, "seq_len": 32, "batch_size": 4}
@@ -62,8 +73,11 @@ flags.DEFINE_boolean("quick", False, f"tiny sizes for tests/CI: {QUICK}; output 
                      f"{QUICK_RESULTS_DIR}")
 flags.DEFINE_list("depths", None, f"comma-separated n_layers values (default "
                   f"{MODEL_DEFAULTS['depths']}, or {QUICK['depths']} with --quick)")
-flags.DEFINE_list("trainers", list(TRAINERS), f"comma-separated subset of "
-                  f"{','.join(TRAINERS)}")
+flags.DEFINE_list("trainers", DEFAULT_TRAINERS, f"comma-separated subset of "
+                  f"{','.join(TRAINERS)} (the *_fsdp ones run on {FSDP_DEVICES} devices)")
+flags.DEFINE_integer("n_devices", 1, "devices the batch is split over (forced host devices "
+                     "on CPU) for the trainers without FSDP; memory is per device",
+                     lower_bound=1)
 for _name in ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size"):
     flags.DEFINE_integer(_name, None, f"model/batch size (default {MODEL_DEFAULTS[_name]}"
                          f"{f', or {QUICK[_name]} with --quick' if _name in QUICK else ''})",
@@ -132,7 +146,7 @@ def model_config(args: SimpleNamespace) -> dict[str, Any]:
     names = ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size", "dropout",
              "steps", "warmup", "seed", "keep_every")
     return {name: getattr(args, name) for name in names} | {
-        "n_devices": 1, "compilation_cache_dir": args.compilation_cache_dir}
+        "n_devices": args.n_devices, "compilation_cache_dir": args.compilation_cache_dir}
 
 
 def configurations(args: SimpleNamespace, rounds: int = 1) -> list[dict[str, Any]]:
@@ -142,8 +156,20 @@ def configurations(args: SimpleNamespace, rounds: int = 1) -> list[dict[str, Any
     back to back, ``rounds`` times, so a drift in machine speed hits them alike.
     """
     base = model_config(args)
-    return [base | {"trainer": t, "depth": d, "round": r} for d in args.depths
-            for r in range(rounds) for t in args.trainers]
+    return [base | {"trainer": t, "depth": d, "round": r}
+            | ({"n_devices": FSDP_DEVICES} if t in FSDP_KINDS else {})
+            for d in args.depths for r in range(rounds) for t in args.trainers]
+
+
+def available_trainers() -> list[str]:
+    """`DEFAULT_TRAINERS` plus the FSDP kinds whose trainer class takes ``fsdp``."""
+    import inspect
+
+    from revtrain import trainers
+    classes = {"trainer": trainers.Trainer, "reversible": trainers.ReversibleSerialTrainer}
+    return DEFAULT_TRAINERS + [
+        kind for kind, base in FSDP_KINDS.items()
+        if "fsdp" in inspect.signature(classes[base].__init__).parameters]
 
 
 def machine_info() -> dict[str, Any]:
@@ -168,8 +194,11 @@ def _cpu_name() -> str:
 # ------------------------------------------------------------------------------------------
 # Worker processes.
 
-def worker_env() -> dict[str, str]:
+def worker_env(n_devices: int = 1) -> dict[str, str]:
     env = dict(os.environ)
+    if n_devices > 1:  # CPU: that many host devices (no effect on GPU/TPU devices).
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            f" --xla_force_host_platform_device_count={n_devices}").strip()
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -186,7 +215,7 @@ def run_worker(script: str, config: dict[str, Any], timeout: float) -> dict[str,
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              env=worker_env())
+                              env=worker_env(config.get("n_devices", 1)))
     except subprocess.TimeoutExpired:
         return config | {"error": f"timed out after {timeout:.0f} s (raise --timeout)"}
     wall = time.perf_counter() - start
@@ -281,8 +310,10 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
         return optax.inject_hyperparams(optax.adam)(learning_rate=1e-4)
 
     kind, n_devices = config["trainer"], config["n_devices"]
+    fsdp = {"fsdp": True} if kind in FSDP_KINDS else {}
+    kind = FSDP_KINDS.get(kind, kind)
     if kind == "trainer":
-        return Trainer(tl.Serial(flat), optimizer_fn, n_devices=n_devices), batch
+        return Trainer(tl.Serial(flat), optimizer_fn, n_devices=n_devices, **fsdp), batch
     if kind == "trainer_remat":
         remat = [tl.Remat(layer) if isinstance(layer, tl.ReversibleHalfResidual) else layer
                  for layer in flat]
@@ -290,7 +321,7 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
     keep_every = config.get("keep_every")
     if kind == "reversible":
         return ReversibleSerialTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
-                                       keep_every=keep_every), batch
+                                       keep_every=keep_every, **fsdp), batch
     if kind == "memory_efficient":
         return MemoryEfficientTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
                                       keep_every=keep_every), batch
@@ -379,5 +410,6 @@ def plot_by_depth(path: Path, results: Sequence[dict[str, Any]],
 def settings_line(config: dict[str, Any]) -> str:
     return (f"d_model {config['d_model']}, d_ff {config['d_ff']}, {config['n_heads']} heads, "
             f"seq {config['seq_len']}, batch {config['batch_size']}, vocab "
-            f"{config['vocab_size']}, dropout {config['dropout']}, Adam, n_devices 1"
+            f"{config['vocab_size']}, dropout {config['dropout']}, Adam, n_devices "
+            f"{config['n_devices']} (FSDP: {FSDP_DEVICES})"
             + (f", keep_every {config['keep_every']}" if config.get("keep_every") else ""))

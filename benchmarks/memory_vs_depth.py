@@ -1,18 +1,21 @@
-"""Peak accelerator memory vs depth for the four trainers of a reversible Transformer LM.
+"""Peak accelerator memory vs depth for the trainers of a reversible Transformer LM.
 
 Usage (from the repository root, after ``pip install -e '.[bench]'``)::
 
     python benchmarks/memory_vs_depth.py            # defaults: depths 2..32, d_model 256
     python benchmarks/memory_vs_depth.py --quick    # tiny sizes, seconds
 
-Each (trainer, depth) runs in a fresh process on one device (``n_devices=1``): build the
+Each (trainer, depth) runs in a fresh process on ``--n_devices`` devices (default 1; the
+FSDP columns, "Trainer + FSDP" and "ReversibleSerialTrainer + FSDP", on 4 forced devices,
+and only where the trainer takes ``fsdp``): build the
 model, run ``--warmup`` steps (the first compiles), then measure ``--steps`` steps under
 `revtrain.memory.track_peak`. On GPU/TPU the peak is the allocator's high-water mark; on
 CPU it is the ledger (live device arrays + the compiled function's temporaries and outputs
 at every dispatch; see `revtrain.memory`). Reported per configuration, in bytes:
 
-* ``peak_bytes`` -- the peak device bytes over the measured steps (everything live on the
-  device in that process: the worker holds nothing else there);
+* ``peak_bytes`` -- the peak device bytes over the measured steps on the first device
+  (everything live on it in that process: the worker holds nothing else there; with
+  several devices, this is the per-device peak);
 * ``weights_and_slots_bytes`` -- the trainer's weights and optimizer slots on the device at
   that peak (the whole model for `Trainer`/`ReversibleSerialTrainer`, the resident layers
   for `MemoryEfficientTrainer`), and ``rest_bytes = peak_bytes - weights_and_slots_bytes``
@@ -170,6 +173,13 @@ def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         checks.append({"target": f"ReversibleSerialTrainer non-weight part grows < 10% from "
                                  f"depth {lo} to {hi}", "value": f"{100 * growth:+.1f}%",
                        "met": growth < 0.10})
+    for kind, base in (("trainer_fsdp", "trainer"), ("reversible_fsdp", "reversible")):
+        sharded, whole = table.get((kind, hi)), table.get((base, hi))
+        if sharded and whole:
+            ratio = sharded["weights_and_slots_bytes"] / whole["weights_and_slots_bytes"]
+            checks.append({"target": f"{harness.TRAINERS[kind]} weights+slots per device <= "
+                                     f"0.3x {harness.TRAINERS[base]}'s at depth {hi}",
+                           "value": f"{ratio:.3f}x", "met": ratio <= 0.3})
     met_lo, met_hi = table.get(("memory_efficient", lo)), table.get(("memory_efficient", hi))
     if met_lo and met_hi and lo != hi:
         ratio = met_hi["peak_bytes"] / met_lo["peak_bytes"]
@@ -232,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     With ``--render_only`` it reads the JSON instead and rewrites the three files.
     """
     args = harness.parse_flags(argv, steps=1, warmup=1)
+    if not harness.FLAGS["trainers"].present:
+        args.trainers = harness.available_trainers()
     out = Path(args.out_dir)
     payload = harness.read_json(out / f"{NAME}.json") if args.render_only else _run(args)
     payload["targets"] = targets(payload["results"])

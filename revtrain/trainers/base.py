@@ -86,8 +86,31 @@ class TrainerBase:
         ``'slots'``) without copying the others (evaluation needs no optimizer slots)."""
         raise NotImplementedError
 
+    def saved_values(self, part: str) -> Any:
+        """One part of `train_state` as it lives, for a sharded checkpoint (no host copy).
+
+        Global ``jax.Array`` s in their own sharding (every process then writes only its
+        own shards), or host arrays where the values live in host memory. This default,
+        for trainers that keep no sharded values, is `host_values`.
+        """
+        return self.host_values(part)
+
+    def value_shardings(self, part: str) -> Any:
+        """Per leaf of ``part``, the ``NamedSharding`` to restore a checkpoint into.
+
+        The tree of `train_state`'s ``part`` with a ``jax.sharding.NamedSharding`` (or None
+        for a value restored to host memory) at each leaf. A checkpoint read with these
+        shardings goes straight to the devices, each reading only its own slices, whatever
+        device count or ``fsdp`` setting it was saved with. This default: all None.
+        """
+        return jax.tree.map(lambda _: None, getattr(self._signature, part))
+
     def restore(self, train_state: TrainState) -> None:
-        """Replaces the trainer's values by ``train_state`` (host trees).
+        """Replaces the trainer's values by ``train_state``.
+
+        Leaves may be host arrays or ``jax.Array`` s in any sharding (e.g. restored from a
+        checkpoint with `value_shardings`); they are resharded as the trainer stores them,
+        and never aliased (the trainer donates its buffers).
 
         Raises:
           ValueError: naming the first path whose structure, shape or dtype differs from

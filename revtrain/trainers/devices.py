@@ -276,12 +276,15 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
 
     Every process passes the whole (global) value; each device receives only its own
     slice (``jax.make_array_from_callback``), so with ``fsdp`` shardings no device ever
-    holds a full copy. Always new buffers the runtime owns, never an alias of the input
-    (the compiled copy of `replicate`, for the same reason).
+    holds a full copy. A ``jax.Array`` in another sharding (e.g. restored from a checkpoint
+    saved with another device count or ``fsdp`` setting) is resharded on the devices
+    (``jax.device_put``), never through one host. Always new buffers the runtime owns,
+    never an alias of the input (the compiled copy of `replicate`: ``device_put`` may hand
+    back the input's buffer for a shard already in place, and trainers donate these).
     """
     def put(a, sharding):
-        if isinstance(a, jax.Array) and a.sharding == sharding:
-            return _copy(a)
+        if isinstance(a, jax.Array):
+            return _copy(a if a.sharding == sharding else jax.device_put(a, sharding))
         host = np.asarray(a)
         return _copy(jax.make_array_from_callback(host.shape, sharding,
                                                   lambda index: host[index]))

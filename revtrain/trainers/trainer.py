@@ -7,7 +7,10 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
 from revtrain.trainers import devices
@@ -17,11 +20,10 @@ from revtrain.trainers.fbo import (
     REP,
     apply_optimizer,
     check_scalar_loss,
-    combine_gradients,
     global_loss,
     loss_share,
-    varying,
 )
+from revtrain.trainers.fsdp import gather_weights, reduce_gradients
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 
 
@@ -30,19 +32,37 @@ class Trainer(TrainerBase):
 
     The whole model runs under ``jax.grad`` (all activations of a step are stored), inside
     ``jax.shard_map`` over the ``batch`` mesh axis: each device gets ``batch // n_devices``
-    examples and its own rng (``split(rng, n_devices)[d]``; the rng itself for one device),
-    and one optimizer update is applied to replicated weights. Weight and slot buffers are
-    donated. This is the baseline the reversible trainers must agree with.
+    examples and its own rng (``split(rng, n_devices)[d]``; the rng itself for one device).
+    The optimizer update runs on the global weights, gradient and slots after it, in the
+    same jitted program. Weight and slot buffers are donated. This is the baseline the
+    reversible trainers must agree with.
+
+    FSDP (``fsdp=True``, ZeRO-3 layout): weights and optimizer slots are stored sharded
+    over the ``batch`` axis, each leaf along its largest dimension the axis size divides
+    (`revtrain.trainers.devices.fsdp_spec`: leaves under 1024 elements or with no such
+    dimension stay replicated). Inside the step each device all-gathers the sharded
+    weights (``lax.all_gather(tiled=True)``), computes its gradient of the full weights,
+    and the per-device gradients are summed *and* scattered in one reduce-scatter
+    (``lax.psum_scatter``; replicated leaves are ``psum``-ed), so each device ends with its
+    shard of the global gradient. The optimizer then runs on sharded arrays: XLA's
+    partitioner updates each shard locally for element-wise transformations (Adam, SGD,
+    ...) and inserts the reductions a non-element-wise one needs (e.g.
+    ``optax.clip_by_global_norm``'s global norm), so *every* optax transformation is
+    exact under FSDP, with no restriction. Per-device memory: ``(weights + slots) /
+    n_devices`` at rest (`device_footprint`), plus the gathered weights and the gradient
+    of one step while it runs (this trainer keeps all activations of a step anyway; the
+    block trainers gather one layer at a time).
 
     Invariance: the loss is the weighted mean over the *global* batch, ``sum(w * loss) /
     sum(w)`` with ``w`` the batch's third item (each device's mean loss weighted by its
     share of the total weight, `revtrain.trainers.fbo.loss_share`), and the gradient is
     the sum over devices of the gradients of those shares -- so losses, gradients and
     updated weights do not depend on how many devices or processes the batch is split
-    over (dropout aside: each device draws its own masks, as in Trax). Layer state (e.g.
-    BatchNorm statistics) is per device, as in Trax: each device's state is computed from
-    its own rows (so batch statistics *do* depend on the split), and `state` and the layer
-    objects show device 0's.
+    over, nor on ``fsdp`` (the same per-device gradients are summed; only the order of
+    the float32 additions may differ, ~1e-7 relative) -- dropout aside: each device draws
+    its own masks, as in Trax. Layer state (e.g. BatchNorm statistics) is per device, as
+    in Trax: each device's state is computed from its own rows (so batch statistics *do*
+    depend on the split), and `state` and the layer objects show device 0's.
 
     Args:
       model_with_loss: an initialised layer mapping the batch ``(inputs, targets, weights)``
@@ -50,33 +70,50 @@ class Trainer(TrainerBase):
       optimizer_fn: returns an optax ``GradientTransformation``; wrap it with
         ``optax.inject_hyperparams`` to set the learning rate per step.
       n_devices: devices to use (default: all local devices).
+      mesh: a one-axis ``jax.sharding.Mesh`` to use instead of ``n_devices`` (any axis
+        name; may span processes), see `revtrain.trainers.devices.resolve_mesh`.
+      fsdp: shard weights and optimizer slots over the mesh (see above).
 
     Raises:
-      ValueError: for an uninitialised model or an impossible ``n_devices``.
+      ValueError: for an uninitialised model, an impossible ``n_devices`` or a mesh that
+        is not one-axis.
+      TypeError: for a non-bool ``fsdp`` or a ``mesh`` that is not a Mesh.
     """
 
     def __init__(self, model_with_loss: Layer, optimizer_fn: OptimizerFn,
-                 n_devices: int | None = None):
-        super().__init__([model_with_loss], optimizer_fn, n_devices)
+                 n_devices: int | None = None, mesh: Mesh | None = None, fsdp: bool = False):
+        super().__init__([model_with_loss], optimizer_fn, n_devices, mesh, fsdp)
         self._model = model_with_loss
         self._optimizer = optimizer_fn()
         weights = model_with_loss.weights
-        initial = TrainState(weights, model_with_loss.state, self._optimizer.init(weights))
-        self._remember_signature(initial)
-        self._put(initial)
+        slots = jax.eval_shape(self._optimizer.init, weights)
+        self._remember_signature(TrainState(weights, model_with_loss.state, slots))
+        self._shardings = {part: devices.value_shardings(tree, self.mesh, fsdp)
+                           for part, tree in (("weights", weights), ("slots", slots))}
+        self._weights = devices.put_sharded(weights, self._shardings["weights"])
+        # Initialised in place: no device ever holds the whole slots when they are sharded.
+        self._slots = jax.jit(self._optimizer.init,
+                              out_shardings=self._shardings["slots"])(self._weights)
+        self._put_state(model_with_loss.state)
+        self._init_learning_rate(self._slots)
         self._update, self._counted = self._make_update()
 
-    def _put(self, values: TrainState) -> None:
-        self._weights = devices.replicate(values.weights, self.mesh)
+    def _put_state(self, state: Any) -> None:
         self._state = devices.shard_per_device(
-            devices.for_n_devices(values.state, self.n_devices), self.mesh)
-        self._slots = devices.replicate(values.slots, self.mesh)
-        self._init_learning_rate(values.slots)
+            devices.for_n_devices(state, self.n_devices), self.mesh)
+
+    def _put(self, values: TrainState) -> None:
+        self._weights = devices.put_sharded(values.weights, self._shardings["weights"])
+        self._put_state(values.state)
+        self._slots = devices.put_sharded(values.slots, self._shardings["slots"])
+        self._init_learning_rate(self._slots)
 
     def _make_update(self):
         model, optimizer = self._model, self._optimizer
+        shardings = self._shardings
+        specs = jax.tree.map(lambda s: s.spec, shardings["weights"])
 
-        def body(batch, weights, state, rng, weight_total, slots, lr):
+        def gradients(batch, weights, state, rng, weight_total):
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
             rng = jax.random.wrap_key_data(rng[0])
             share = loss_share(weight_total[0])
@@ -86,26 +123,29 @@ class Trainer(TrainerBase):
                 check_scalar_loss(model, loss)
                 return share * loss.astype(jnp.float32), (loss, new_state)
 
-            (_, (loss, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                varying(weights))
-            grads = combine_gradients(grads)
+            full = gather_weights(weights, specs)
+            (_, (loss, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(full)
+            grads = reduce_gradients(grads, specs)
+            new_state = jax.tree.map(lambda a: a[None], new_state)
+            return grads, global_loss(share, loss), new_state
+
+        mapped = jax.shard_map(gradients, mesh=self.mesh,
+                               in_specs=(DEV, specs, DEV, DEV, DEV),
+                               out_specs=(specs, REP, DEV))
+
+        def update(batch, weights, state, rng, weight_total, slots, lr):
+            grads, loss, new_state = mapped(batch, weights, state, rng, weight_total)
             new_weights, new_slots = apply_optimizer(optimizer, grads, weights, slots, lr)
-            stats = {"loss": global_loss(share, loss),
-                     "gradients_l2": optax.tree.norm(grads),
+            new_weights = jax.lax.with_sharding_constraint(new_weights, shardings["weights"])
+            new_slots = jax.lax.with_sharding_constraint(new_slots, shardings["slots"])
+            stats = {"loss": loss, "gradients_l2": optax.tree.norm(grads),
                      "weights_l2": optax.tree.norm(new_weights)}
             if lr is not None:
                 stats["learning_rate"] = jnp.asarray(lr, jnp.float32)
-            new_state = jax.tree.map(lambda a: a[None], new_state)
             return new_weights, new_state, new_slots, stats
 
-        counted = eqx.debug.assert_max_traces(body, max_traces=None)
-        mapped = jax.shard_map(counted, mesh=self.mesh,
-                               in_specs=(DEV, REP, DEV, DEV, DEV, REP, REP),
-                               out_specs=(REP, DEV, REP, REP))
-
-        def update(batch, weights, state, rng, weight_total, slots, lr):
-            return mapped(batch, weights, state, rng, weight_total, slots, lr)
-        return jax.jit(update, donate_argnames=("weights", "state", "slots")), counted
+        counted = eqx.debug.assert_max_traces(update, max_traces=None)
+        return jax.jit(counted, donate_argnames=("weights", "state", "slots")), counted
 
     def one_step(self, batch: Any, rng: jax.Array, step: int = 0,
                  learning_rate: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -131,7 +171,8 @@ class Trainer(TrainerBase):
         lr = self._learning_rate_arg(learning_rate)
         sharded = self._shard_batch(batch)
         totals = self._weight_totals(batch)
-        rng_data = self._rng_data(rng)
+        # This process's rows of the device keys, as a global array (several processes).
+        rng_data = devices.shard_per_device(self._rng_data(rng), self.mesh)
         args = (sharded, self._weights, self._state, rng_data, totals, self._slots, lr)
         self._notify_phase("step_start")
         if self.observers:
@@ -147,16 +188,32 @@ class Trainer(TrainerBase):
 
     def host_values(self, part: str) -> Any:
         """``model_with_loss``'s weights or (device 0's) state tree, or the one optimizer
-        state of the whole model."""
+        state of the whole model. With several processes and ``fsdp=True`` every process
+        must call this (the shards of other processes are gathered)."""
         if part == "state":
             return devices.first_device_slice(self._state)
-        return devices.unreplicate({"weights": self._weights, "slots": self._slots}[part])
+        return jax.tree.map(_host_copy, {"weights": self._weights, "slots": self._slots}[part])
+
+    def saved_values(self, part: str) -> Any:
+        """Weights and slots as the sharded (or replicated) ``jax.Array`` s they are; the
+        state as device 0's host copy."""
+        if part == "state":
+            return self.host_values(part)
+        return {"weights": self._weights, "slots": self._slots}[part]
+
+    def value_shardings(self, part: str) -> Any:
+        if part == "state":
+            return super().value_shardings(part)
+        return self._shardings[part]
 
     def restore(self, train_state: TrainState) -> None:
         self._put(self._checked(train_state))
 
     def device_footprint(self) -> DeviceFootprint:
-        device = self.mesh.devices.flat[0]
+        """Bytes of weights and slots on the mesh's first device of this process (sharded
+        leaves count their shard)."""
+        device = next(d for d in self.mesh.devices.flat
+                      if d.process_index == jax.process_index())
         return DeviceFootprint(_device_bytes(self._weights, device),
                                _device_bytes(self._slots, device),
                                len(self._model.sublayers) or 1)
@@ -174,6 +231,15 @@ class Trainer(TrainerBase):
 
     def _per_layer(self, tree: Any) -> list[Any]:
         return [tree]
+
+
+def _host_copy(a: jax.Array) -> np.ndarray:
+    """Host copy of a global array: a local copy when replicated, else gathered."""
+    if a.is_fully_replicated:
+        return np.asarray(a.addressable_shards[0].data)
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
 def _device_bytes(tree: Any, device: jax.Device) -> int:

@@ -147,7 +147,7 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     inputs = resolve_inputs(run.inputs)
     built = build_model(run, inputs)
     trainer = build_trainer(run.trainer_class, built.model, built.loss, run.optimizer,
-                            run.n_devices, **dict(run.trainer_kwargs or {}))
+                            run.n_devices, **run.trainer_arguments())
     splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
     # The training run holds the run lock, so temporary directories are a crashed save's.

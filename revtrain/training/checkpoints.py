@@ -8,6 +8,13 @@ ordered key lists. Restoring needs a *template* (the current model's tree): its 
 rebuilds the tree, and any difference in paths, shapes or dtypes is a `ValueError` naming
 the first mismatching path (Trax fails with an ``IndexError`` deep inside the restore).
 
+Sharded values (weights and slots under FSDP, `revtrain.trainers.Trainer`) are saved as the
+global ``jax.Array`` s they are: every process writes only its own shards, nothing is
+gathered to one host. A template leaf that is a ``jax.Array`` or a ``jax.ShapeDtypeStruct``
+with a sharding (`restore_targets`) is restored into that sharding, each device reading
+only its slices -- so a checkpoint saved on 4 devices with ``fsdp=True`` restores onto 2
+devices without it, and the reverse (the arrays on disk do not record how they were split).
+
 Retention, as Paxml's checkpoint manager: the newest ``max_to_keep`` checkpoints, plus,
 permanently, every checkpoint whose step is a multiple of ``keep_period`` and one per
 ``keep_time_interval`` seconds (orbax ``LatestN``, ``EveryNSteps`` and ``EveryNSeconds``
@@ -54,21 +61,53 @@ def _leaves_with_keys(tree: Any) -> list[tuple[str, Any]]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def flatten_tree(tree: Any) -> dict[str, np.ndarray]:
-    """Returns ``{path: numpy array}`` for every leaf of ``tree``.
+def flatten_tree(tree: Any) -> dict[str, Any]:
+    """Returns ``{path: array}`` for every leaf of ``tree``.
 
     Paths join the key path with ``'/'`` (``'weights/3/0/1'``). A top-level dict keeps its
     insertion order, so ``'weights'`` paths come first when the dict lists them first.
-    Typed PRNG keys are stored as their uint32 key data. Empty nodes (``()``, None) hold no
-    leaves and vanish; the template given to `unflatten_tree` puts them back.
+    Typed PRNG keys are stored as their uint32 key data. A ``jax.Array`` (e.g. a weight
+    sharded over the devices) or a ``jax.ShapeDtypeStruct`` (a restore target carrying its
+    sharding) is kept as it is, so orbax saves each process's shards and restores each
+    device's slices; every other leaf becomes a numpy array. Empty nodes (``()``, None)
+    hold no leaves and vanish; the template given to `unflatten_tree` puts them back.
     """
     flat = {}
     for key, leaf in _leaves_with_keys(tree):
         if _is_typed_key(leaf):
             flat[key + SEPARATOR + _KEY_MARK] = np.asarray(jax.random.key_data(leaf))
+        elif isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+            flat[key] = leaf
         else:
             flat[key] = np.asarray(leaf)
     return flat
+
+
+def restore_targets(values: Any, shardings: Any) -> Any:
+    """``values`` with each leaf that has a sharding replaced by an abstract target.
+
+    Args:
+      values: a tree of arrays (e.g. a trainer's ``saved_values(part)``).
+      shardings: the same tree with a ``jax.sharding.Sharding`` or None at each leaf (e.g.
+        ``value_shardings(part)``).
+
+    Returns:
+      ``values`` where a leaf with a sharding becomes ``jax.ShapeDtypeStruct(shape, dtype,
+      sharding=...)``: `Checkpointer.restore` reads it straight into that sharding (each
+      device only its slices), whatever sharding or device count it was saved with.
+      Leaves with None stay as they are (restored as host arrays).
+
+    Raises:
+      ValueError: when the two trees have different numbers of leaves.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(values)
+    targets = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: x is None)
+    if len(targets) != len(leaves):
+        raise ValueError(f"{len(targets)} shardings for {len(leaves)} values; give one "
+                         f"sharding (or None) per leaf")
+    return jax.tree_util.tree_unflatten(treedef, [
+        v if s is None else jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=s)
+        for v, s in zip(leaves, targets, strict=True)])
 
 
 def unflatten_tree(flat: Mapping[str, Any], template: Any) -> Any:
@@ -265,11 +304,13 @@ class Checkpointer:
 
         Args:
           template: a pytree with the structure, shapes and dtypes to restore (e.g. the
-            current trainer's values); its values are not used.
+            current trainer's values); its values are not used. ``jax.Array`` and
+            ``jax.ShapeDtypeStruct`` leaves are restored as ``jax.Array`` s in their
+            sharding (`restore_targets`), the others as numpy arrays.
           step: which checkpoint; None for the newest readable one.
 
         Returns:
-          A pytree of numpy arrays with ``template``'s structure.
+          A pytree with ``template``'s structure.
 
         Raises:
           FileNotFoundError: when there is no checkpoint (of ``step``).

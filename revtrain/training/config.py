@@ -69,11 +69,15 @@ class RunConfig:
         (``optimizer_fn.learning_rate``).
       seed: seeds the weight initialisation and the per-step rngs.
       n_devices: devices per process (default: all local devices).
+      fsdp: shard the weights and optimizer slots over the devices (FSDP / ZeRO-3; the
+        trainer's ``fsdp`` argument, passed only when True). Checkpoints restore across
+        this setting and the device count.
       trainer_kwargs: extra keyword arguments of ``trainer_class``.
 
     Raises:
       ValueError: for a negative ``seed``, ``n_devices`` < 1 or above the local device
-        count, or a float ``schedule`` that is not finite and > 0.
+        count, a float ``schedule`` that is not finite and > 0, a non-bool ``fsdp``, or
+        ``fsdp`` given both here and in ``trainer_kwargs``.
     """
 
     model: Callable[..., Layer] | None = None
@@ -84,10 +88,22 @@ class RunConfig:
     schedule: float | optax.Schedule | None = None
     seed: int = 0
     n_devices: int | None = None
+    fsdp: bool = False
     trainer_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         check_arguments(_fields(self), "RunConfig")
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"RunConfig.fsdp={self.fsdp!r} must be True or False; change "
+                             f"the gin binding RunConfig.fsdp")
+        if self.fsdp and "fsdp" in (self.trainer_kwargs or {}):
+            raise ValueError("RunConfig.fsdp=True and RunConfig.trainer_kwargs['fsdp'] are "
+                             "both set; bind only RunConfig.fsdp")
+
+    def trainer_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of ``trainer_class`` beyond the model, optimizer and devices:
+        ``trainer_kwargs``, plus ``fsdp=True`` when set."""
+        return dict(self.trainer_kwargs or {}) | ({"fsdp": True} if self.fsdp else {})
 
     def check_complete(self) -> None:
         """Raises a ValueError naming the binding when ``model`` or ``inputs`` is unset."""

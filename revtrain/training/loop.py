@@ -42,7 +42,7 @@ import tqdm
 
 from revtrain.data.inputs import Inputs
 from revtrain.trainers import TrainState
-from revtrain.training.checkpoints import Checkpointer, barrier
+from revtrain.training.checkpoints import Checkpointer, barrier, restore_targets
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
 from revtrain.training.evaluation import Evaluator, eval_batches
 from revtrain.training.interrupts import StopOnSignals
@@ -150,10 +150,20 @@ class Loop:
     # Set-up and checkpoints.
 
     def _checkpoint_tree(self) -> dict[str, Any]:
-        values = self.trainer.train_state
-        return {"weights": values.weights, "state": values.state, "slots": values.slots,
-                "step": np.asarray(self.step, np.int64),
+        """The trainer's values as they live (sharded ``jax.Array`` s are not gathered:
+        each process saves its own shards), the step and the rng."""
+        values = {part: self.trainer.saved_values(part) for part in TrainState._fields}
+        return {**values, "step": np.asarray(self.step, np.int64),
                 "rng": np.asarray(jax.random.key_data(self._rng))}
+
+    def _restore_template(self) -> dict[str, Any]:
+        """`_checkpoint_tree` with each device value replaced by an abstract array in the
+        sharding the trainer wants (``value_shardings``): restoring reads each device's
+        slices straight into it, whatever device count or ``fsdp`` it was saved with."""
+        tree = self._checkpoint_tree()
+        for part in TrainState._fields:
+            tree[part] = restore_targets(tree[part], self.trainer.value_shardings(part))
+        return tree
 
     def _restore(self) -> None:
         """Restores ``CheckpointConfig.restore_step`` (default: the newest checkpoint), or
@@ -165,7 +175,7 @@ class Loop:
                 self._warm_start(self._init_checkpointer)
             return
         step = self.checkpoint_config.restore_step
-        self._restore_tree(self._checkpointer.restore(self._checkpoint_tree(), step))
+        self._restore_tree(self._checkpointer.restore(self._restore_template(), step))
         self.restored_step = self.step
         logger.info("restored the checkpoint of step %d from %s", self.step,
                     self._checkpointer.directory)
@@ -187,7 +197,7 @@ class Loop:
                                          step)
             self.trainer.restore(TrainState(tree["weights"], tree["state"], values.slots))
         else:
-            self._restore_tree(source.restore(self._checkpoint_tree(), step))
+            self._restore_tree(source.restore(self._restore_template(), step))
         logger.info("warm-started from the checkpoint of step %d in %s (%s)", step,
                     source.directory, "weights and state" if
                     self.checkpoint_config.init_weights_only else "full state")

