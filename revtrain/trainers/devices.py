@@ -142,6 +142,13 @@ def value_shardings(tree: Any, mesh: Mesh, fsdp: bool) -> Any:
                                 else P()), tree)
 
 
+def first_local_device(mesh: Mesh) -> jax.Device:
+    """This process's first device of ``mesh`` (the device footprints and memory logs
+    describe: under ``jax.distributed`` the mesh's very first device belongs to process 0
+    and cannot be inspected from another process)."""
+    return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding of a value held whole on every device of ``mesh``."""
     return NamedSharding(mesh, P())

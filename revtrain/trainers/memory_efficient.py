@@ -35,6 +35,7 @@ import psutil
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
+from revtrain.trainers import devices
 from revtrain.trainers.base import OptimizerFn
 from revtrain.trainers.block import Block, BlockTrainer
 from revtrain.trainers.stores import HostStore
@@ -131,7 +132,8 @@ class MemoryEfficientTrainer(BlockTrainer):
                          free_accelerators_on_step=free_accelerators_on_step,
                          keep_every=keep_every, clip_global_norm=clip_global_norm,
                          mesh=mesh, fsdp=fsdp)
-        self._memory_log = MemoryLog(self.mesh.devices.flat[0], n_steps_per_log)
+        self._memory_log = MemoryLog(devices.first_local_device(self.mesh),
+                                     n_steps_per_log)
         self.observers.append(self._memory_log)
 
     @property

@@ -199,7 +199,7 @@ class DeviceStore:
         self._new_states[i] = new_state
 
     def stash(self, stack: Any) -> Any:
-        device = self._mesh.devices.flat[0]
+        device = devices.first_local_device(self._mesh)
         for leaf in jax.tree.leaves(stack):
             if id(leaf) not in self._kept_ids:
                 self._kept_ids.add(id(leaf))
@@ -235,7 +235,7 @@ class DeviceStore:
         return tuple(self._shardings[part])
 
     def device_footprint(self) -> DeviceFootprint:
-        device = self._mesh.devices.flat[0]
+        device = devices.first_local_device(self._mesh)
         return DeviceFootprint(_first_device_bytes(self._weights, device),
                                _first_device_bytes(self._slots, device),
                                sum(1 for w in self._weights if jax.tree.leaves(w)),
@@ -413,7 +413,7 @@ class HostStore:
         return tuple(jax.tree.map(lambda _: None, v) for v in self.host_values(part))
 
     def device_footprint(self) -> DeviceFootprint:
-        device = self._mesh.devices.flat[0]
+        device = devices.first_local_device(self._mesh)
         weights = [e[0] for e in self._resident.values()] + [p.weights for _, p in
                                                              self._pending]
         slots = [e[1] for e in self._resident.values()] + [p.slots for _, p in self._pending]

@@ -212,8 +212,7 @@ class Trainer(TrainerBase):
     def device_footprint(self) -> DeviceFootprint:
         """Bytes of weights and slots on the mesh's first device of this process (sharded
         leaves count their shard)."""
-        device = next(d for d in self.mesh.devices.flat
-                      if d.process_index == jax.process_index())
+        device = devices.first_local_device(self.mesh)
         return DeviceFootprint(_device_bytes(self._weights, device),
                                _device_bytes(self._slots, device),
                                len(self._model.sublayers) or 1)

@@ -62,10 +62,7 @@ WIDE = ("ReversibleTransformerLM.d_model=64", "ReversibleTransformerLM.d_ff=128"
 
 
 # Trainers that take fsdp but cannot run on several processes yet, and why.
-NOT_MULTI_PROCESS = {
-    "MemoryEfficientTrainer": "its memory log reads memory_stats() of the mesh's first "
-                              "device, which belongs to process 0 (process 1 fails)",
-}
+NOT_MULTI_PROCESS: dict[str, str] = {}
 
 
 def _takes_fsdp(trainer_name: str) -> bool:
