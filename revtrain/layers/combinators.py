@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from revtrain.layers.fused_head import fuse_heads
 from revtrain.layers.layer import Layer
 from revtrain.layers.scan import run_in_series, serial_arity
 from revtrain.layers.stack import (
@@ -65,6 +66,11 @@ class Serial(Layer):
     depth; results, keys and the weights/state layout are those of running them one by one
     (the rules are in `revtrain.layers.scan`).
 
+    Consecutive sublayers ``Dense, LogSoftmax`` and a cross-entropy loss (also across
+    nested Serials) are computed together in chunks of positions, so the full logits never
+    exist; values and gradients are the same to float rounding, the weights layout is
+    unchanged (the rules and the opt-out are in `revtrain.layers.fused_head`).
+
     Args:
       *layers: the sublayers (nested lists/tuples flattened, None skipped).
       name: the layer's name.
@@ -82,7 +88,8 @@ class Serial(Layer):
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
-        return run_in_series(self.sublayers, x, weights, state, rng, scan=self._scan)
+        layers, weights = fuse_heads(self.sublayers, weights)  # no full logits for a loss
+        return run_in_series(layers, x, weights, state, rng, scan=self._scan)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)

@@ -1,0 +1,224 @@
+"""Fusing ``Dense, LogSoftmax, cross-entropy loss`` so that no full logits buffer exists.
+
+A language model ends in ``Dense(vocab_size), LogSoftmax()`` and trains with a
+cross-entropy loss after it. Run one after another, the loss step (forward and backward)
+holds several ``[batch, length, vocab_size]`` float buffers at once: the logits, the
+log-probabilities and their gradients (4.6 logits buffers for the reversible LM's loss
+layer at vocab 32,000). `fuse_heads` finds these three layers where a `Serial` runs them
+consecutively and computes them together, one chunk of positions at a time (a
+``jax.lax.scan`` with each chunk under ``jax.checkpoint``,
+`revtrain.layers.chunked_loss.chunked_weighted_sums`): each chunk applies the ``Dense``,
+the ``LogSoftmax`` and the loss's own per-position function to its features, so the full
+logits never exist and the step peaks near one logits buffer.
+
+When it fuses. Three *consecutive leaves* of a `Serial` (nested plain `Serial` objects,
+exact class, are opened; any other combinator, subclasses such as ``Residual`` included,
+is a leaf) must be:
+
+* a `Dense` (exact class; with or without bias),
+* a `LogSoftmax` (exact class) over ``axis=-1``,
+* a `WeightedCategoryCrossEntropy` (any ``label_smoothing``) or `CrossEntropyLoss`
+  (exact classes) whose ``n_chunks`` is not 1.
+
+Consecutive on the stack means the ``Dense`` output feeds only the ``LogSoftmax`` and that
+output only the loss's first input, so nothing else can read the logits. None of these
+layers reads its mode, rng or state (their state is ``()``), and each computes every
+position from that position alone, so chunking positions changes only the order of the
+final float32 sums: the fused value and gradients equal the unfused ones to float
+rounding, in any dtype (the same layer code runs on each chunk). The chunk count is the
+loss's: ``chunk_count(positions, vocab_size, loss n_chunks)``, so with the default
+``n_chunks=None`` a byte-level model (vocab 256, 8 x 256 positions) is one chunk.
+Features whose leading shape is not the targets' shape, or non-integer targets, run the
+three layers unfused (their own errors then apply).
+
+Nothing outside the traced computation changes: the layers, their weights and state trees
+(one entry per sublayer), rng keys (one per sublayer, as `Serial` splits them) and the
+model without its loss (e.g. for decoding) are untouched.
+
+Opt-out: ``n_chunks=1`` on the loss layer (never chunk) also never fuses.
+
+References: the fused linear cross-entropy of large-vocabulary training (e.g. Wijmans et
+al., 2024, "Cut Your Losses in Large-Vocabulary Language Models");
+`revtrain.layers.projected_loss.ProjectedCrossEntropy`, the same computation as one layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from revtrain.layers.activations import LogSoftmax
+from revtrain.layers.chunked_loss import (
+    chunk_count,
+    chunked_weighted_sums,
+    flatten_positions,
+    mean_from_sums,
+)
+from revtrain.layers.core import Dense
+from revtrain.layers.layer import Layer
+from revtrain.layers.metrics import CrossEntropyLoss, WeightedCategoryCrossEntropy
+from revtrain.layers.stack import check_n_items
+
+_LOSSES = (WeightedCategoryCrossEntropy, CrossEntropyLoss)
+
+Path = tuple[int, ...]
+
+
+class _PassThrough(Layer):
+    """Stands in for the fused ``Dense`` and ``LogSoftmax``: passes the features on."""
+
+    def forward_with_state(self, x, weights, state, rng):
+        return x, state
+
+
+class _FusedLoss(Layer):
+    """``(features, targets, weights) -> loss`` of ``dense``, ``log_softmax``, ``loss``.
+
+    Weights: ``(dense_weights, loss_weights)``; state: the loss's (``()``).
+    """
+
+    def __init__(self, dense: Dense, log_softmax: LogSoftmax, loss: Layer):
+        super().__init__(n_in=3, n_out=1, name=f"Fused{loss.name}")
+        self._layers = (dense, log_softmax, loss)
+
+    def _unfused(self, x, weights, state):
+        dense, log_softmax, loss = self._layers
+        features, targets, mask = x
+        logits, _ = dense.pure_fn(features, weights[0], (), None)
+        log_probs, _ = log_softmax.pure_fn(logits, (), (), None)
+        return loss.pure_fn((log_probs, targets, mask), weights[1], state, None)
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        features, targets, mask = x
+        if (features.shape[:-1] != targets.shape
+                or not jax.numpy.issubdtype(targets.dtype, jax.numpy.integer)):
+            return self._unfused(x, weights, state)
+        dense, log_softmax, loss = self._layers
+        dense_weights = weights[0]
+
+        def per_position(chunk_features, chunk_targets):
+            logits, _ = dense.pure_fn(chunk_features, dense_weights, (), None)
+            log_probs, _ = log_softmax.pure_fn(logits, (), (), None)
+            return loss.per_position(log_probs, chunk_targets)
+
+        rows = flatten_positions(features, targets, mask)
+        vocab_size = dense_weights[0].shape[-1]
+        n_chunks = chunk_count(targets.size, vocab_size, loss._n_chunks)
+        sums = chunked_weighted_sums(per_position, rows[:2], rows[2], n_chunks)
+        return mean_from_sums(*sums), state
+
+
+def _is_plain_serial(layer: Layer) -> bool:
+    from revtrain.layers.combinators import Serial  # combinators imports this module
+    return type(layer) is Serial
+
+
+def _leaves(layers: Sequence[Layer], prefix: Path = ()) -> list[tuple[Path, Layer]]:
+    """``(path, layer)`` of the layers run in order, opening nested plain Serials."""
+    out = []
+    for i, layer in enumerate(layers):
+        if _is_plain_serial(layer):
+            out += _leaves(layer.sublayers, prefix + (i,))
+        else:
+            out.append((prefix + (i,), layer))
+    return out
+
+
+def _fusable(dense: Layer, log_softmax: Layer, loss: Layer) -> bool:
+    return (type(dense) is Dense and type(log_softmax) is LogSoftmax
+            and log_softmax._axis == -1 and type(loss) in _LOSSES
+            and loss._n_chunks != 1)
+
+
+def find_heads(layers: Sequence[Layer]) -> list[tuple[Path, Path, Path]]:
+    """Paths of each fusable ``(Dense, LogSoftmax, loss)`` run by ``Serial(*layers)``.
+
+    A path is the sublayer index at each level of nested plain `Serial` objects. Runs do
+    not overlap; the rules are in this module's docstring.
+    """
+    leaves, found, i = _leaves(layers), [], 0
+    while i + 2 < len(leaves):
+        triple = leaves[i:i + 3]
+        if _fusable(*(layer for _, layer in triple)):
+            found.append(tuple(path for path, _ in triple))
+            i += 3
+        else:
+            i += 1
+    return found
+
+
+def _get(tree: Any, path: Path) -> Any:
+    for i in path:
+        tree = tree[i]
+    return tree
+
+
+def _replace_layers(layers: Sequence[Layer], new: dict[Path, Layer],
+                    prefix: Path = ()) -> list[Layer]:
+    from revtrain.layers.combinators import Serial
+    out = []
+    for i, layer in enumerate(layers):
+        path = prefix + (i,)
+        if path in new:
+            layer = new[path]
+        elif any(p[:len(path)] == path for p in new):
+            layer = Serial(*_replace_layers(layer.sublayers, new, path), name=layer.name,
+                           scan=layer._scan)
+        out.append(layer)
+    return out
+
+
+def _replace_tree(tree: Sequence, new: dict[Path, Any], prefix: Path = ()) -> list:
+    out = []
+    for i, value in enumerate(tree):
+        path = prefix + (i,)
+        if path in new:
+            value = new[path]
+        elif any(p[:len(path)] == path for p in new):
+            value = tuple(_replace_tree(value, new, path))
+        out.append(value)
+    return out
+
+
+def fuse_heads(layers: Sequence[Layer], weights: Sequence) -> tuple[Sequence[Layer], Sequence]:
+    """``Serial(*layers)``'s sublayers and weights with each fusable head fused.
+
+    Args:
+      layers: a `Serial`'s sublayers.
+      weights: their weights, one entry per sublayer.
+
+    Returns:
+      ``(layers, weights)`` unchanged when nothing fuses; else new lists in which each
+      ``Dense`` and ``LogSoftmax`` of a fused run is a pass-through without weights and
+      its loss a layer taking ``(dense_weights, loss_weights)``, nested plain `Serial`
+      objects rebuilt around them. States and rng keys keep their layout. Running them
+      gives the original's outputs and new states to float rounding.
+    """
+    heads = find_heads(layers)
+    if not heads:
+        return layers, weights
+    new_layers: dict[Path, Layer] = {}
+    new_weights: dict[Path, Any] = {}
+    for dense_path, softmax_path, loss_path in heads:
+        dense, log_softmax, loss = (_get_layer(layers, p)
+                                    for p in (dense_path, softmax_path, loss_path))
+        new_layers[dense_path] = _PassThrough()
+        new_layers[softmax_path] = _PassThrough()
+        new_layers[loss_path] = _FusedLoss(dense, log_softmax, loss)
+        new_weights[dense_path] = ()
+        new_weights[softmax_path] = _get(weights, softmax_path)
+        new_weights[loss_path] = (_get(weights, dense_path), _get(weights, loss_path))
+    return _replace_layers(layers, new_layers), _replace_tree(weights, new_weights)
+
+
+def _get_layer(layers: Sequence[Layer], path: Path) -> Layer:
+    layer = layers[path[0]]
+    for i in path[1:]:
+        layer = layer.sublayers[i]
+    return layer
+
+
+__all__ = ["find_heads", "fuse_heads"]

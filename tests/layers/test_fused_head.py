@@ -1,0 +1,158 @@
+"""Tests for revtrain.layers.fused_head: fused LM heads equal the unfused layers, and fit."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from revtrain import layers as tl
+from revtrain.layers.fused_head import find_heads
+from revtrain.models import ReversibleTransformerLM, TransformerLM
+
+B, S, V = 2, 8, 13
+SDS = jax.ShapeDtypeStruct
+
+
+def _batch(seed=0, b=B, s=S):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, V, size=(b, s)).astype(np.int32)
+    mask = (rng.random((b, s)) > 0.25).astype(np.float32)
+    return tokens, tokens, mask
+
+
+def _lm(kind, vocab=V, mode="train"):
+    make = ReversibleTransformerLM if kind == "reversible" else TransformerLM
+    return make(vocab_size=vocab, d_model=8, d_ff=16, n_layers=2, n_heads=2, max_len=S,
+                dropout=0.0, mode=mode)
+
+
+def _value_and_grad(layer, weights, batch):
+    rng = jax.random.key(1)
+    return jax.jit(jax.value_and_grad(
+        lambda w: layer.pure_fn(batch, w, layer.state, rng)[0]))(weights)
+
+
+def _assert_close(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert jax.tree.structure(got[1]) == jax.tree.structure(want[1])
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+LOSSES = [
+    (lambda n: tl.WeightedCategoryCrossEntropy(n_chunks=n)),
+    (lambda n: tl.WeightedCategoryCrossEntropy(label_smoothing=0.1, n_chunks=n)),
+    (lambda n: tl.CrossEntropyLoss(n_chunks=n)),
+]
+
+
+@pytest.mark.parametrize("kind,make_loss,n_chunks", [
+    ("reversible", LOSSES[0], None), ("reversible", LOSSES[1], 4), ("plain", LOSSES[2], 4),
+    ("plain", LOSSES[1], None)])
+def test_serial_model_then_loss_equals_unfused(kind, make_loss, n_chunks):
+    model = _lm(kind)
+    batch = _batch()
+    fused, unfused = tl.Serial(model, make_loss(n_chunks)), tl.Serial(model, make_loss(1))
+    fused.init(tuple(SDS(a.shape, a.dtype) for a in batch), rng=jax.random.key(0))
+    assert len(find_heads(fused.sublayers)) == 1 and not find_heads(unfused.sublayers)
+    weights = fused.weights
+    assert jax.tree.structure(weights) == jax.tree.structure((model.weights, ()))
+    _assert_close(_value_and_grad(fused, weights, batch),
+                  _value_and_grad(unfused, weights, batch))
+
+
+@pytest.mark.parametrize("make_loss", LOSSES)
+def test_block_trainers_loss_layer_equals_unfused(make_loss):
+    model = _lm("reversible")
+    batch = _batch(seed=2)
+    model.init(SDS((B, S), jnp.int32), rng=jax.random.key(0))
+    _, loss_layer = tl.extract_reversible_blocks([model, make_loss(None)])
+    _, reference = tl.extract_reversible_blocks([model, make_loss(1)])
+    assert [type(s).__name__ for s in loss_layer.sublayers][-3:] == [
+        "Dense", "LogSoftmax", type(make_loss(1)).__name__]
+    assert find_heads(loss_layer.sublayers) == [((2,), (3,), (4,))]
+    streams = np.random.default_rng(3).normal(size=(2, B, S, 8)).astype(np.float32)
+    inputs = (*streams, *batch[1:])
+    loss_layer.init(tuple(SDS(a.shape, a.dtype) for a in inputs))
+    reference.weights = loss_layer.weights
+    weights = loss_layer.weights
+    got = _value_and_grad(loss_layer, weights, inputs)
+    _assert_close(got, _value_and_grad(reference, weights, inputs))
+    y, state = loss_layer.pure_fn(inputs, weights, loss_layer.state, None)
+    assert state == loss_layer.state
+
+
+def test_heads_are_found_across_nested_serials_and_trainer_layout():
+    model = _lm("plain")
+    blocks, loss = tl.extract_reversible_blocks([model, tl.WeightedCategoryCrossEntropy()])
+    flat = tl.blocks_to_layers(blocks, loss)
+    heads = find_heads(flat)
+    assert len(heads) == 1
+    dense_path, softmax_path, loss_path = heads[0]
+    assert loss_path == (len(flat) - 1, 0) and dense_path[0] == softmax_path[0] == 0
+
+
+@pytest.mark.parametrize("layers", [
+    [tl.Dense(V), tl.LogSoftmax(), tl.WeightedCategoryCrossEntropy(n_chunks=1)],  # opt-out
+    [tl.Dense(V), tl.LogSoftmax(axis=0), tl.WeightedCategoryCrossEntropy()],
+    [tl.Dense(V), tl.Softmax(), tl.CrossEntropyLoss()],
+    [tl.Dense(V), tl.WeightedCategoryCrossEntropy()],
+    [tl.Dense(V), tl.LogSoftmax(), tl.Accuracy()],
+    [tl.Dense(V), tl.Relu(), tl.LogSoftmax(), tl.CrossEntropyLoss()],
+    [tl.Dense(V), tl.Residual(tl.LogSoftmax()), tl.CrossEntropyLoss()],
+    [tl.Residual(tl.Dense(V)), tl.LogSoftmax(), tl.CrossEntropyLoss()],
+])
+def test_anything_else_is_not_fused(layers):
+    assert find_heads(layers) == []
+
+
+def test_subclasses_are_not_fused():
+    class MyDense(tl.Dense):
+        pass
+
+    assert find_heads([MyDense(V), tl.LogSoftmax(), tl.CrossEntropyLoss()]) == []
+
+
+def test_bad_targets_give_the_unfused_layers_errors():
+    layer = tl.Serial(tl.Dense(V), tl.LogSoftmax(), tl.WeightedCategoryCrossEntropy())
+    features = np.ones((B, S, 4), np.float32)
+    layer.init((SDS((B, S, 4), jnp.float32), SDS((B, S), jnp.int32), SDS((B, S), jnp.float32)))
+    targets, mask = np.zeros((B, S), np.int32), np.ones((B, S), np.float32)
+    with pytest.raises(tl.LayerError, match="integer class-index targets"):
+        layer((features, targets.astype(np.float32), mask))
+    with pytest.raises(tl.LayerError, match="targets of shape"):
+        layer((features, targets[:, :5], mask[:, :5]))
+
+
+def test_model_alone_and_decoding_layers_are_unchanged():
+    model = _lm("plain", mode="eval")
+    model.init(SDS((B, S), jnp.int32), rng=jax.random.key(0))
+    assert find_heads(model.sublayers) == []
+    log_probs = model(_batch()[0])
+    assert log_probs.shape == (B, S, V)
+
+
+def _peak_ratio(layer, inputs, logits_bytes):
+    layer.init(inputs)
+    step = jax.jit(jax.value_and_grad(
+        lambda w, streams, labels: layer.pure_fn((*streams, *labels), w, layer.state, None)[0],
+        argnums=(0, 1)))
+    m = step.lower(layer.weights, inputs[:2], inputs[2:]).compile().memory_analysis()
+    return (m.temp_size_in_bytes + m.output_size_in_bytes + m.argument_size_in_bytes
+            - m.alias_size_in_bytes) / logits_bytes
+
+
+def test_lm_loss_layer_at_vocab_32000_peaks_below_one_and_a_half_logits_buffers():
+    b, s, d, v = 8, 256, 16, 32000
+    model = ReversibleTransformerLM(vocab_size=v, d_model=d, d_ff=d, n_layers=1, n_heads=2,
+                                    max_len=s)
+    inputs = (SDS((b, s, d), jnp.float32), SDS((b, s, d), jnp.float32),
+              SDS((b, s), jnp.int32), SDS((b, s), jnp.float32))
+
+    def loss_layer(n_chunks):
+        loss = tl.WeightedCategoryCrossEntropy(n_chunks=n_chunks)
+        return tl.extract_reversible_blocks([model, loss])[1]
+
+    logits_bytes = b * s * v * 4
+    fused, unfused = (_peak_ratio(loss_layer(n), inputs, logits_bytes) for n in (None, 1))
+    print(f"LM loss layer peak: {fused:.2f} logits buffers fused, {unfused:.2f} unfused")
+    assert fused <= 1.5 < 2.0 < unfused
