@@ -91,15 +91,15 @@ def chunked_weighted_sums(per_position: Callable[..., jax.Array], rows: tuple,
     def split(a):
         return a.reshape((n_chunks, a.shape[0] // n_chunks) + a.shape[1:])
 
+    # Per-chunk sums come out as the scan's outputs, summed after it: no carry, whose
+    # type under shard_map would have to vary over the mesh axes the sums vary over.
     @jax.checkpoint
     def body(carry, chunk):
         *chunk_rows, chunk_weights = chunk
-        total, norm = weighted_sums(per_position(*chunk_rows), chunk_weights)
-        return (carry[0] + total, carry[1] + norm), None
+        return carry, weighted_sums(per_position(*chunk_rows), chunk_weights)
 
-    zero = jnp.zeros((), jnp.float32)
-    (total, norm), _ = jax.lax.scan(body, (zero, zero),
-                                    tuple(split(a) for a in (*rows, weights)))
+    _, (totals, norms) = jax.lax.scan(body, (), tuple(split(a) for a in (*rows, weights)))
+    total, norm = jnp.sum(totals), jnp.sum(norms)
     return total, norm
 
 

@@ -156,3 +156,21 @@ def test_lm_loss_layer_at_vocab_32000_peaks_below_one_and_a_half_logits_buffers(
     fused, unfused = (_peak_ratio(loss_layer(n), inputs, logits_bytes) for n in (None, 1))
     print(f"LM loss layer peak: {fused:.2f} logits buffers fused, {unfused:.2f} unfused")
     assert fused <= 1.5 < 2.0 < unfused
+
+
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_trainer_step_with_chunks_under_shard_map_equals_unfused(n_devices):
+    import optax
+
+    from revtrain.trainers import Trainer
+
+    batch = _batch(seed=4, b=4)
+    after = []
+    for n_chunks in (4, 1):
+        model = _lm("plain")
+        model.init(SDS((4, S), jnp.int32), rng=jax.random.key(0))
+        trainer = Trainer(tl.Serial(model, tl.WeightedCategoryCrossEntropy(n_chunks=n_chunks)),
+                          lambda: optax.sgd(0.1), n_devices=n_devices)
+        loss, stats = trainer.one_step(batch, jax.random.key(1))
+        after.append((loss, stats["gradients_l2"]))
+    np.testing.assert_allclose(after[0], after[1], rtol=1e-5)
