@@ -3,9 +3,9 @@
 A language model ends in ``Dense(vocab_size), LogSoftmax()`` and trains with a
 cross-entropy loss after it. Run one after another, the loss step (forward and backward)
 holds several ``[batch, length, vocab_size]`` float buffers at once: the logits, the
-log-probabilities and their gradients (4.6 logits buffers for the reversible LM's loss
-layer at vocab 32,000). `fuse_heads` finds these three layers where a `Serial` runs them
-consecutively and computes them together, one chunk of positions at a time (a
+log-probabilities and their gradients (about 4 logits buffers for the reversible LM's
+loss layer at vocab 32,000; 0.4 fused). `fuse_heads` finds these three layers where a
+`Serial` runs them consecutively and computes them together, one chunk of positions at a time (a
 ``jax.lax.scan`` with each chunk under ``jax.checkpoint``,
 `revtrain.layers.chunked_loss.chunked_weighted_sums`): each chunk applies the ``Dense``,
 the ``LogSoftmax`` and the loss's own per-position function to its features, so the full
@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
+import jax.numpy as jnp
 
 from revtrain.layers.activations import LogSoftmax
 from revtrain.layers.chunked_loss import (
@@ -94,7 +94,7 @@ class _FusedLoss(Layer):
         check_n_items(self, x)
         features, targets, mask = x
         if (features.shape[:-1] != targets.shape
-                or not jax.numpy.issubdtype(targets.dtype, jax.numpy.integer)):
+                or not jnp.issubdtype(targets.dtype, jnp.integer)):
             return self._unfused(x, weights, state)
         dense, log_softmax, loss = self._layers
         dense_weights = weights[0]

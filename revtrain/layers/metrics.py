@@ -124,7 +124,9 @@ class CrossEntropyLoss(_WeightedMetric):
 
     Args:
       n_chunks: compute in this many chunks of positions (`revtrain.layers.chunked_loss`);
-        None picks enough chunks for at most 4M logits (16 MiB float32) per chunk.
+        None picks enough chunks for at most 4M logits (16 MiB float32) per chunk. After
+        ``Dense, LogSoftmax`` in a `Serial`, the three are fused (no full logits,
+        `revtrain.layers.fused_head`) unless this is 1.
 
     Raises (from ``pure_fn``):
       LayerError: for non-integer targets or targets not shaped ``log_probs.shape[:-1]``.
@@ -152,7 +154,9 @@ class WeightedCategoryCrossEntropy(_WeightedMetric):
         ``[..., vocab]`` temporary outlives its chunk. None (default) picks enough chunks
         for at most 4M logits (16 MiB float32) per chunk: one chunk, i.e. the unchunked
         computation, for byte-level models (vocab 256 at 8 x 256 positions); 8 at vocab
-        32,000, length 256, batch 8. 1 never chunks.
+        32,000, length 256, batch 8. 1 never chunks. After ``Dense, LogSoftmax`` in a
+        `Serial`, the three are fused (no full logits, `revtrain.layers.fused_head`)
+        unless this is 1.
 
     Raises (from ``pure_fn``):
       LayerError: for non-integer targets or targets not shaped ``logits.shape[:-1]``.
