@@ -411,5 +411,5 @@ def settings_line(config: dict[str, Any]) -> str:
     return (f"d_model {config['d_model']}, d_ff {config['d_ff']}, {config['n_heads']} heads, "
             f"seq {config['seq_len']}, batch {config['batch_size']}, vocab "
             f"{config['vocab_size']}, dropout {config['dropout']}, Adam, n_devices "
-            f"{config['n_devices']} (FSDP: {FSDP_DEVICES})"
+            f"{config.get('n_devices', 1)} (FSDP: {FSDP_DEVICES})"
             + (f", keep_every {config['keep_every']}" if config.get("keep_every") else ""))

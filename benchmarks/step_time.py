@@ -12,7 +12,10 @@ timed from the ``one_step`` call until its loss and stats are ready
 configuration:
 
 * ``first_step_s`` -- the first step, compilation included, and ``first_step_compile_s``,
-  the part of it JAX spent tracing, lowering and compiling (from ``jax.monitoring``);
+  the seconds JAX spent tracing, lowering and compiling in it (from ``jax.monitoring``,
+  summed over compilations: the block trainers compile their layers' programs side by
+  side in a thread pool, so this sum can exceed ``first_step_s``; their
+  ``trainer.compile_times`` gives the wall-clock split);
 * ``median_step_s`` -- the median of ``--steps`` steps run after ``--warmup`` steps (the
   first step is warm-up step 1); ``tokens_per_s = batch_size * seq_len / median_step_s``;
 * ``ratio_to_trainer`` -- ``median_step_s`` over `Trainer`'s at the same depth, both from

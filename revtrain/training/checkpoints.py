@@ -162,7 +162,8 @@ def _drop_closed_event_loop_reports() -> None:
     When one array of a checkpoint cannot be read, orbax's restore raises at once and closes
     its asyncio event loop while tensorstore still completes the other reads; each of
     those then reports ``RuntimeError('Event loop is closed')`` through
-    ``sys.unraisablehook``, seconds later or at exit. Those reports (and only those) are
+    ``sys.unraisablehook``, seconds later or at exit, and asyncio logs the reads orbax
+    never collected (`_orphaned_read_failures`). Those reports (and only those) are
     dropped; the failure itself is reported by `Checkpointer.restore`.
     """
     previous = sys.unraisablehook
@@ -176,6 +177,21 @@ def _drop_closed_event_loop_reports() -> None:
 
     hook._revtrain_filter = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_orphaned_read_failures)
+
+
+def _orphaned_read_failures(record: logging.LogRecord) -> bool:
+    """Drops asyncio's "Task exception was never retrieved" reports of tensorstore reads a
+    failed restore left behind (orbax gathers the reads, raises the first failure and never
+    collects the others); the failure itself is reported once by the caller."""
+    error = record.exc_info[1] if record.exc_info else None
+    orphaned = str(record.msg).startswith("Task exception was never retrieved")
+    return not (orphaned and _is_tensorstore_read(error))
+
+
+def _is_tensorstore_read(error: BaseException | None) -> bool:
+    text = str(error)
+    return error is not None and ('"zarr" driver' in text or "OCDBT database" in text)
 
 
 def _describe(signature: tuple[tuple[int, ...], np.dtype]) -> str:

@@ -18,7 +18,7 @@ def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, t
         assert r["median_step_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(
             config["batch_size"] * config["seq_len"] / r["median_step_s"])
-        assert r["first_step_s"] >= r["first_step_compile_s"] > 0
+        assert r["first_step_s"] > 0 and r["first_step_compile_s"] > 0  # summed over threads
         assert r["n_compiles_after_first_step"] == 0
         assert r["ratio_to_trainer"] == pytest.approx(
             r["median_step_s"] / table[("trainer", 2)]["median_step_s"])
