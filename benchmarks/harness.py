@@ -15,7 +15,7 @@ trainer differs:
   `revtrain.layers.Remat` (``jax.checkpoint``), the baseline a JAX user reaches for;
 * ``reversible`` -- `ReversibleSerialTrainer` on the extracted blocks;
 * ``memory_efficient`` -- `MemoryEfficientTrainer` on the same blocks;
-* ``trainer_fsdp``, ``reversible_fsdp`` -- `Trainer` / `ReversibleSerialTrainer` with
+* ``trainer_fsdp``, ``reversible_fsdp``, ``memory_efficient_fsdp`` -- the trainer with
   ``fsdp=True`` on `FSDP_DEVICES` devices (forced host devices on CPU): weights and slots
   sharded, the batch split over the devices; memory is that of one device. They run only
   where the trainer takes ``fsdp`` (`available_trainers`).
@@ -47,8 +47,10 @@ TRAINERS = {
     "memory_efficient": "MemoryEfficientTrainer",
     "trainer_fsdp": "Trainer + FSDP",
     "reversible_fsdp": "ReversibleSerialTrainer + FSDP",
+    "memory_efficient_fsdp": "MemoryEfficientTrainer + FSDP",
 }
-FSDP_KINDS = {"trainer_fsdp": "trainer", "reversible_fsdp": "reversible"}
+FSDP_KINDS = {"trainer_fsdp": "trainer", "reversible_fsdp": "reversible",
+              "memory_efficient_fsdp": "memory_efficient"}
 FSDP_DEVICES = 4
 DEFAULT_TRAINERS = [kind for kind in TRAINERS if kind not in FSDP_KINDS]
 MODEL_DEFAULTS = {"depths": "2,4,8,16,32", "d_model": 256, "d_ff": 1024, "n_heads": 4,
@@ -324,7 +326,7 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
                                        keep_every=keep_every, **fsdp), batch
     if kind == "memory_efficient":
         return MemoryEfficientTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
-                                      keep_every=keep_every), batch
+                                      keep_every=keep_every, **fsdp), batch
     raise ValueError(f"trainer={kind!r} is not one of {list(TRAINERS)}")
 
 
