@@ -168,7 +168,8 @@ def available_trainers() -> list[str]:
     import inspect
 
     from revtrain import trainers
-    classes = {"trainer": trainers.Trainer, "reversible": trainers.ReversibleSerialTrainer}
+    classes = {"trainer": trainers.Trainer, "reversible": trainers.ReversibleSerialTrainer,
+               "memory_efficient": trainers.MemoryEfficientTrainer}
     return DEFAULT_TRAINERS + [
         kind for kind, base in FSDP_KINDS.items()
         if "fsdp" in inspect.signature(classes[base].__init__).parameters]
@@ -199,8 +200,13 @@ def _cpu_name() -> str:
 def worker_env(n_devices: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     if n_devices > 1:  # CPU: that many host devices (no effect on GPU/TPU devices).
+        # Forced host devices run their collectives as threads that meet at a rendezvous;
+        # on a small, busy machine one device's thread can arrive minutes late, and XLA
+        # aborts the process after 40 s by default.
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            f" --xla_force_host_platform_device_count={n_devices}").strip()
+                            f" --xla_force_host_platform_device_count={n_devices}"
+                            " --xla_cpu_collective_call_terminate_timeout_seconds=1800"
+                            ).strip()
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -246,6 +252,23 @@ def run_all(script: str, configs: list[dict[str, Any]], timeout: float,
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(run, enumerate(configs, 1)))
+
+
+def script_main(main: Callable[[], Any],
+                measure: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+    """A benchmark script's ``__main__``: a worker process when called with `WORKER_FLAG`
+    (``measure`` runs one configuration), else ``main()`` under ``absl.app.run``, which
+    parses the flags and refuses positional arguments with a usage error."""
+    if measure is not None and len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
+        worker_main(sys.argv[1:], measure)
+        return
+    from absl import app
+
+    def app_main(argv: list[str]) -> None:
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+        main()
+    app.run(app_main)
 
 
 def worker_main(argv: Sequence[str], measure: Callable[[dict[str, Any]], dict[str, Any]]

@@ -42,7 +42,7 @@ from typing import Any
 if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 
@@ -281,11 +281,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return payload
 
 
-def _app_main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
-    main()
-
-
 if __name__ == "__main__":
-    app.run(_app_main)
+    harness.script_main(main)
