@@ -12,14 +12,18 @@ from revtrain.training import StopOnSignals
 
 
 def test_first_ctrl_c_requests_a_stop_second_interrupts():
-    before = signal.getsignal(signal.SIGINT)
-    with StopOnSignals() as stop:
-        assert not stop.requested()
-        signal.raise_signal(signal.SIGINT)
-        assert stop.requested() and stop.signum == signal.SIGINT
-        with pytest.raises(KeyboardInterrupt):
+    # The handler before is Python's own, whatever an earlier test in this worker left.
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopOnSignals() as stop:
+            assert not stop.requested()
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is before
+            assert stop.requested() and stop.signum == signal.SIGINT
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_sigterm_is_recorded_and_handler_restored():
