@@ -368,9 +368,9 @@ def check_same_structure(new: Any, old: Any, what: str) -> None:
     old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
     for i, old_path in enumerate(old_paths):
         if i >= len(new_paths) or new_paths[i] != old_path:
-            got = new_paths[i] if i < len(new_paths) else "nothing"
+            got = f"{what}{new_paths[i]}" if i < len(new_paths) else "nothing"
             raise ValueError(f"{what} structure mismatch at {what}{old_path}: expected that "
-                             f"path, got {got}")
+                             f"path, got {got}{_kind_hint(what)}")
     if len(new_paths) > len(old_paths):
         raise ValueError(f"{what} structure mismatch at {what}{new_paths[len(old_paths)]}: "
                          f"unexpected extra leaf")
@@ -381,6 +381,14 @@ def check_same_structure(new: Any, old: Any, what: str) -> None:
             raise ValueError(
                 f"{what}{jax.tree_util.keystr(path)} has shape {np.shape(a)} dtype "
                 f"{np.dtype(_dtype(a))}; expected {np.shape(b)} {np.dtype(_dtype(b))}")
+
+
+def _kind_hint(what: str) -> str:
+    """Why optimizer slots most often mismatch: values of the other kind of trainer."""
+    if what != "slots":
+        return ""
+    return ("; values from another kind of trainer? `Trainer` keeps one optimizer state "
+            "for the whole model, the block trainers one per flat layer")
 
 
 def lists_as_tuples(tree: Any) -> Any:

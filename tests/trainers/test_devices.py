@@ -159,3 +159,9 @@ def test_resolve_mesh_rejects_bad_meshes(bad, match):
         arg, n = Mesh(np.array(jax.devices()[:2]), ("data",)), 4
     with pytest.raises((ValueError, TypeError), match=match):
         devices.resolve_mesh(n, arg)
+
+
+def test_structure_mismatch_names_both_paths_and_the_trainer_kind_for_slots():
+    with pytest.raises(ValueError, match=r"at slots\[0\]\['x'\]: expected that path, got "
+                                         r"slots\['x'\]; values from another kind of trainer"):
+        devices.check_same_structure({"x": np.zeros(2)}, ({"x": np.zeros(2)},), "slots")
