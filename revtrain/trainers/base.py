@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from revtrain.layers.base import Layer
 from revtrain.trainers import devices
 from revtrain.trainers.fbo import has_injectable_learning_rate, learning_rate_of
+from revtrain.trainers.inflight import InflightLimit
 from revtrain.trainers.protocols import DeviceFootprint, Observer, TrainState
 
 OptimizerFn = Callable[[], optax.GradientTransformation]
@@ -69,6 +70,7 @@ class TrainerBase:
             raise TypeError(f"fsdp={fsdp!r} must be True or False")
         self.mesh, self.n_devices = devices.resolve_mesh(n_devices, mesh)
         self.fsdp = fsdp
+        self._inflight = InflightLimit(self.mesh)  # Avoids a CPU-client hang; see inflight.
         self._optimizer_fn = optimizer_fn
         self.observers: list[Observer] = []
         self._copy_batch = False

@@ -356,7 +356,9 @@ class BlockTrainer(TrainerBase):
             return self._recorder(fn, *args)
         if self.observers:
             self._notify_dispatch(op.label, fn, args)
-        return fn(*args)
+        outputs = fn(*args)
+        self._inflight.note(outputs)
+        return outputs
 
     def _forward(self, op, fn, layer, stack, common, rep) -> Any:
         dev = {"x": inputs_from_stack(stack, layer.n_in),

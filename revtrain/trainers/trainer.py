@@ -178,6 +178,7 @@ class Trainer(TrainerBase):
         if self.observers:
             self._notify_dispatch("train_step", self._update, args)
         self._weights, self._state, self._slots, stats = self._update(*args)
+        self._inflight.note(stats)
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
         self._notify_phase("step_end")
