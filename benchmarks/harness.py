@@ -86,6 +86,8 @@ for _name in ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size
                          lower_bound=1)
 flags.DEFINE_float("dropout", None, f"dropout rate (default {MODEL_DEFAULTS['dropout']})",
                    lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_enum("mask_bits", "16", ["8", "16"], "random bits per dropout-mask element "
+                  "(the models' dropout_mask_bits): 16, or 8 (rate 0.1 becomes 0.1016)")
 flags.DEFINE_integer("steps", None, "measured steps per config (default: the script's)",
                      lower_bound=1)
 flags.DEFINE_integer("warmup", None, "steps run before measuring; the first one compiles "
@@ -148,6 +150,7 @@ def model_config(args: SimpleNamespace) -> dict[str, Any]:
     names = ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size", "dropout",
              "steps", "warmup", "seed", "keep_every")
     return {name: getattr(args, name) for name in names} | {
+        "mask_bits": int(getattr(args, "mask_bits", 16) or 16),
         "n_devices": args.n_devices, "compilation_cache_dir": args.compilation_cache_dir}
 
 
@@ -316,7 +319,8 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
     model = ReversibleTransformerLM(
         vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
         n_layers=config["depth"], n_heads=config["n_heads"], max_len=config["seq_len"],
-        dropout=config["dropout"], mode="train")
+        dropout=config["dropout"], mode="train",
+        dropout_mask_bits=config.get("mask_bits", 16))
     blocks, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
     batch = make_batch(config)
     signature = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
@@ -437,4 +441,6 @@ def settings_line(config: dict[str, Any]) -> str:
             f"seq {config['seq_len']}, batch {config['batch_size']}, vocab "
             f"{config['vocab_size']}, dropout {config['dropout']}, Adam, n_devices "
             f"{config.get('n_devices', 1)} (FSDP: {FSDP_DEVICES})"
-            + (f", keep_every {config['keep_every']}" if config.get("keep_every") else ""))
+            + (f", keep_every {config['keep_every']}" if config.get("keep_every") else "")
+            + (f", {config['mask_bits']}-bit dropout masks"
+               if config.get("mask_bits", 16) != 16 else ""))

@@ -23,6 +23,7 @@ import numpy as np
 
 from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, check_mode, check_rate
 from revtrain.layers.core import dropout as apply_dropout
+from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, check_mask_bits
 from revtrain.layers.layer import Layer
 
 
@@ -34,7 +35,8 @@ def causal_mask(length: int) -> jax.Array:
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           mask: jax.Array | None = None, dropout_rate: float = 0.0,
                           rng: jax.Array | None = None, *, is_causal: bool = False,
-                          implementation: str | None = None) -> jax.Array:
+                          implementation: str | None = None,
+                          mask_bits: int = DEFAULT_MASK_BITS) -> jax.Array:
     """Scaled dot-product attention over heads.
 
     Without dropout (``dropout_rate == 0``) this is ``jax.nn.dot_product_attention``, with
@@ -57,6 +59,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       is_causal: also mask keys after each query (query ``i`` sees keys ``j <= i``; needs
         ``length_q == length_k``). Lets the fused kernels skip the masked blocks.
       implementation: passed to ``jax.nn.dot_product_attention`` (see above).
+      mask_bits: random bits per element of the dropout mask, 16 or 8
+        (`revtrain.layers.dropout_masks`).
 
     Returns:
       ``[batch, length_q, n_heads, d_head]`` in ``v.dtype``.
@@ -67,12 +71,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     if fused:
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
                                             implementation=implementation)
-    return einsum_attention(q, k, v, mask, dropout_rate, rng, is_causal=is_causal)
+    return einsum_attention(q, k, v, mask, dropout_rate, rng, is_causal=is_causal,
+                            mask_bits=mask_bits)
 
 
 def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      mask: jax.Array | None = None, dropout_rate: float = 0.0,
-                     rng: jax.Array | None = None, *, is_causal: bool = False) -> jax.Array:
+                     rng: jax.Array | None = None, *, is_causal: bool = False,
+                     mask_bits: int = DEFAULT_MASK_BITS) -> jax.Array:
     """`dot_product_attention` as plain einsums (materialises the attention probabilities).
 
     The path `dot_product_attention` takes when dropping attention probabilities; with
@@ -88,7 +94,7 @@ def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(compute).min)
     probs = jax.nn.softmax(logits, axis=-1)
-    probs = apply_dropout(probs, dropout_rate, rng)
+    probs = apply_dropout(probs, dropout_rate, rng, mask_bits=mask_bits)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 
@@ -116,6 +122,9 @@ class CausalAttention(Layer):
       implementation: for attention without dropout, ``jax.nn.dot_product_attention``'s
         ``implementation``: None (JAX's choice, XLA) or ``'cudnn'`` (flash attention on
         NVIDIA GPUs for bfloat16/float16 activations, e.g. ``compute_dtype=bfloat16``).
+      mask_bits: random bits per element of the attention-dropout mask: 16 (rate error
+        <= 7.6e-6) or 8 (rate error <= 2e-3, a quarter of 16's time on a 2-core CPU);
+        see `revtrain.layers.dropout_masks`.
 
     Integer inputs are computed in float32 (as `Dense` does); float inputs in their dtype.
 
@@ -127,7 +136,7 @@ class CausalAttention(Layer):
 
     def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
                  mode: str = "train", max_len: int | None = None,
-                 implementation: str | None = None):
+                 implementation: str | None = None, mask_bits: int = DEFAULT_MASK_BITS):
         super().__init__(n_in=1, n_out=1)
         for name, value in (("d_feature", d_feature), ("n_heads", n_heads)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -147,6 +156,7 @@ class CausalAttention(Layer):
             raise ValueError(f"CausalAttention implementation={implementation!r} is not one "
                              f"of None, 'xla', 'cudnn'")
         self._implementation = implementation
+        self._mask_bits = check_mask_bits(mask_bits, "CausalAttention")
 
     def _check_input(self, shape: tuple[int, ...]) -> None:
         if len(shape) != 3 or shape[-1] != self._d_feature:
@@ -173,7 +183,8 @@ class CausalAttention(Layer):
         else:
             rate = self._dropout if self._mode == "train" else 0.0
             attended = dot_product_attention(q, k, v, None, rate, rng, is_causal=True,
-                                             implementation=self._implementation)
+                                             implementation=self._implementation,
+                                             mask_bits=self._mask_bits)
         return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
 
     def _attend_cached(self, q, k, v, state):

@@ -270,17 +270,20 @@ class PositionalEncoding(Layer):
       max_len: longest sequence accepted.
       dropout: drop rate for the encoding, in ``[0, 1)``.
       mode: ``'train'``, ``'eval'`` or ``'predict'``.
+      mask_bits: random bits per element of the dropout mask, 16 or 8 (`dropout`).
 
     Raises (from ``pure_fn``):
       LayerError: when the input is longer than ``max_len``, not of rank 3, or not of a
         float dtype (token ids: put an `Embedding` first).
     """
 
-    def __init__(self, max_len: int = 2048, dropout: float = 0.0, mode: str = "train"):
+    def __init__(self, max_len: int = 2048, dropout: float = 0.0, mode: str = "train",
+                 mask_bits: int = DEFAULT_MASK_BITS):
         super().__init__(n_in=1, n_out=1)
         self._max_len = max_len
         self._dropout = check_rate(dropout, "PositionalEncoding")
         self._mode = check_mode(mode, "PositionalEncoding")
+        self._mask_bits = check_mask_bits(mask_bits, "PositionalEncoding")
 
     def forward_with_state(self, x, weights, state, rng):
         if x.ndim != 3:
@@ -295,7 +298,7 @@ class PositionalEncoding(Layer):
                              f"max_len={self._max_len}; build it with max_len >= {length}")
         pe = jnp.asarray(sinusoidal_encoding(length, d_feature), dtype=x.dtype)
         if self._mode == "train":
-            pe = dropout(pe, self._dropout, rng)
+            pe = dropout(pe, self._dropout, rng, mask_bits=self._mask_bits)
         return x + pe[None], state
 
 

@@ -84,6 +84,29 @@ def test_dropout_only_in_train_mode():
         assert np.allclose(a, b) == same
 
 
+@pytest.mark.parametrize("cls", [ReversibleTransformerLM, TransformerLM])
+def test_dropout_mask_bits_reach_every_dropout(cls):
+    """8-bit masks change every dropout of the model (embedding, positional encoding,
+    attention, feed-forward), and the layers' structure keys, so no compiled function is
+    shared with the 16-bit model."""
+    x, _, _ = _batch()
+    outputs, keys = {}, {}
+    for bits in (16, 8):
+        model = _init(_lm(cls, dropout=0.3, dropout_mask_bits=bits), x)  # Same seed: weights.
+        outputs[bits] = model(x, rng=jax.random.key(3))
+        keys[bits] = {layer.structure_key for layer in _all_sublayers(model)
+                      if "Dropout" in type(layer).__name__
+                      or type(layer).__name__ in ("CausalAttention", "PositionalEncoding")}
+    assert not np.allclose(outputs[8], outputs[16])
+    assert len(keys[16]) == 3 and not keys[8] & keys[16]  # Dropout, attention, encoding
+
+
+def _all_sublayers(layer):
+    yield layer
+    for sub in layer.sublayers:
+        yield from _all_sublayers(sub)
+
+
 def test_bfloat16_compute_keeps_float32_streams():
     tokens = _batch()[0]
     model = _init(_lm(compute_dtype=jnp.bfloat16, mode="eval"), tokens)
@@ -265,6 +288,8 @@ def test_every_layer_has_a_structure_key_so_trainers_share_compiled_blocks(cls):
     ({"n_layers": -1}, r"n_layers=-1 must be >= 0"),
     ({"compute_dtype": "int8"}, r"compute_dtype=int8 is not a float dtype"),
     ({"compute_dtype": "bflaot16"}, r"compute_dtype='bflaot16' is not a dtype"),
+    ({"dropout_mask_bits": 4}, r"dropout_mask_bits=4 is not one of \(8, 16\)"),
+    ({"dropout_mask_bits": True}, r"dropout_mask_bits=True is not one of \(8, 16\)"),
 ])
 def test_bad_arguments_are_rejected_naming_them(make, kwargs, message):
     args = dict(vocab_size=4, d_model=4, d_ff=8, n_layers=1, n_heads=2, max_len=4)
