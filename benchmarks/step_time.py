@@ -336,7 +336,8 @@ def phase_table(results: Sequence[dict[str, Any]]) -> list[str]:
         return []
     return ["", "Seconds per phase (median of the profiled steps, each dispatch waiting for "
             "its inputs; `Trainer` runs one program, so only its whole step), and drawing "
-            "one forward pass's dropout masks alone (16-bit masks as the layers draw them; "
+            "one forward pass's dropout masks alone (masks of the run's --mask_bits, as the "
+            "layers draw them; "
             "32-bit `jax.random.bernoulli` for comparison):", "",
             harness.markdown_table(["trainer", "depth", *(f"{p} (s)" for p in phases.PHASES),
                                     "masks (s)", "bernoulli masks (s)"], rows)]
