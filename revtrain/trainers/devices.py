@@ -278,7 +278,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 _copy = jax.jit(jnp.copy)
 
 
-def put_sharded(tree: Any, shardings: Any) -> Any:
+def put_sharded(tree: Any, shardings: Any, owned: bool = True) -> Any:
     """Copies host (or device) ``tree`` onto the devices with one sharding per leaf.
 
     Every process passes the whole (global) value; each device receives only its own
@@ -288,13 +288,18 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
     (``jax.device_put``), never through one host. Always new buffers the runtime owns,
     never an alias of the input (the compiled copy of `replicate`: ``device_put`` may hand
     back the input's buffer for a shard already in place, and trainers donate these).
+
+    With ``owned=False`` a host leaf is put without that extra device copy: on the CPU
+    backend its shards may then share the host array's memory. For a caller that owns the
+    host arrays and does not write them while the device arrays live
+    (`revtrain.trainers.stores.HostStore`, whose programs donate and so only free them).
     """
     def put(a, sharding):
         if isinstance(a, jax.Array):
             return _copy(a if a.sharding == sharding else jax.device_put(a, sharding))
         host = np.asarray(a)
-        return _copy(jax.make_array_from_callback(host.shape, sharding,
-                                                  lambda index: host[index]))
+        array = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return _copy(array) if owned else array
     return jax.tree.map(put, tree, shardings)
 
 

@@ -300,11 +300,12 @@ class HostStore:
         through ``device_put``, which on the CPU backend lets the arrays share the buffers'
         memory, so nothing is copied (the fbos donate them, which frees the arrays and
         leaves the memory, the store's, untouched); an FSDP-sharded leaf sends each device
-        only its slice (`revtrain.trainers.devices.put_sharded`)."""
+        only its slice (`revtrain.trainers.devices.put_sharded`), likewise without a
+        further device copy (``owned=False``)."""
         def put(a, sharding):
             if sharding.is_fully_replicated:
                 return jax.device_put(a, sharding)
-            return devices.put_sharded(a, sharding)
+            return devices.put_sharded(a, sharding, owned=False)
         return jax.tree.map(put, host, shardings)
 
     def _fetch(self, i: int, with_slots: bool) -> list:
