@@ -139,7 +139,8 @@ def measure_depth(config: dict[str, Any], depth: int, dtype: str,
         model = ReversibleTransformerLM(
             vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
             n_layers=depth, n_heads=config["n_heads"], max_len=config["seq_len"],
-            dropout=config["dropout"], compute_dtype=dtype)
+            dropout=config["dropout"], compute_dtype=dtype,
+            dropout_mask_bits=config.get("mask_bits", 16))
         made, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
         if variant == "round_inputs":
             made = [(std, [_rounding_inputs(layer) for layer in revs]) for std, revs in made]
@@ -208,7 +209,8 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join([
         f"Reconstruction drift by depth; ReversibleTransformerLM d_model {c['d_model']}, "
         f"d_ff {c['d_ff']}, {c['n_heads']} heads, seq {c['seq_len']}, batch "
-        f"{c['batch_size']}, dropout {c['dropout']}, float32 streams; gradients against "
+        f"{c['batch_size']}, dropout {c['dropout']} ({c.get('mask_bits', 16)}-bit masks), "
+        f"float32 streams; gradients against "
         f"Trainer in the same precision; {m['processor']}, jax {m['jax']}, {m['date']}.",
         "", harness.markdown_table(
             ["depth", "compute", "variant", "keep_every", "kept copies",
@@ -262,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         payload = harness.read_json(out / f"{NAME}.json")
     else:
         config = {name: getattr(args, name) for name in (*DEFAULTS, "seed") if name != "depths"}
+        config["mask_bits"] = int(args.mask_bits)
         payload = {"benchmark": NAME, "config": config, "machine": harness.machine_info(),
                    "results": []}
         if args.merge:

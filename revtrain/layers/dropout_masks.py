@@ -32,14 +32,23 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MASK_BITS = (8, 16)
 DEFAULT_MASK_BITS = 16
 
 
+def is_mask_bits(value: object) -> bool:
+    """Whether ``value`` is the integer 8 or 16 (a Python or numpy int; not a bool, a float
+    such as ``8.0`` or a string)."""
+    return (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            and value in MASK_BITS)
+
+
 def check_mask_bits(mask_bits: int, layer_name: str) -> int:
-    """Returns ``mask_bits`` if it is 8 or 16, else raises a ValueError naming it."""
-    if mask_bits not in MASK_BITS:
+    """Returns ``mask_bits`` as an int if it is the integer 8 or 16 (`is_mask_bits`), else
+    raises a ValueError naming it."""
+    if not is_mask_bits(mask_bits):
         raise ValueError(f"{layer_name} mask_bits={mask_bits!r} is not one of {MASK_BITS}; "
                          f"use 16 (rate error <= 7.6e-6) or 8 (faster, error <= 2e-3)")
     return int(mask_bits)

@@ -39,7 +39,7 @@ from revtrain.layers import (
 )
 from revtrain.layers.attention import CausalAttention
 from revtrain.layers.core import sinusoidal_encoding
-from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, MASK_BITS
+from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, MASK_BITS, is_mask_bits
 from revtrain.layers.normalization import LayerNorm
 
 
@@ -66,7 +66,7 @@ def _check_arguments(n_layers: int, compute_dtype: Any, mask_bits: Any) -> None:
     ``dropout_mask_bits`` other than 8 or 16."""
     if n_layers < 0:
         raise ValueError(f"n_layers={n_layers} must be >= 0")
-    if isinstance(mask_bits, bool) or mask_bits not in MASK_BITS:
+    if not is_mask_bits(mask_bits):
         raise ValueError(f"dropout_mask_bits={mask_bits!r} is not one of {MASK_BITS}; use 16 "
                          f"(rate error <= 7.6e-6) or 8 (faster, rate error <= 2e-3)")
     try:

@@ -161,6 +161,7 @@ class TrainerBase:
         for name in TrainState._fields:
             devices.check_same_structure(getattr(train_state, name),
                                          getattr(self._signature, name), name)
+            _check_not_deleted(getattr(train_state, name), name)
         return train_state
 
     def _remember_signature(self, train_state: TrainState) -> None:
@@ -297,3 +298,15 @@ def as_key(rng: Any) -> jax.Array:
     if data.dtype != np.uint32 or data.shape != (2,):
         raise TypeError(f"rng={rng!r} is not a PRNG key; pass jax.random.key(seed)")
     return jax.random.wrap_key_data(data)
+
+
+def _check_not_deleted(tree: Any, what: str) -> None:
+    """Raises ValueError naming the first deleted ``jax.Array`` of ``tree``: `saved_values`
+    hands out the live arrays, which the next step donates, and restoring one would fail
+    half-way (a crash of the CPU runtime with several devices)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(f"restore: {what}{jax.tree_util.keystr(path)} is a deleted "
+                             f"jax.Array (a later step donated it); restore from host_values "
+                             f"or a checkpoint, or from saved_values taken after the last step")
+

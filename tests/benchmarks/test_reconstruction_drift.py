@@ -1,6 +1,7 @@
 """benchmarks/reconstruction_drift.py: runs end to end at tiny sizes; table and render."""
 import json
 
+import revtrain.models
 from benchmarks import reconstruction_drift
 
 TINY = ["--quick", "--depths", "1", "--compute_dtypes", "bfloat16", "--keep_every_values",
@@ -24,3 +25,18 @@ def test_measures_drift_and_gradients_and_writes_outputs(tmp_path):
     assert (tmp_path / "reconstruction_drift.png").read_bytes()[:4] == b"\x89PNG"
     again = reconstruction_drift.main(TINY + ["--out_dir", str(tmp_path), "--render_only"])
     assert again["results"] == saved["results"]
+
+
+def test_mask_bits_reach_the_model_and_the_settings_line(tmp_path, monkeypatch):
+    built = []
+    make = revtrain.models.ReversibleTransformerLM
+
+    def recording(**kwargs):
+        built.append(kwargs.get("dropout_mask_bits", 16))
+        return make(**kwargs)
+    monkeypatch.setattr(revtrain.models, "ReversibleTransformerLM", recording)
+    payload = reconstruction_drift.main(TINY + ["--out_dir", str(tmp_path), "--dropout",
+                                                "0.1", "--mask_bits", "8"])
+    assert built and set(built) == {8}
+    assert payload["config"]["mask_bits"] == 8
+    assert "dropout 0.1 (8-bit masks)" in (tmp_path / "reconstruction_drift.md").read_text()

@@ -1,12 +1,14 @@
 """Tests for revtrain.layers.dropout_masks: quantised rates, realised rates, purity."""
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from revtrain.layers import Dropout, LayerError
+from revtrain.layers import Dropout, LayerError, PositionalEncoding
+from revtrain.layers.attention import CausalAttention
 from revtrain.layers.dropout_masks import drop_threshold, keep_mask, quantised_rate
 
 
@@ -67,6 +69,16 @@ def test_dropout_of_a_rate_that_quantises_to_zero_is_the_identity():
     x = jnp.ones((4, 4), jnp.float32)
     np.testing.assert_array_equal(
         Dropout(0.001, mask_bits=8).pure_fn(x, (), (), jax.random.key(0))[0], x)
+
+
+@pytest.mark.parametrize("bits", [0, 32, True, "8", 8.0, np.float32(16)])
+@pytest.mark.parametrize("make", [
+    lambda bits: Dropout(0.1, mask_bits=bits),
+    lambda bits: PositionalEncoding(16, dropout=0.1, mask_bits=bits),
+    lambda bits: CausalAttention(4, n_heads=2, dropout=0.1, mask_bits=bits)])
+def test_mask_bits_must_be_the_integer_8_or_16(make, bits):
+    with pytest.raises(ValueError, match=rf"mask_bits={re.escape(repr(bits))} is not one of"):
+        make(bits)
 
 
 def test_bad_mask_bits_are_errors():

@@ -290,6 +290,8 @@ def test_every_layer_has_a_structure_key_so_trainers_share_compiled_blocks(cls):
     ({"compute_dtype": "bflaot16"}, r"compute_dtype='bflaot16' is not a dtype"),
     ({"dropout_mask_bits": 4}, r"dropout_mask_bits=4 is not one of \(8, 16\)"),
     ({"dropout_mask_bits": True}, r"dropout_mask_bits=True is not one of \(8, 16\)"),
+    ({"dropout_mask_bits": 8.0}, r"dropout_mask_bits=8.0 is not one of \(8, 16\)"),
+    ({"dropout_mask_bits": "8"}, r"dropout_mask_bits='8' is not one of \(8, 16\)"),
 ])
 def test_bad_arguments_are_rejected_naming_them(make, kwargs, message):
     args = dict(vocab_size=4, d_model=4, d_ff=8, n_layers=1, n_heads=2, max_len=4)

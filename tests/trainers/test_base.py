@@ -146,6 +146,22 @@ def test_restore_takes_lists_for_tuples_and_never_aliases_the_callers_arrays(kin
     assert np.isfinite(float(trainer.one_step(batch, jax.random.key(0))[0]))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_restoring_saved_values_a_later_step_donated_is_a_clear_error(kind, batch):
+    # One device: with several, restoring the deleted arrays crashed the CPU runtime.
+    trainer = _trainer(kind, batch, n_devices=1)
+    trainer.one_step(batch, jax.random.key(0))
+    saved = type(trainer.train_state)(*(trainer.saved_values(p)
+                                        for p in ("weights", "state", "slots")))
+    trainer.one_step(batch, jax.random.key(1))
+    if not any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(saved)):
+        trainer.restore(saved)  # Host copies (MemoryEfficientTrainer): nothing was donated.
+    else:
+        with pytest.raises(ValueError, match=r"restore: weights\[0\].* is a deleted jax.Array"):
+            trainer.restore(saved)
+    assert np.isfinite(float(trainer.one_step(batch, jax.random.key(2))[0]))
+
+
 _FAILED_STEP_SCRIPT = """
 import sys
 import tracemalloc

@@ -47,16 +47,17 @@ def _clipped_sgd():
     return optimizer_fn("sgd", learning_rate=0.5, clip_gradient_norm=0.05)
 
 
-def _model_and_loss(seed: int = 0):
+def _model_and_loss(seed: int = 0, dropout: float = 0.0, mask_bits: int = 16):
     model = ReversibleTransformerLM(vocab_size=VOCAB, d_model=8, d_ff=16, n_layers=2,
-                                    n_heads=2, max_len=LENGTH, dropout=0.0)
+                                    n_heads=2, max_len=LENGTH, dropout=dropout,
+                                    dropout_mask_bits=mask_bits)
     blocks, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
     tl.init_reversible_blocks(blocks, loss, _batch("full"), jax.random.key(seed))
     return blocks, loss
 
 
-def _build(trainer_name: str, n_devices: int, optimizer=_sgd):
-    blocks, loss = _model_and_loss()
+def _build(trainer_name: str, n_devices: int, optimizer=_sgd, **model_kwargs):
+    blocks, loss = _model_and_loss(**model_kwargs)
     if trainer_name == "Trainer":
         return Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), optimizer,
                        n_devices=n_devices)
@@ -90,6 +91,20 @@ def test_device_count_does_not_change_the_result(trainer_name, mask_kind):
         np.testing.assert_allclose(results[n][0], losses, rtol=1e-5, err_msg=f"{n} devices")
         np.testing.assert_allclose(results[n][1], norms, rtol=1e-5, err_msg=f"{n} devices")
         assert_trees_close(results[n][2], weights, rtol=1e-5, atol=1e-5)
+
+
+def test_the_trainers_draw_the_same_8_bit_dropout_masks():
+    """Every trainer splits the step's key the same way, so with 8-bit masks too they take
+    the same steps (and the masks differ from 16-bit ones: the setting reaches them)."""
+    batch = _batch("uneven")
+    results = {name: _two_steps(_build(name, 2, dropout=0.3, mask_bits=8), batch)
+               for name in TRAINERS}
+    losses, _, weights = results["Trainer"]
+    for name in list(TRAINERS)[1:]:
+        np.testing.assert_allclose(results[name][0], losses, rtol=1e-5, err_msg=name)
+        assert_trees_close(results[name][2], weights, rtol=1e-5, atol=1e-5)
+    sixteen = _two_steps(_build("Trainer", 2, dropout=0.3), batch)[0]
+    assert abs(sixteen[0] - losses[0]) > 1e-4
 
 
 @pytest.mark.parametrize("trainer_name", list(TRAINERS))
