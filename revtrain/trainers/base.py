@@ -94,6 +94,9 @@ class TrainerBase:
         Global ``jax.Array`` s in their own sharding (every process then writes only its
         own shards), or host arrays where the values live in host memory. This default,
         for trainers that keep no sharded values, is `host_values`.
+
+        The arrays are the trainer's own, valid until the next step, which donates them:
+        save them (or copy them) before stepping again; `restore` refuses deleted ones.
         """
         return self.host_values(part)
 
