@@ -275,7 +275,15 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda a: _copy(jax.device_put(a, sharding)), tree)
 
 
-_copy = jax.jit(jnp.copy)
+def _owned_copy(a: jax.Array) -> jax.Array:
+    """A new buffer holding ``a``, strongly typed: a weak-typed scalar (optax's
+    ``inject_hyperparams`` leaves ``b1``, ``eps``, ... weak for a layer without weights)
+    would give the compiled functions another signature than the one traced ahead of the
+    first step, and a retrace in each of the first steps."""
+    return jnp.copy(jnp.asarray(a, dtype=a.dtype))
+
+
+_copy = jax.jit(_owned_copy)
 
 
 def put_sharded(tree: Any, shardings: Any, owned: bool = True) -> Any:

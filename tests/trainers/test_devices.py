@@ -165,3 +165,16 @@ def test_structure_mismatch_names_both_paths_and_the_trainer_kind_for_slots():
     with pytest.raises(ValueError, match=r"at slots\[0\]\['x'\]: expected that path, got "
                                          r"slots\['x'\]; values from another kind of trainer"):
         devices.check_same_structure({"x": np.zeros(2)}, ({"x": np.zeros(2)},), "slots")
+
+
+def test_put_sharded_gives_strongly_typed_copies():
+    """optax leaves the hyperparameters of a layer without weights weak-typed; the stores'
+    copies must not be, or the first steps would retrace what was compiled ahead."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
+    weak = jax.numpy.asarray(0.9)
+    assert weak.weak_type
+    put = devices.put_sharded({"b1": weak}, devices.value_shardings({"b1": weak}, mesh, False))
+    assert not put["b1"].weak_type
+    assert float(put["b1"]) == pytest.approx(0.9)
+    assert (put["b1"].addressable_shards[0].data.unsafe_buffer_pointer()
+            != weak.unsafe_buffer_pointer())

@@ -87,10 +87,6 @@ def test_stats_keys(batch):
     assert {"loss", "gradients_l2", "weights_l2", "learning_rate"} <= set(plain_stats)
 
 
-@pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 9),
-                    reason="known with jax 0.8.x (the lower bound) only: the weightless "
-                           "ReversibleSwap's reverse function retraces in later steps; "
-                           "newer jax traces every function once")
 def test_no_recompilation_after_the_first_step(batch):
     blocks, loss = initialised_blocks("two", batch)
     rev = ReversibleSerialTrainer(blocks, loss, adam, n_devices=2)
