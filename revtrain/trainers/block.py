@@ -28,7 +28,7 @@ import numpy as np
 
 from revtrain.layers.base import Layer, inputs_from_stack, outputs_onto_stack
 from revtrain.layers.blocks import blocks_to_layers
-from revtrain.layers.reversible import ReversibleLayer
+from revtrain.layers.reversible import ReversibleLayer, ReversibleSelect
 from revtrain.trainers import devices, host_heap
 from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.fbo import FBO, FORWARD, LOSS, FnCache
@@ -62,14 +62,17 @@ class BlockTrainer(TrainerBase):
     key, so this trainer and `Trainer` on ``Serial(*layers)`` agree, dropout included.
 
     One step runs the schedule (`revtrain.trainers.schedule`): forward through each block,
-    keeping only the block's input stack and the layers' states; the loss layer's fbo;
-    then backward through the blocks in reverse: each reversible layer's reverse-and-fbo
-    reconstructs its input from its output, each standard layer's fbo recomputes it from
-    the stored block input. Each layer has its own optimizer state (``optimizer_fn()`` is
-    called once per layer). Compiled functions are resolved once, at construction, and
-    shared between layers with equal non-None `Layer.structure_key` (using the
-    transformation of the first such layer: ``optimizer_fn`` must return equivalent
-    transformations on every call).
+    keeping only the block's input stack and the layers' states; the loss layer's fbo; then
+    backward through the blocks in reverse: each reversible layer's reverse-and-fbo
+    reconstructs its input from its output, each standard layer's fbo recomputes it from the
+    stored block input. The forward op of a `ReversibleSelect` (e.g. `ReversibleSwap`)
+    dispatches nothing: it only reorders stack items, which the host does on the arrays (a
+    Transformer block's two swaps: 131 -> 99 dispatches per step at depth 16); its
+    reverse-and-fbo is a program, as it updates the layer's optimizer state. Each layer has
+    its own optimizer state (``optimizer_fn()`` is called once per layer). Compiled
+    functions are resolved once, at construction, and shared between layers with equal
+    non-None `Layer.structure_key` (using the transformation of the first such layer:
+    ``optimizer_fn`` must return equivalent transformations on every call).
 
     Invariance, as in `Trainer`: the loss fbo gives each device's loss the cotangent
     ``W_d / sum W`` (its share of the global batch weights), so every cotangent flowing
@@ -151,7 +154,8 @@ class BlockTrainer(TrainerBase):
             jax.eval_shape(opt.init, w) for opt, w in zip(optimizers, weights, strict=True))))
         self._store = make_store(self.mesh, self.n_devices, initial, self._schedule)
         self._cache = FnCache(self.mesh, optimizers[0], fsdp=self.fsdp)
-        self._fns = tuple(self._cache.get(op.kind, self.layers[op.layer], op.norm_only)
+        self._fns = tuple(None if _reorders_only(op, self.layers[op.layer]) else
+                          self._cache.get(op.kind, self.layers[op.layer], op.norm_only)
                           for op in self._schedule)
         loss_at = next(k for k, op in enumerate(self._schedule) if op.kind == LOSS)
         self._phase_starts = {loss_at: "loss_start", loss_at + 1: "backward_start"}
@@ -361,6 +365,10 @@ class BlockTrainer(TrainerBase):
         return outputs
 
     def _forward(self, op, fn, layer, stack, common, rep) -> Any:
+        if fn is None:  # `_reorders_only`: no program, the same arrays in another order.
+            y, _ = layer.pure_fn(inputs_from_stack(stack, layer.n_in), (), (), None)
+            self._store.keep_state(op.layer, self._store.state(op.layer))
+            return outputs_onto_stack(y, stack, layer.n_in)
         dev = {"x": inputs_from_stack(stack, layer.n_in),
                "state": self._store.state(op.layer), "rngs": common["rngs"]}
         y, new_state = self._dispatch(op, fn, dev, self._store.weights(op.layer), rep)
@@ -452,3 +460,10 @@ def _global_norm(squared_norms: tuple[jax.Array, ...]) -> jax.Array:
 def _add_layer_stats(stats: dict, i: int, layer_stats: dict) -> None:
     for name, value in layer_stats.items():
         stats[f"layer{i}/{name}"] = value
+
+
+def _reorders_only(op: Op, layer: Layer) -> bool:
+    """A forward op that only permutes stack items: a weightless, stateless
+    `ReversibleSelect`, run on the host without a program."""
+    return (op.kind == FORWARD and isinstance(layer, ReversibleSelect)
+            and not jax.tree.leaves(layer.weights) and not jax.tree.leaves(layer.state))

@@ -69,8 +69,9 @@ def test_identical_layers_share_one_program_per_kind(batch):
     rev.one_step(batch, jax.random.key(0))
     counts = rev.trace_counts()
     # embedding: forward + fbo; the two half-residuals share forward + reverse; the swaps
-    # share forward + reverse; the loss: loss_fbo.
-    assert len(counts) == 7 and set(counts.values()) == {1}, counts
+    # share reverse (their forward only reorders the stack, on the host); the loss: loss_fbo.
+    assert len(counts) == 6 and set(counts.values()) == {1}, counts
+    assert not any(name.startswith("forward/ReversibleSwap") for name in counts), counts
 
 
 def test_loss_share_is_each_devices_fraction_of_the_total_weight():
