@@ -75,13 +75,14 @@ def heap_info() -> dict[str, int]:
 
 
 def rss_bytes() -> int:
-    import psutil
-    return psutil.Process().memory_info().rss
+    from revtrain import memory
+    return memory.rss_bytes()
 
 
 def peak_rss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux.
+    """The process's peak RSS so far, at least the current RSS (`revtrain.memory`)."""
+    from revtrain import memory
+    return memory.peak_rss_bytes()
 
 
 class _PhaseRss:
@@ -112,8 +113,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         if step >= config["warmup"]:
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
+    end = rss_bytes()  # Before the peak, which is then at least this.
     return {"peak_rss_bytes": peak_rss_bytes(), "rss_after_build_bytes": after_build,
-            "rss_end_bytes": rss_bytes(), "phase_rss_bytes": phases.records,
+            "rss_end_bytes": end, "phase_rss_bytes": phases.records,
             **heap_info(), "median_step_s": statistics.median(times),
             "median_cpu_s": statistics.median(cpu_times),
             "env": {k: os.environ[k] for k in config["env"]}}
