@@ -44,7 +44,7 @@ al., 2024, "Cut Your Losses in Large-Vocabulary Language Models");
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -156,31 +156,30 @@ def _get(tree: Any, path: Path) -> Any:
     return tree
 
 
-def _replace_layers(layers: Sequence[Layer], new: dict[Path, Layer],
-                    prefix: Path = ()) -> list[Layer]:
+def _replace(items: Sequence, new: dict[Path, Any], rebuild: Callable[[Any, list], Any],
+             children: Callable[[Any], Sequence], prefix: Path = ()) -> list:
+    """``items`` with the entry at each path of ``new`` replaced, the containers on the way
+    rebuilt by ``rebuild(old_container, new_children)`` (one walk for layers and weights)."""
+    out = []
+    for i, item in enumerate(items):
+        path = prefix + (i,)
+        if path in new:
+            item = new[path]
+        elif any(p[:len(path)] == path for p in new):
+            item = rebuild(item, _replace(children(item), new, rebuild, children, path))
+        out.append(item)
+    return out
+
+
+def _replace_layers(layers: Sequence[Layer], new: dict[Path, Layer]) -> list[Layer]:
     from revtrain.layers.combinators import Serial
-    out = []
-    for i, layer in enumerate(layers):
-        path = prefix + (i,)
-        if path in new:
-            layer = new[path]
-        elif any(p[:len(path)] == path for p in new):
-            layer = Serial(*_replace_layers(layer.sublayers, new, path), name=layer.name,
-                           scan=layer._scan)
-        out.append(layer)
-    return out
+    return _replace(layers, new, lambda layer, subs: Serial(*subs, name=layer.name,
+                                                            scan=layer._scan),
+                    lambda layer: layer.sublayers)
 
 
-def _replace_tree(tree: Sequence, new: dict[Path, Any], prefix: Path = ()) -> list:
-    out = []
-    for i, value in enumerate(tree):
-        path = prefix + (i,)
-        if path in new:
-            value = new[path]
-        elif any(p[:len(path)] == path for p in new):
-            value = tuple(_replace_tree(value, new, path))
-        out.append(value)
-    return out
+def _replace_tree(tree: Sequence, new: dict[Path, Any]) -> list:
+    return _replace(tree, new, lambda _, values: tuple(values), lambda value: value)
 
 
 def fuse_heads(layers: Sequence[Layer], weights: Sequence) -> tuple[Sequence[Layer], Sequence]:
