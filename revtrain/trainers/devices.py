@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -420,3 +421,35 @@ def _lists_as_tuples(tree: Any) -> Any:
 
 def _dtype(a: Any) -> Any:
     return a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+
+
+def host_value(a: Any) -> np.ndarray:
+    """The whole (global) value of one leaf in host memory.
+
+    A replicated ``jax.Array`` is read from this process's first copy; a sharded one is
+    assembled from its shards (all-gathered over processes when not all are addressable:
+    a collective every process must reach).
+    """
+    if not isinstance(a, jax.Array):
+        return np.asarray(a)
+    if a.sharding.is_fully_replicated:
+        return np.asarray(a.addressable_shards[0].data)
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def block_until_ready_live(tree: Any) -> None:
+    """Waits for the live jax arrays of ``tree`` (deleted ones, e.g. donated by a failed
+    step, have nothing to wait for)."""
+    jax.block_until_ready([leaf for leaf in jax.tree.leaves(tree)
+                           if isinstance(leaf, jax.Array) and not leaf.is_deleted()])
+
+
+def device_bytes(tree: Any, device: jax.Device) -> int:
+    """Bytes of ``tree``'s live jax-array shards on ``device``."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+    return total

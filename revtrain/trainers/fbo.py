@@ -14,7 +14,8 @@ step is the weighted mean over the *global* batch, ``sum_d W_d * L_d / sum_d W_d
 So the loss layer's cotangent on device ``d`` is its share ``W_d / sum W`` (not 1), every
 cotangent flowing back carries that share, and the weight gradient is the *sum* over
 devices of the per-device gradients (``psum``), never their mean. Weights enter each vjp
-as explicitly per-device values (`varying`), so autodiff does not sum them behind our
+as explicitly per-device values (`revtrain.trainers.fsdp.gather_weights`: a cast to
+varying, or the FSDP all-gather), so autodiff does not sum them behind our
 back: inside ``shard_map`` the cotangent of a replicated input is already summed over the
 mesh axis, and a ``pmean`` after it would multiply the gradient by the device count.
 
@@ -163,28 +164,6 @@ def _layer_key(rngs: jax.Array, index: jax.Array) -> jax.Array:
 def _layer_stats(grads: Any, new_weights: Any) -> dict[str, jax.Array]:
     return {"gradients_l2": optax.tree.norm(grads),
             "weights_l2": optax.tree.norm(new_weights)}
-
-
-def varying(tree: Any) -> Any:
-    """Replicated values as per-device ones (``lax.pcast`` to varying over ``batch``).
-
-    Differentiating with respect to the result gives each device's own gradient, which
-    `combine_gradients` then sums; without the cast, autodiff sums it already.
-    """
-    return jax.lax.pcast(tree, BATCH_AXIS, to="varying")
-
-
-def combine_gradients(per_device_grads: Any, specs: Any = None) -> Any:
-    """The global gradient: the sum over devices of per-device gradients of the shares.
-
-    Each device's gradient is of its share ``W_d / sum W`` of the global loss (see
-    `loss_share`), so the sum is the gradient of the global weighted mean. With ``specs``
-    (`revtrain.trainers.fsdp.weight_specs`), a sharded leaf's sum is reduce-scattered:
-    each device gets only its shard of it, the layout its weights are stored in.
-    """
-    if specs is None:
-        return jax.lax.psum(per_device_grads, BATCH_AXIS)
-    return fsdp_layout.reduce_gradients(per_device_grads, specs)
 
 
 def loss_share(weight_total: jax.Array) -> jax.Array:

@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from revtrain.trainers import devices
@@ -39,24 +38,8 @@ def delete_arrays(tree: Any) -> None:
             leaf.delete()
 
 
-def _host_value(a: Any) -> np.ndarray:
-    """The whole (global) value of one leaf in host memory.
-
-    A replicated ``jax.Array`` is read from this process's first copy; a sharded one is
-    assembled from its shards (all-gathered over processes when not all are addressable:
-    a collective every process must reach).
-    """
-    if not isinstance(a, jax.Array):
-        return np.asarray(a)
-    if a.sharding.is_fully_replicated:
-        return np.asarray(a.addressable_shards[0].data)
-    if a.is_fully_addressable:
-        return np.asarray(a)
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-
 def _host_values(tree: Any) -> Any:
-    return jax.tree.map(_host_value, tree)
+    return jax.tree.map(devices.host_value, tree)
 
 
 def put_values(tree: Any, shardings: Any) -> Any:
@@ -83,7 +66,7 @@ def _host_buffers(tree: Any) -> Any:
 def _host_copy(tree: Any) -> Any:
     """Read-only numpy copies (values a store keeps whole and replaces each step)."""
     def copy(a):
-        a = np.array(_host_value(a))
+        a = np.array(devices.host_value(a))
         a.flags.writeable = False
         return a
     return jax.tree.map(copy, tree)
@@ -106,7 +89,7 @@ def _copy_into(host: Any, result: Any) -> None:
             for shard in leaf.addressable_shards:
                 np.copyto(buffer[shard.index], np.asarray(shard.data))
         else:
-            np.copyto(buffer, _host_value(leaf))
+            np.copyto(buffer, devices.host_value(leaf))
         leaf.delete()
 
 
@@ -118,22 +101,6 @@ def _delete_quietly(tree: Any) -> None:
                 leaf.delete()
         except Exception:  # noqa: BLE001 -- a failed buffer is gone either way.
             pass
-
-
-def _block_until_ready(tree: Any) -> None:
-    """Waits for the live jax arrays of ``tree`` (deleted ones, e.g. donated by a failed
-    step, have nothing to wait for)."""
-    jax.block_until_ready([leaf for leaf in jax.tree.leaves(tree)
-                           if isinstance(leaf, jax.Array) and not leaf.is_deleted()])
-
-
-def _first_device_bytes(tree: Any, device: jax.Device) -> int:
-    """Bytes of ``tree``'s live jax-array shards on ``device``."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
-    return total
 
 
 class DeviceStore:
@@ -203,7 +170,7 @@ class DeviceStore:
         for leaf in jax.tree.leaves(stack):
             if id(leaf) not in self._kept_ids:
                 self._kept_ids.add(id(leaf))
-                self._kept_bytes += _first_device_bytes(leaf, device)
+                self._kept_bytes += devices.device_bytes(leaf, device)
         return stack
 
     def unstash(self, kept: Any) -> Any:
@@ -216,7 +183,7 @@ class DeviceStore:
         self._states = self._new_states
 
     def block_until_ready(self) -> None:
-        _block_until_ready((self._weights, self._slots, self._states))
+        devices.block_until_ready_live((self._weights, self._slots, self._states))
 
     def host_values(self, part: str) -> tuple:
         if part == "state":
@@ -230,14 +197,14 @@ class DeviceStore:
         return tuple({"weights": self._weights, "slots": self._slots}[part])
 
     def value_shardings(self, part: str) -> tuple:
-        if part == "state":
-            return tuple(jax.tree.map(lambda _: None, s) for s in self.host_values(part))
+        if part == "state":  # Host values: no sharding (the tree alone, nothing copied).
+            return tuple(jax.tree.map(lambda _: None, s) for s in self._states)
         return tuple(self._shardings[part])
 
     def device_footprint(self) -> DeviceFootprint:
         device = devices.first_local_device(self._mesh)
-        return DeviceFootprint(_first_device_bytes(self._weights, device),
-                               _first_device_bytes(self._slots, device),
+        return DeviceFootprint(devices.device_bytes(self._weights, device),
+                               devices.device_bytes(self._slots, device),
                                sum(1 for w in self._weights if jax.tree.leaves(w)),
                                self._kept_bytes)
 
@@ -394,7 +361,7 @@ class HostStore:
 
     def block_until_ready(self) -> None:
         self._resolve_pending()  # Lands the copies back to host memory.
-        _block_until_ready(list(self._resident.values()))
+        devices.block_until_ready_live(list(self._resident.values()))
 
     # ----------------------------------------------------------------------------------
     # Host values and the device account.
@@ -411,7 +378,8 @@ class HostStore:
         return self.host_values(part)
 
     def value_shardings(self, part: str) -> tuple:
-        return tuple(jax.tree.map(lambda _: None, v) for v in self.host_values(part))
+        values = {"weights": self._weights, "slots": self._slots, "state": self._states}[part]
+        return tuple(jax.tree.map(lambda _: None, v) for v in values)  # Nothing copied.
 
     def device_footprint(self) -> DeviceFootprint:
         device = devices.first_local_device(self._mesh)
@@ -419,5 +387,5 @@ class HostStore:
                                                              self._pending]
         slots = [e[1] for e in self._resident.values()] + [p.slots for _, p in self._pending]
         layers = set(self._resident) | {i for i, _ in self._pending}
-        return DeviceFootprint(_first_device_bytes(weights, device),
-                               _first_device_bytes(slots, device), len(layers))
+        return DeviceFootprint(devices.device_bytes(weights, device),
+                               devices.device_bytes(slots, device), len(layers))

@@ -7,9 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
@@ -193,7 +191,8 @@ class Trainer(TrainerBase):
         must call this (the shards of other processes are gathered)."""
         if part == "state":
             return devices.first_device_slice(self._state)
-        return jax.tree.map(_host_copy, {"weights": self._weights, "slots": self._slots}[part])
+        values = {"weights": self._weights, "slots": self._slots}[part]
+        return jax.tree.map(devices.host_value, values)
 
     def saved_values(self, part: str) -> Any:
         """Weights and slots as the sharded (or replicated) ``jax.Array`` s they are; the
@@ -214,14 +213,12 @@ class Trainer(TrainerBase):
         """Bytes of weights and slots on the mesh's first device of this process (sharded
         leaves count their shard)."""
         device = devices.first_local_device(self.mesh)
-        return DeviceFootprint(_device_bytes(self._weights, device),
-                               _device_bytes(self._slots, device),
+        return DeviceFootprint(devices.device_bytes(self._weights, device),
+                               devices.device_bytes(self._slots, device),
                                len(self._model.sublayers) or 1)
 
     def block_until_ready(self) -> None:
-        values = jax.tree.leaves((self._weights, self._state, self._slots))
-        # A failed step may have donated some: there is nothing to wait for in those.
-        jax.block_until_ready([a for a in values if not a.is_deleted()])
+        devices.block_until_ready_live((self._weights, self._state, self._slots))
 
     def trace_counts(self) -> dict[str, int]:
         return {"train_step": eqx.debug.get_num_traces(self._counted)}
@@ -231,17 +228,3 @@ class Trainer(TrainerBase):
 
     def _per_layer(self, tree: Any) -> list[Any]:
         return [tree]
-
-
-def _host_copy(a: jax.Array) -> np.ndarray:
-    """Host copy of a global array: a local copy when replicated, else gathered."""
-    if a.is_fully_replicated:
-        return np.asarray(a.addressable_shards[0].data)
-    if a.is_fully_addressable:
-        return np.asarray(a)
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-
-def _device_bytes(tree: Any, device: jax.Device) -> int:
-    return sum(s.data.nbytes for leaf in jax.tree.leaves(tree)
-               for s in leaf.addressable_shards if s.device == device)
