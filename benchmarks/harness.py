@@ -17,8 +17,7 @@ trainer differs:
 * ``memory_efficient`` -- `MemoryEfficientTrainer` on the same blocks;
 * ``trainer_fsdp``, ``reversible_fsdp``, ``memory_efficient_fsdp`` -- the trainer with
   ``fsdp=True`` on `FSDP_DEVICES` devices (forced host devices on CPU): weights and slots
-  sharded, the batch split over the devices; memory is that of one device. They run only
-  where the trainer takes ``fsdp`` (`available_trainers`).
+  sharded, the batch split over the devices; memory is that of one device.
 
 Every other configuration runs on ``--n_devices`` devices (default 1).
 """
@@ -167,15 +166,8 @@ def configurations(args: SimpleNamespace, rounds: int = 1) -> list[dict[str, Any
 
 
 def available_trainers() -> list[str]:
-    """`DEFAULT_TRAINERS` plus the FSDP kinds whose trainer class takes ``fsdp``."""
-    import inspect
-
-    from revtrain import trainers
-    classes = {"trainer": trainers.Trainer, "reversible": trainers.ReversibleSerialTrainer,
-               "memory_efficient": trainers.MemoryEfficientTrainer}
-    return DEFAULT_TRAINERS + [
-        kind for kind, base in FSDP_KINDS.items()
-        if "fsdp" in inspect.signature(classes[base].__init__).parameters]
+    """`DEFAULT_TRAINERS` plus the FSDP kinds (every trainer takes ``fsdp``)."""
+    return DEFAULT_TRAINERS + list(FSDP_KINDS)
 
 
 def machine_info() -> dict[str, Any]:

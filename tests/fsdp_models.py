@@ -1,8 +1,6 @@
 """A model whose kernels FSDP shards, and trainers of it, for the FSDP and checkpoint tests."""
-import inspect
 
 import jax
-import pytest
 from jax.sharding import Mesh
 
 from revtrain import layers as tl
@@ -27,16 +25,9 @@ def blocks_and_loss(dropout: float = 0.1, seed: int = 0):
     return blocks, loss
 
 
-def takes_fsdp(trainer_name: str) -> bool:
-    return "fsdp" in inspect.signature(TRAINERS[trainer_name].__init__).parameters
-
-
 def build(trainer_name: str, fsdp: bool, n_devices: int | None = None, optimizer=adam,
           dropout: float = 0.1, mesh: Mesh | None = None, model=None):
-    """A trainer of ``model`` (default: a new `blocks_and_loss`); skips when
-    ``trainer_name`` has no ``fsdp`` yet."""
-    if not takes_fsdp(trainer_name):
-        pytest.skip(f"{trainer_name} does not take fsdp yet")
+    """A trainer of ``model`` (default: a new `blocks_and_loss`)."""
     blocks, loss = model or blocks_and_loss(dropout)
     if trainer_name == "Trainer":
         return Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), optimizer,

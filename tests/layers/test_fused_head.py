@@ -48,10 +48,12 @@ LOSSES = [
 @pytest.mark.parametrize("kind,make_loss,n_chunks", [
     ("reversible", LOSSES[0], None), ("reversible", LOSSES[1], 4), ("plain", LOSSES[2], 4),
     ("plain", LOSSES[1], None)])
-def test_serial_model_then_loss_equals_unfused(kind, make_loss, n_chunks):
+@pytest.mark.parametrize("scan", [True, False])
+def test_serial_model_then_loss_equals_unfused(kind, make_loss, n_chunks, scan):
     model = _lm(kind)
     batch = _batch()
-    fused, unfused = tl.Serial(model, make_loss(n_chunks)), tl.Serial(model, make_loss(1))
+    fused = tl.Serial(model, make_loss(n_chunks), scan=scan)
+    unfused = tl.Serial(model, make_loss(1), scan=scan)
     fused.init(tuple(SDS(a.shape, a.dtype) for a in batch), rng=jax.random.key(0))
     assert len(find_heads(fused.sublayers)) == 1 and not find_heads(unfused.sublayers)
     weights = fused.weights

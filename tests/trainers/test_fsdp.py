@@ -2,7 +2,7 @@
 
 The model's big leaves (embedding, dense kernels: >= 1024 elements, divisible by 2 and 4)
 are sharded, its biases and norms stay replicated, so the per-device bytes fall to about a
-quarter on 4 devices. A trainer that does not take ``fsdp`` yet is skipped, naming it.
+quarter on 4 devices.
 """
 import gc
 

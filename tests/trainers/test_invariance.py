@@ -47,11 +47,13 @@ def _clipped_sgd():
     return optimizer_fn("sgd", learning_rate=0.5, clip_gradient_norm=0.05)
 
 
-def _model_and_loss(seed: int = 0, dropout: float = 0.0, mask_bits: int = 16):
+def _model_and_loss(seed: int = 0, dropout: float = 0.0, mask_bits: int = 16,
+                    n_chunks: int | None = None):
     model = ReversibleTransformerLM(vocab_size=VOCAB, d_model=8, d_ff=16, n_layers=2,
                                     n_heads=2, max_len=LENGTH, dropout=dropout,
                                     dropout_mask_bits=mask_bits)
-    blocks, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
+    blocks, loss = tl.extract_reversible_blocks([model,
+                                                 tl.CrossEntropyLoss(n_chunks=n_chunks)])
     tl.init_reversible_blocks(blocks, loss, _batch("full"), jax.random.key(seed))
     return blocks, loss
 
@@ -82,15 +84,23 @@ def _two_steps(trainer, batch):
 
 @pytest.mark.parametrize("mask_kind", ["full", "uneven"])
 @pytest.mark.parametrize("trainer_name", list(TRAINERS))
-def test_device_count_does_not_change_the_result(trainer_name, mask_kind):
+def test_device_count_does_not_change_the_result(trainer_name, mask_kind, n_chunks=None):
     batch = _batch(mask_kind)
-    results = {n: _two_steps(_build(trainer_name, n), batch) for n in DEVICE_COUNTS}
+    results = {n: _two_steps(_build(trainer_name, n, n_chunks=n_chunks), batch)
+               for n in DEVICE_COUNTS}
     losses, norms, weights = results[1]
     assert losses[1] < losses[0]
     for n in DEVICE_COUNTS[1:]:
         np.testing.assert_allclose(results[n][0], losses, rtol=1e-5, err_msg=f"{n} devices")
         np.testing.assert_allclose(results[n][1], norms, rtol=1e-5, err_msg=f"{n} devices")
         assert_trees_close(results[n][2], weights, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trainer_name", list(TRAINERS))
+def test_device_count_does_not_change_the_chunked_fused_loss(trainer_name):
+    """The fused head computes the loss in chunks of each device's own positions, so the
+    chunks differ with the device count; the result must not."""
+    test_device_count_does_not_change_the_result(trainer_name, "uneven", n_chunks=4)
 
 
 def test_the_trainers_draw_the_same_8_bit_dropout_masks():

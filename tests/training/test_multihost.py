@@ -11,7 +11,6 @@ sharded across the processes and each process saves only its shards), against on
 of 4 devices without it. The FSDP runs are parametrised by trainer; a trainer that does
 not take ``fsdp`` is not run and its test is skipped, naming it.
 """
-import inspect
 import os
 import re
 import socket
@@ -22,7 +21,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from revtrain import trainers
 from revtrain.training import read_metrics
 
 # A self-contained copy-task run with plain SGD at a constant rate and no dropout, so a
@@ -61,14 +59,6 @@ FSDP_TRAINERS = ("Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer")
 WIDE = ("ReversibleTransformerLM.d_model=64", "ReversibleTransformerLM.d_ff=128")
 
 
-# Trainers that take fsdp but cannot run on several processes yet, and why.
-NOT_MULTI_PROCESS: dict[str, str] = {}
-
-
-def _takes_fsdp(trainer_name: str) -> bool:
-    return ("fsdp" in inspect.signature(getattr(trainers, trainer_name).__init__).parameters
-            and trainer_name not in NOT_MULTI_PROCESS)
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -100,7 +90,7 @@ def runs(tmp_path_factory):
                              f"--process_id={i}"]) for i in range(2)],
              "1x4": [_start(config, str(root / "1x4"), 4, bindings=["RunConfig.n_devices=4"])],
              "1x1": [_start(config, str(root / "1x1"), 4, bindings=["RunConfig.n_devices=1"])]}
-    for trainer in filter(_takes_fsdp, FSDP_TRAINERS):
+    for trainer in FSDP_TRAINERS:
         wide = [*WIDE, f"RunConfig.trainer_class=@{trainer}"]
         port = _free_port()
         procs[f"2x2-fsdp-{trainer}"] = [
@@ -190,8 +180,4 @@ def test_two_processes_train_what_one_process_trains(runs, reference):
 
 @pytest.mark.parametrize("trainer", FSDP_TRAINERS)
 def test_two_processes_with_fsdp_train_what_one_process_trains_without(runs, trainer):
-    if trainer in NOT_MULTI_PROCESS:
-        pytest.skip(f"{trainer}: {NOT_MULTI_PROCESS[trainer]}")
-    if not _takes_fsdp(trainer):
-        pytest.skip(f"{trainer} does not take fsdp yet")
     _assert_same_training(runs, f"2x2-fsdp-{trainer}", f"1x4-{trainer}")
