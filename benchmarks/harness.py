@@ -295,6 +295,17 @@ def make_batch(config: dict[str, Any]) -> tuple:
     return tokens[:, :-1], tokens[:, 1:], np.ones(tokens[:, 1:].shape, np.float32)
 
 
+def model(config: dict[str, Any], **overrides: Any) -> Any:
+    """The benchmarks' training-mode `ReversibleTransformerLM` for ``config`` (depth =
+    ``config["depth"]`` layers; ``overrides`` are passed on, e.g. ``compute_dtype``)."""
+    from revtrain.models import ReversibleTransformerLM
+    return ReversibleTransformerLM(
+        vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
+        n_layers=config["depth"], n_heads=config["n_heads"], max_len=config["seq_len"],
+        dropout=config["dropout"], mode="train",
+        dropout_mask_bits=config.get("mask_bits", 16), **overrides)
+
+
 def build(config: dict[str, Any]) -> tuple[Any, tuple]:
     """Builds the initialised model, and the configured trainer on it; returns it and a batch.
 
@@ -306,15 +317,9 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
     import optax
 
     from revtrain import layers as tl
-    from revtrain.models import ReversibleTransformerLM
     from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
 
-    model = ReversibleTransformerLM(
-        vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
-        n_layers=config["depth"], n_heads=config["n_heads"], max_len=config["seq_len"],
-        dropout=config["dropout"], mode="train",
-        dropout_mask_bits=config.get("mask_bits", 16))
-    blocks, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
+    blocks, loss = tl.extract_reversible_blocks([model(config), tl.CrossEntropyLoss()])
     batch = make_batch(config)
     signature = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
     tl.init_reversible_blocks(blocks, loss, signature, jax.random.key(config["seed"]))

@@ -130,17 +130,12 @@ def measure_depth(config: dict[str, Any], depth: int, dtype: str,
     import numpy as np
 
     from revtrain import layers as tl
-    from revtrain.models import ReversibleTransformerLM
     from revtrain.trainers import ReversibleSerialTrainer, Trainer
 
     batch = harness.make_batch(config)
 
     def blocks():
-        model = ReversibleTransformerLM(
-            vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
-            n_layers=depth, n_heads=config["n_heads"], max_len=config["seq_len"],
-            dropout=config["dropout"], compute_dtype=dtype,
-            dropout_mask_bits=config.get("mask_bits", 16))
+        model = harness.model(config | {"depth": depth}, compute_dtype=dtype)
         made, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
         if variant == "round_inputs":
             made = [(std, [_rounding_inputs(layer) for layer in revs]) for std, revs in made]
