@@ -39,6 +39,8 @@ from typing import Any
 
 from absl import flags
 
+from revtrain import host_heap
+
 TRAINERS = {
     "trainer": "Trainer",
     "trainer_remat": "Trainer + remat",
@@ -150,7 +152,8 @@ def model_config(args: SimpleNamespace) -> dict[str, Any]:
              "steps", "warmup", "seed", "keep_every")
     return {name: getattr(args, name) for name in names} | {
         "mask_bits": int(getattr(args, "mask_bits", 16) or 16),
-        "n_devices": args.n_devices, "compilation_cache_dir": args.compilation_cache_dir}
+        "n_devices": args.n_devices, "compilation_cache_dir": args.compilation_cache_dir,
+        "host_allocator": host_heap.host_allocator_choice()}
 
 
 def configurations(args: SimpleNamespace, rounds: int = 1) -> list[dict[str, Any]]:
@@ -271,6 +274,9 @@ def worker_main(argv: Sequence[str], measure: Callable[[dict[str, Any]], dict[st
                 ) -> None:
     """Entry point of a worker: ``argv == ['--_worker', json_config]``; prints the result."""
     config = json.loads(argv[1])
+    # As the revtrain-* commands do, before any JAX computation (the runtime's threads
+    # pick their heap once); REVTRAIN_HOST_ALLOCATOR=system or a MALLOC_* setting opts out.
+    tuned = host_heap.configure_host_allocator()
     import jax
     cache_dir = config.get("compilation_cache_dir")
     jax.config.update("jax_enable_compilation_cache", bool(cache_dir))
@@ -279,6 +285,7 @@ def worker_main(argv: Sequence[str], measure: Callable[[dict[str, Any]], dict[st
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     result = measure(config)
+    result["host_allocator"] = "tuned" if tuned else "system"
     result["device"] = f"{jax.default_backend()}: {jax.local_devices()[0].device_kind}"
     print(RESULT_MARKER + json.dumps(result), flush=True)
 
@@ -441,4 +448,5 @@ def settings_line(config: dict[str, Any]) -> str:
             f"{config.get('n_devices', 1)} (FSDP: {FSDP_DEVICES})"
             + (f", keep_every {config['keep_every']}" if config.get("keep_every") else "")
             + (f", {config['mask_bits']}-bit dropout masks"
-               if config.get("mask_bits", 16) != 16 else ""))
+               if config.get("mask_bits", 16) != 16 else "")
+            + f", host allocator {config.get('host_allocator', 'system')}")

@@ -156,18 +156,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if not flags.FLAGS[name].present and not (args.quick and name != "trainers"):
             setattr(args, name, value)
     env = dict(item.split("=", 1) for item in args.env)
-    configs = [c | {"env": sorted(env)} for c in harness.configurations(args)]
-    machine = harness.machine_info()
-    print(f"{NAME}: {len(configs)} configurations, {harness.settings_line(configs[0])}")
     saved = dict(os.environ)
     os.environ.update(env)  # harness.worker_env copies this process's environment...
     try:
+        configs = [c | {"env": sorted(env)} for c in harness.configurations(args)]
+        config, machine = harness.model_config(args), harness.machine_info()
+        print(f"{NAME}: {len(configs)} configurations, {harness.settings_line(configs[0])}")
         results = harness.run_all(str(Path(__file__).resolve()), configs, args.timeout,
                                   _describe, args.jobs)
     finally:  # ...for the workers only: the caller's (e.g. a test's) is left as it was.
         os.environ.clear()
         os.environ.update(saved)
-    payload = {"benchmark": NAME, "config": harness.model_config(args), "env": args.env,
+    payload = {"benchmark": NAME, "config": config, "env": args.env,
                "machine": machine, "results": results}
     out = Path(args.out_dir)
     harness.write_json(out / f"{NAME}.json", payload)

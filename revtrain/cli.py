@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 import gin
 from absl import app, flags
 
+from revtrain import host_heap
 from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: used by tests)
     CONFIG_FILE,
     TENSORBOARD_CONFIG_DIR,
@@ -250,10 +251,17 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
 def _app_run(main: Callable[[Sequence[str]], int]) -> None:
     """Runs ``main(sys.argv)`` under ``absl.app.run``; exits with its status.
 
-    ``main`` parses its own flag set (which holds absl's logging flags), so ``absl.app``
-    only needs ``FLAGS`` marked parsed; INFO lines are shown without absl's prefix.
+    The host allocator is tuned first (`revtrain.host_heap.configure_host_allocator`;
+    ``REVTRAIN_HOST_ALLOCATOR=system`` opts out). ``main`` parses its own flag set (which
+    holds absl's logging flags), so ``absl.app`` only needs ``FLAGS`` marked parsed; INFO
+    lines are shown without absl's prefix.
     """
     flags.FLAGS.set_default("showprefixforinfo", False)
+    try:  # Before any JAX computation: the runtime's threads pick their heap once.
+        host_heap.configure_host_allocator()
+    except ValueError as e:
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
     def parse(argv: list[str]) -> list[str]:
         flags.FLAGS.mark_as_parsed()

@@ -26,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from revtrain import host_heap
 from revtrain.layers.base import Layer, inputs_from_stack, outputs_onto_stack
 from revtrain.layers.blocks import blocks_to_layers
 from revtrain.layers.reversible import ReversibleLayer, ReversibleSelect
-from revtrain.trainers import devices, host_heap
+from revtrain.trainers import devices
 from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.fbo import FBO, FORWARD, LOSS, FnCache
 from revtrain.trainers.precompile import (

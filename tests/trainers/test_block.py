@@ -157,7 +157,7 @@ def test_gin_configs_set_clip_global_norm_and_keep_every(batch):
 @pytest.mark.parametrize("trainer_cls", BLOCK_TRAINERS)
 def test_frees_host_heap_once_after_compiling_and_never_in_later_steps(trainer_cls, batch,
                                                                       monkeypatch):
-    from revtrain.trainers import host_heap
+    from revtrain import host_heap
     calls = []
     monkeypatch.setattr(host_heap, "release_free_host_memory", lambda: calls.append(1))
     trainer = trainer_cls(*initialised_blocks("two", batch), adam, n_devices=1)

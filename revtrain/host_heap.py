@@ -1,0 +1,103 @@
+"""Host heap upkeep: how the C allocator serves the runtime's buffers, and handing memory
+it has freed back to the system.
+
+glibc's ``malloc`` keeps freed memory in per-thread arenas for reuse. Compiling a
+function (XLA, LLVM) frees a great deal of short-lived memory on the compiling thread,
+while the compiled code's buffers are allocated from the runtime's worker threads, whose
+arenas cannot reuse it: without a trim the first step's peak resident memory is the
+compiler's leftovers *plus* the step's own use. ``malloc_trim(0)`` returns every free
+page of every arena (glibc >= 2.8), at a cost of milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+#: ``mallopt`` parameters (glibc ``<malloc.h>``).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+#: Environment variables through which a user already tells glibc how to allocate; when
+#: one is set, `configure_host_allocator` leaves the allocator as the user asked.
+MALLOC_ENVIRONMENT = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
+                      "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+#: ``tuned`` (the default) or ``system``: whether `configure_host_allocator` acts.
+HOST_ALLOCATOR_ENV = "REVTRAIN_HOST_ALLOCATOR"
+
+
+def host_allocator_choice() -> str:
+    """``'tuned'`` when `configure_host_allocator` would tune the allocator, ``'system'``
+    when the environment opts out (``REVTRAIN_HOST_ALLOCATOR=system``, or one of
+    `MALLOC_ENVIRONMENT` set); raises ValueError for another ``REVTRAIN_HOST_ALLOCATOR``."""
+    choice = os.environ.get(HOST_ALLOCATOR_ENV, "tuned")
+    if choice not in ("tuned", "system"):
+        raise ValueError(f"{HOST_ALLOCATOR_ENV}={choice!r} is not 'tuned' or 'system'; set "
+                         f"one of them, or unset it for 'tuned'")
+    if any(name in os.environ for name in MALLOC_ENVIRONMENT):
+        return "system"
+    return choice
+
+
+def configure_host_allocator() -> bool:
+    """Makes glibc's ``malloc`` keep and reuse freed memory instead of mapping it anew.
+
+    XLA's CPU runtime allocates every program's outputs and temporaries with ``malloc``.
+    By default glibc maps each block above its mmap threshold (128 KiB, rising to at most
+    32 MiB) with ``mmap`` and unmaps it on ``free``, and the runtime's worker threads get
+    heaps of their own (at most 64 MiB each) that give freed memory back to the kernel. So
+    every training step touches fresh pages that the kernel must fault in and zero: at
+    depth 8 (d_model 256, seq 512, batch 8) about 885,000 minor page faults and 1.85 s of
+    kernel time per `ReversibleSerialTrainer` step (0.88 s for `Trainer`), a quarter of
+    the step's CPU time. This sets, through ``mallopt``:
+
+    * ``M_ARENA_MAX=1``: one heap for every thread, so a buffer freed by one program is
+      reused by the next whichever thread allocates it, and large blocks can come from
+      the main heap (which grows with ``brk``, without the 64 MiB bound);
+    * ``M_MMAP_MAX=0``: no ``mmap`` per allocation;
+    * ``M_TRIM_THRESHOLD`` to its largest value: freed memory stays in the heap.
+
+    A step then faults in almost no pages (a few thousand instead of 885,000; 0.02 s of
+    kernel time at that size). The cost: the process's resident memory no longer shrinks
+    after a peak (the block trainers still ``malloc_trim`` once after compiling, see
+    `release_free_host_memory`). The same settings as environment variables, for any
+    process: ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296``.
+
+    Call it before the first JAX computation: the runtime's threads choose their heap at
+    their first allocation, and a thread that already has one keeps it (only the other two
+    settings then apply). The ``revtrain-*`` console scripts call it at start. It leaves the
+    allocator alone where ``REVTRAIN_HOST_ALLOCATOR=system``, where one of
+    `MALLOC_ENVIRONMENT` is set (the user's own choice wins), and off glibc.
+
+    Returns:
+      True when the settings were applied; False when it left the allocator alone.
+
+    Raises:
+      ValueError: ``REVTRAIN_HOST_ALLOCATOR`` is set to neither ``tuned`` nor ``system``.
+    """
+    if host_allocator_choice() == "system":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    largest = 2**31 - 1  # mallopt takes an int.
+    return all([mallopt(_M_ARENA_MAX, 1), mallopt(_M_MMAP_MAX, 0),
+                mallopt(_M_TRIM_THRESHOLD, largest)])
+
+
+def release_free_host_memory() -> bool:
+    """Returns the C heap's free pages to the system (glibc ``malloc_trim(0)``).
+
+    Takes milliseconds to tens of milliseconds (it walks every arena); the trainers call
+    it after compiling a function, not on every step. Live data is never touched.
+
+    Returns:
+      True when the C library has ``malloc_trim`` (glibc) and it released memory; False
+      where it has none (macOS, musl) or there was nothing to release.
+    """
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(malloc_trim(0))
