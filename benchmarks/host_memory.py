@@ -167,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:  # ...for the workers only: the caller's (e.g. a test's) is left as it was.
         os.environ.clear()
         os.environ.update(saved)
+    config = harness.with_workers_host_allocator(config, results)
     payload = {"benchmark": NAME, "config": config, "env": args.env,
                "machine": machine, "results": results}
     out = Path(args.out_dir)
