@@ -24,8 +24,9 @@ Defaults are Trax's reformer benchmark sizes (batch 8, sequence 256, d_model 256
 
 ``--env=NAME=VALUE`` sets environment variables of the worker processes (e.g. glibc's
 ``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, or ``LD_PRELOAD`` of another allocator), to
-compare allocator settings with one command. Writes ``host_memory.json`` and ``.md`` to
-``--out_dir``.
+compare allocator settings with one command; any of these leaves the allocator untuned
+(`revtrain.host_heap.user_malloc_settings`), and the settings line says which allocator
+the workers ran. Writes ``host_memory.json`` and ``.md`` to ``--out_dir``.
 """
 
 from __future__ import annotations

@@ -26,10 +26,15 @@ HOST_ALLOCATOR_ENV = "REVTRAIN_HOST_ALLOCATOR"
 
 
 def user_malloc_settings() -> list[str]:
-    """The environment variables set here that configure glibc's ``malloc`` (sorted):
-    every ``MALLOC_*`` name and ``GLIBC_TUNABLES``."""
-    return sorted(name for name in os.environ
-                  if name.startswith("MALLOC_") or name in MALLOC_ENVIRONMENT)
+    """The environment variables set here that choose how ``malloc`` allocates (sorted):
+    every ``MALLOC_*`` name, ``GLIBC_TUNABLES``, and ``LD_PRELOAD`` when it loads another
+    allocator (a library with ``malloc`` in its name: jemalloc, tcmalloc, mimalloc), whose
+    ``malloc`` glibc's ``mallopt`` would not tune."""
+    names = [name for name in os.environ
+             if name.startswith("MALLOC_") or name in MALLOC_ENVIRONMENT]
+    if "malloc" in os.environ.get("LD_PRELOAD", "").lower():
+        names.append("LD_PRELOAD")
+    return sorted(names)
 
 
 def _mallopt():
@@ -45,10 +50,10 @@ def _mallopt():
 
 def host_allocator_choice() -> str:
     """``'tuned'`` when `configure_host_allocator` would tune the allocator, ``'system'``
-    when the environment opts out (``REVTRAIN_HOST_ALLOCATOR=system``, or a ``MALLOC_*``
-    or ``GLIBC_TUNABLES`` setting, see `user_malloc_settings`) or the C library has no
-    ``mallopt``. The value is read without case or surrounding blanks; an empty one means
-    unset (``tuned``).
+    when the environment opts out (``REVTRAIN_HOST_ALLOCATOR=system``, a ``MALLOC_*`` or
+    ``GLIBC_TUNABLES`` setting, or another allocator preloaded: `user_malloc_settings`)
+    or the C library has no ``mallopt``. ``REVTRAIN_HOST_ALLOCATOR`` is read without case
+    or surrounding blanks; empty means unset (``tuned``).
 
     Raises:
       ValueError: ``REVTRAIN_HOST_ALLOCATOR`` is set to neither ``tuned`` nor ``system``.
@@ -92,7 +97,8 @@ def configure_host_allocator() -> bool:
     their first allocation, and a thread that already has one keeps it (only the other two
     settings then apply). The ``revtrain-*`` console scripts call it at start. It leaves the
     allocator alone where ``REVTRAIN_HOST_ALLOCATOR=system``, where a ``MALLOC_*`` or
-    ``GLIBC_TUNABLES`` variable is set (the user's own choice wins), and where the C
+    ``GLIBC_TUNABLES`` variable is set or ``LD_PRELOAD`` loads another allocator (the
+    user's own choice wins), and where the C
     library has no ``mallopt``. Calling it again applies the same settings again.
 
     Returns:

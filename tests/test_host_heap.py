@@ -31,8 +31,8 @@ _FAULTS = textwrap.dedent("""
 
 def _faults(env_update):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_")
-           and k not in host_heap.MALLOC_ENVIRONMENT + (host_heap.HOST_ALLOCATOR_ENV,)}
+           if not k.startswith("MALLOC_") and k not in host_heap.MALLOC_ENVIRONMENT
+           + (host_heap.HOST_ALLOCATOR_ENV, "LD_PRELOAD")}
     env.update(env_update)
     out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
@@ -73,13 +73,21 @@ def mallopt(monkeypatch):
                                  {"REVTRAIN_HOST_ALLOCATOR": " System\n"},
                                  {"MALLOC_ARENA_MAX": "2"},
                                  {"MALLOC_ARENA_TEST": "1"},  # Not in MALLOC_ENVIRONMENT.
-                                 {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}])
+                                 {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+                                 {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}])
 def test_the_users_choice_wins(env, mallopt, monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert host_heap.host_allocator_choice() == "system"
     assert host_heap.configure_host_allocator() is False
     assert mallopt.calls == []
+
+
+def test_a_preload_of_something_else_than_an_allocator_keeps_the_tuning(mallopt,
+                                                                         monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "libstdc++.so.6")
+    assert host_heap.user_malloc_settings() == []
+    assert host_heap.configure_host_allocator() is True
 
 
 @pytest.mark.parametrize("value", ["", "tuned", "TUNED", "  tuned "])
