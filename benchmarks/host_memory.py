@@ -46,9 +46,26 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 from absl import flags  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
+from revtrain import host_heap  # noqa: E402
 
 flags.adopt_module_key_flags(harness)
 flags.DEFINE_list("env", [], "NAME=VALUE environment variables for the worker processes")
+
+
+@flags.validator("env")
+def _check_env(items: list[str]) -> bool:
+    """Every item is ``NAME=VALUE``; a ``REVTRAIN_HOST_ALLOCATOR`` value is valid."""
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not (sep and name):
+            raise flags.ValidationError(f"--env item {item!r} is not NAME=VALUE, e.g. "
+                                        f"MALLOC_ARENA_MAX=2")
+        if name == host_heap.HOST_ALLOCATOR_ENV:
+            try:
+                host_heap.parse_host_allocator(value)
+            except ValueError as e:
+                raise flags.ValidationError(str(e)) from None
+    return True
 
 NAME = "host_memory"
 DEFAULTS = {"depths": [16, 32], "seq_len": 256, "trainers": ["reversible", "memory_efficient"]}

@@ -48,6 +48,20 @@ def _mallopt():
     return mallopt
 
 
+def parse_host_allocator(value: str) -> str:
+    """``'tuned'`` or ``'system'`` from a ``REVTRAIN_HOST_ALLOCATOR`` value (any case,
+    blanks around it ignored; empty means ``tuned``).
+
+    Raises:
+      ValueError: for any other value, naming it and the fix (one line).
+    """
+    choice = value.strip().lower() or "tuned"
+    if choice not in ("tuned", "system"):
+        raise ValueError(f"{HOST_ALLOCATOR_ENV}={value!r} is not 'tuned' or 'system'; set "
+                         f"one of them, or unset it for 'tuned'")
+    return choice
+
+
 def host_allocator_choice() -> str:
     """``'tuned'`` when `configure_host_allocator` would tune the allocator, ``'system'``
     when the environment opts out (``REVTRAIN_HOST_ALLOCATOR=system``, a ``MALLOC_*`` or
@@ -58,11 +72,7 @@ def host_allocator_choice() -> str:
     Raises:
       ValueError: ``REVTRAIN_HOST_ALLOCATOR`` is set to neither ``tuned`` nor ``system``.
     """
-    value = os.environ.get(HOST_ALLOCATOR_ENV, "")
-    choice = value.strip().lower() or "tuned"
-    if choice not in ("tuned", "system"):
-        raise ValueError(f"{HOST_ALLOCATOR_ENV}={value!r} is not 'tuned' or 'system'; set "
-                         f"one of them, or unset it for 'tuned'")
+    choice = parse_host_allocator(os.environ.get(HOST_ALLOCATOR_ENV, ""))
     if user_malloc_settings() or _mallopt() is None:
         return "system"
     return choice

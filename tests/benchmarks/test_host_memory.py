@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from absl import flags
+
 from benchmarks import harness, host_memory
 
 
@@ -53,3 +56,13 @@ def test_a_bad_host_allocator_is_one_line_before_any_worker_starts():
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("host_memory.py: error: REVTRAIN_HOST_ALLOCATOR='fast'")
     assert done.stderr.strip().count("\n") == 0, done.stderr
+
+
+@pytest.mark.parametrize("item, message", [
+    ("FOO", "'FOO' is not NAME=VALUE"),
+    ("REVTRAIN_HOST_ALLOCATOR=fast", "REVTRAIN_HOST_ALLOCATOR='fast' is not 'tuned'")])
+def test_a_bad_worker_environment_is_a_flag_error_before_any_worker_starts(
+        item, message, tmp_path):
+    with pytest.raises(flags.IllegalFlagValueError, match=message):
+        host_memory.main(["--quick", "--env", item, "--out_dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
