@@ -156,6 +156,20 @@ def model_config(args: SimpleNamespace) -> dict[str, Any]:
         "host_allocator": host_heap.host_allocator_choice()}
 
 
+def with_workers_host_allocator(config: dict[str, Any], results: list[dict[str, Any]]
+                                ) -> dict[str, Any]:
+    """``config`` with ``host_allocator`` as the workers' results report it.
+
+    The parent's `host_heap.host_allocator_choice` is what the workers were asked to do;
+    each worker returns what `host_heap.configure_host_allocator` did (``system`` where
+    ``mallopt`` refused the settings, or a worker environment opted out). A result from
+    before workers reported it counts as ``system``; failed workers count for nothing;
+    differing workers give e.g. ``'system, tuned'``.
+    """
+    done = sorted({r.get("host_allocator", "system") for r in results if "error" not in r})
+    return (config | {"host_allocator": ", ".join(done)}) if done else config
+
+
 def configurations(args: SimpleNamespace, rounds: int = 1) -> list[dict[str, Any]]:
     """One config per (depth, round, trainer), in that order.
 
@@ -261,6 +275,11 @@ def script_main(main: Callable[[], Any],
     if measure is not None and len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
         worker_main(sys.argv[1:], measure)
         return
+    try:  # As the revtrain-* commands: one line, not every worker's traceback.
+        host_heap.host_allocator_choice()
+    except ValueError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     from absl import app
 
     def app_main(argv: list[str]) -> None:

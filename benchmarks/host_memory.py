@@ -24,8 +24,9 @@ Defaults are Trax's reformer benchmark sizes (batch 8, sequence 256, d_model 256
 
 ``--env=NAME=VALUE`` sets environment variables of the worker processes (e.g. glibc's
 ``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, or ``LD_PRELOAD`` of another allocator), to
-compare allocator settings with one command. Writes ``host_memory.json`` and ``.md`` to
-``--out_dir``.
+compare allocator settings with one command; any of these leaves the allocator untuned
+(`revtrain.host_heap.user_malloc_settings`), and the settings line says which allocator
+the workers ran. Writes ``host_memory.json`` and ``.md`` to ``--out_dir``.
 """
 
 from __future__ import annotations
@@ -45,9 +46,26 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 from absl import flags  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
+from revtrain import host_heap  # noqa: E402
 
 flags.adopt_module_key_flags(harness)
 flags.DEFINE_list("env", [], "NAME=VALUE environment variables for the worker processes")
+
+
+@flags.validator("env")
+def _check_env(items: list[str]) -> bool:
+    """Every item is ``NAME=VALUE``; a ``REVTRAIN_HOST_ALLOCATOR`` value is valid."""
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not (sep and name):
+            raise flags.ValidationError(f"--env item {item!r} is not NAME=VALUE, e.g. "
+                                        f"MALLOC_ARENA_MAX=2")
+        if name == host_heap.HOST_ALLOCATOR_ENV:
+            try:
+                host_heap.parse_host_allocator(value)
+            except ValueError as e:
+                raise flags.ValidationError(str(e)) from None
+    return True
 
 NAME = "host_memory"
 DEFAULTS = {"depths": [16, 32], "seq_len": 256, "trainers": ["reversible", "memory_efficient"]}
@@ -167,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:  # ...for the workers only: the caller's (e.g. a test's) is left as it was.
         os.environ.clear()
         os.environ.update(saved)
+    config = harness.with_workers_host_allocator(config, results)
     payload = {"benchmark": NAME, "config": config, "env": args.env,
                "machine": machine, "results": results}
     out = Path(args.out_dir)

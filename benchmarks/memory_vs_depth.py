@@ -246,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.trainers = harness.available_trainers()
     out = Path(args.out_dir)
     payload = harness.read_json(out / f"{NAME}.json") if args.render_only else _run(args)
+    payload["config"] = harness.with_workers_host_allocator(payload["config"],
+                                                            payload["results"])
     payload["targets"] = targets(payload["results"])
     harness.write_json(out / f"{NAME}.json", payload)
     (out / f"{NAME}.md").write_text(markdown(payload))

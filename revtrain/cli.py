@@ -248,19 +248,21 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------
 # Console-script entry points (setup.cfg).
 
-def _app_run(main: Callable[[Sequence[str]], int]) -> None:
+def _app_run(main: Callable[[Sequence[str]], int], tool: str) -> None:
     """Runs ``main(sys.argv)`` under ``absl.app.run``; exits with its status.
 
     The host allocator is tuned first (`revtrain.host_heap.configure_host_allocator`;
     ``REVTRAIN_HOST_ALLOCATOR=system`` opts out). ``main`` parses its own flag set (which
     holds absl's logging flags), so ``absl.app`` only needs ``FLAGS`` marked parsed; INFO
-    lines are shown without absl's prefix.
+    lines are shown without absl's prefix. A bad ``REVTRAIN_HOST_ALLOCATOR`` is a one-line
+    ``<tool>: error:`` with exit status 2 (``tool`` names the command also under
+    ``python -m revtrain``, whose ``argv[0]`` is ``__main__.py``).
     """
     flags.FLAGS.set_default("showprefixforinfo", False)
     try:  # Before any JAX computation: the runtime's threads pick their heap once.
         host_heap.configure_host_allocator()
     except ValueError as e:
-        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        print(f"{tool}: error: {e}", file=sys.stderr)
         sys.exit(2)
 
     def parse(argv: list[str]) -> list[str]:
@@ -272,14 +274,14 @@ def _app_run(main: Callable[[Sequence[str]], int]) -> None:
 
 def run_train() -> None:
     """Console script ``revtrain-train`` (also ``python -m revtrain``)."""
-    _app_run(train_main)
+    _app_run(train_main, "revtrain-train")
 
 
 def run_eval() -> None:
     """Console script ``revtrain-eval``."""
-    _app_run(eval_main)
+    _app_run(eval_main, "revtrain-eval")
 
 
 def run_decode() -> None:
     """Console script ``revtrain-decode``."""
-    _app_run(decode_main)
+    _app_run(decode_main, "revtrain-decode")

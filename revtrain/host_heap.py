@@ -16,23 +16,64 @@ import os
 
 #: ``mallopt`` parameters (glibc ``<malloc.h>``).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-#: Environment variables through which a user already tells glibc how to allocate; when
-#: one is set, `configure_host_allocator` leaves the allocator as the user asked.
+#: Environment variables through which a user already tells glibc how to allocate (the
+#: common ones; any other ``MALLOC_*`` name counts as well); when one is set,
+#: `configure_host_allocator` leaves the allocator as the user asked.
 MALLOC_ENVIRONMENT = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
                       "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 #: ``tuned`` (the default) or ``system``: whether `configure_host_allocator` acts.
 HOST_ALLOCATOR_ENV = "REVTRAIN_HOST_ALLOCATOR"
 
 
+def user_malloc_settings() -> list[str]:
+    """The environment variables set here that choose how ``malloc`` allocates (sorted):
+    every ``MALLOC_*`` name, ``GLIBC_TUNABLES``, and ``LD_PRELOAD`` when it loads another
+    allocator (a library with ``malloc`` in its name: jemalloc, tcmalloc, mimalloc), whose
+    ``malloc`` glibc's ``mallopt`` would not tune."""
+    names = [name for name in os.environ
+             if name.startswith("MALLOC_") or name in MALLOC_ENVIRONMENT]
+    if "malloc" in os.environ.get("LD_PRELOAD", "").lower():
+        names.append("LD_PRELOAD")
+    return sorted(names)
+
+
+def _mallopt():
+    """The C library's ``mallopt`` (argument and result types set), or None without one
+    (macOS; ``CDLL(None)`` is refused on Windows)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, TypeError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
+def parse_host_allocator(value: str) -> str:
+    """``'tuned'`` or ``'system'`` from a ``REVTRAIN_HOST_ALLOCATOR`` value (any case,
+    blanks around it ignored; empty means ``tuned``).
+
+    Raises:
+      ValueError: for any other value, naming it and the fix (one line).
+    """
+    choice = value.strip().lower() or "tuned"
+    if choice not in ("tuned", "system"):
+        raise ValueError(f"{HOST_ALLOCATOR_ENV}={value!r} is not 'tuned' or 'system'; set "
+                         f"one of them, or unset it for 'tuned'")
+    return choice
+
+
 def host_allocator_choice() -> str:
     """``'tuned'`` when `configure_host_allocator` would tune the allocator, ``'system'``
-    when the environment opts out (``REVTRAIN_HOST_ALLOCATOR=system``, or one of
-    `MALLOC_ENVIRONMENT` set); raises ValueError for another ``REVTRAIN_HOST_ALLOCATOR``."""
-    choice = os.environ.get(HOST_ALLOCATOR_ENV, "tuned")
-    if choice not in ("tuned", "system"):
-        raise ValueError(f"{HOST_ALLOCATOR_ENV}={choice!r} is not 'tuned' or 'system'; set "
-                         f"one of them, or unset it for 'tuned'")
-    if any(name in os.environ for name in MALLOC_ENVIRONMENT):
+    when the environment opts out (``REVTRAIN_HOST_ALLOCATOR=system``, a ``MALLOC_*`` or
+    ``GLIBC_TUNABLES`` setting, or another allocator preloaded: `user_malloc_settings`)
+    or the C library has no ``mallopt``. ``REVTRAIN_HOST_ALLOCATOR`` is read without case
+    or surrounding blanks; empty means unset (``tuned``).
+
+    Raises:
+      ValueError: ``REVTRAIN_HOST_ALLOCATOR`` is set to neither ``tuned`` nor ``system``.
+    """
+    choice = parse_host_allocator(os.environ.get(HOST_ALLOCATOR_ENV, ""))
+    if user_malloc_settings() or _mallopt() is None:
         return "system"
     return choice
 
@@ -53,7 +94,8 @@ def configure_host_allocator() -> bool:
       reused by the next whichever thread allocates it, and large blocks can come from
       the main heap (which grows with ``brk``, without the 64 MiB bound);
     * ``M_MMAP_MAX=0``: no ``mmap`` per allocation;
-    * ``M_TRIM_THRESHOLD`` to its largest value: freed memory stays in the heap.
+    * ``M_TRIM_THRESHOLD`` to 2 GiB - 1 (the largest ``int``): freed memory stays in the
+      heap unless more than that is free at its top.
 
     A step then faults in almost no pages (a few thousand instead of 885,000; 0.02 s of
     kernel time at that size). The cost: the process's resident memory no longer shrinks
@@ -64,22 +106,21 @@ def configure_host_allocator() -> bool:
     Call it before the first JAX computation: the runtime's threads choose their heap at
     their first allocation, and a thread that already has one keeps it (only the other two
     settings then apply). The ``revtrain-*`` console scripts call it at start. It leaves the
-    allocator alone where ``REVTRAIN_HOST_ALLOCATOR=system``, where one of
-    `MALLOC_ENVIRONMENT` is set (the user's own choice wins), and off glibc.
+    allocator alone where ``REVTRAIN_HOST_ALLOCATOR=system``, where a ``MALLOC_*`` or
+    ``GLIBC_TUNABLES`` variable is set or ``LD_PRELOAD`` loads another allocator (the
+    user's own choice wins), and where the C
+    library has no ``mallopt``. Calling it again applies the same settings again.
 
     Returns:
-      True when the settings were applied; False when it left the allocator alone.
+      True when the settings were applied; False when it left the allocator alone or
+      ``mallopt`` refused one of them (a C library other than glibc).
 
     Raises:
       ValueError: ``REVTRAIN_HOST_ALLOCATOR`` is set to neither ``tuned`` nor ``system``.
     """
     if host_allocator_choice() == "system":
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt = _mallopt()
     largest = 2**31 - 1  # mallopt takes an int.
     return all([mallopt(_M_ARENA_MAX, 1), mallopt(_M_MMAP_MAX, 0),
                 mallopt(_M_TRIM_THRESHOLD, largest)])

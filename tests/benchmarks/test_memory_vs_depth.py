@@ -1,5 +1,6 @@
 """benchmarks/memory_vs_depth.py: runs end to end at tiny sizes; targets and tables."""
 import json
+import shutil
 
 import pytest
 from absl import flags
@@ -83,3 +84,12 @@ def test_quick_defaults_and_explicit_flags(tmp_path):
     for bad in (["--trainers", "adam"], ["--depths", "2,0"], ["--jobs", "0"], ["--nope"]):
         with pytest.raises(flags.Error):
             harness.parse_flags(bad, steps=1, warmup=1)
+
+
+def test_rendering_records_the_host_allocator_the_workers_used(tmp_path):
+    # The committed run switched to the tuned allocator after 31 of its 35 rows.
+    saved = harness.RESULTS_DIR / "memory_vs_depth.json"
+    shutil.copy(saved, tmp_path / saved.name)
+    payload = memory_vs_depth.main(["--render_only", "--out_dir", str(tmp_path)])
+    assert payload["config"]["host_allocator"] == "system, tuned"
+    assert "host allocator system, tuned;" in (tmp_path / "memory_vs_depth.md").read_text()
