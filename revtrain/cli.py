@@ -262,7 +262,7 @@ def _app_run(main: Callable[[Sequence[str]], int], tool: str) -> None:
     try:  # Before any JAX computation: the runtime's threads pick their heap once.
         host_heap.configure_host_allocator()
     except ValueError as e:
-        print(f"{tool}: error: {e}", file=sys.stderr)
+        print(f"{tool}: error: ValueError: {e}", file=sys.stderr)
         sys.exit(2)
 
     def parse(argv: list[str]) -> list[str]:

@@ -131,6 +131,6 @@ def test_console_script_refuses_a_bad_choice_in_one_line_naming_the_command():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0
-    assert done.stderr.startswith("revtrain-train: error: REVTRAIN_HOST_ALLOCATOR="
+    assert done.stderr.startswith("revtrain-train: error: ValueError: REVTRAIN_HOST_ALLOCATOR="
                                   "'fast\\nest' is not 'tuned' or 'system'; set one of "
                                   "them, or unset it"), done.stderr
