@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 
 from absl import flags  # noqa: E402
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness, report  # noqa: E402
 from revtrain import host_heap  # noqa: E402
 
 flags.adopt_module_key_flags(harness)
@@ -143,22 +143,22 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
 # Parent side.
 
 def _describe(r: dict[str, Any]) -> str:
-    return (f"peak RSS {harness.mib(r['peak_rss_bytes'])} MiB, end "
-            f"{harness.mib(r['rss_end_bytes'])} MiB, heap free "
-            f"{harness.mib(r.get('heap_free_bytes'))} MiB, step {r['median_step_s']:.3f} s")
+    return (f"peak RSS {report.mib(r['peak_rss_bytes'])} MiB, end "
+            f"{report.mib(r['rss_end_bytes'])} MiB, heap free "
+            f"{report.mib(r.get('heap_free_bytes'))} MiB, step {r['median_step_s']:.3f} s")
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    rows = [[harness.TRAINERS[r["trainer"]], r["depth"], harness.mib(r["peak_rss_bytes"]),
-             harness.mib(r["rss_after_build_bytes"]), harness.mib(r["rss_end_bytes"]),
-             harness.mib(r.get("heap_free_bytes")), f"{r['median_step_s']:.3f}",
+    rows = [[harness.TRAINERS[r["trainer"]], r["depth"], report.mib(r["peak_rss_bytes"]),
+             report.mib(r["rss_after_build_bytes"]), report.mib(r["rss_end_bytes"]),
+             report.mib(r.get("heap_free_bytes")), f"{r['median_step_s']:.3f}",
              f"{r['median_cpu_s']:.2f}"]
             for r in payload["results"] if "error" not in r]
     env = " ".join(payload["env"]) or "none"
-    lines = [f"Host memory by depth; {harness.settings_line(payload['config'])}; worker "
+    lines = [f"Host memory by depth; {report.settings_line(payload['config'])}; worker "
              f"environment: {env}; {payload['machine']['processor']}, "
              f"{payload['machine']['cpu_count']} cores.", "",
-             harness.markdown_table(["trainer", "depth", "peak RSS (MiB)",
+             report.markdown_table(["trainer", "depth", "peak RSS (MiB)",
                                      "RSS after build (MiB)", "RSS at end (MiB)",
                                      "malloc free (MiB)", "median step (s)",
                                      "CPU s/step"], rows)]
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         configs = [c | {"env": sorted(env)} for c in harness.configurations(args)]
         config, machine = harness.model_config(args), harness.machine_info()
-        print(f"{NAME}: {len(configs)} configurations, {harness.settings_line(configs[0])}")
+        print(f"{NAME}: {len(configs)} configurations, {report.settings_line(configs[0])}")
         results = harness.run_all(str(Path(__file__).resolve()), configs, args.timeout,
                                   _describe, args.jobs)
     finally:  # ...for the workers only: the caller's (e.g. a test's) is left as it was.
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload = {"benchmark": NAME, "config": config, "env": args.env,
                "machine": machine, "results": results}
     out = Path(args.out_dir)
-    harness.write_json(out / f"{NAME}.json", payload)
+    report.write_json(out / f"{NAME}.json", payload)
     (out / f"{NAME}.md").write_text(markdown(payload))
     print(markdown(payload))
     return payload

@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 
 from absl import flags  # noqa: E402
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness, report  # noqa: E402
 
 flags.adopt_module_key_flags(harness)  # --help lists the shared flags.
 
@@ -150,15 +150,15 @@ def _resident_at_peak(report: Any, recorder: _SplitObserver | None, at_entry: in
 # Parent side: tables, plot, targets.
 
 def _describe(r: dict[str, Any]) -> str:
-    return (f"peak {harness.mib(r['peak_bytes'])} MiB = weights+slots "
-            f"{harness.mib(r['weights_and_slots_bytes'])} + rest {harness.mib(r['rest_bytes'])}"
-            f" ({r['method']} at {r['peak_label']}); peak RSS {harness.mib(r['peak_rss_bytes'])}"
+    return (f"peak {report.mib(r['peak_bytes'])} MiB = weights+slots "
+            f"{report.mib(r['weights_and_slots_bytes'])} + rest {report.mib(r['rest_bytes'])}"
+            f" ({r['method']} at {r['peak_label']}); peak RSS {report.mib(r['peak_rss_bytes'])}"
             f" MiB")
 
 
 def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's memory targets, evaluated where the needed depths were measured."""
-    table = harness.by_key(results)
+    table = report.by_key(results)
     depths = sorted({r["depth"] for r in results})
     lo, hi = (depths[0], depths[-1]) if depths else (None, None)
     checks = []
@@ -190,25 +190,25 @@ def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(payload: dict[str, Any]) -> str:
     results, config = payload["results"], payload["config"]
-    table = harness.by_key(results)
+    table = report.by_key(results)
     depths = sorted({r["depth"] for r in results})
     kinds = [k for k in harness.TRAINERS if any(r["trainer"] == k for r in results)]
-    summary = [[d] + [harness.mib(table[(k, d)]["peak_bytes"]) if (k, d) in table else "error"
+    summary = [[d] + [report.mib(table[(k, d)]["peak_bytes"]) if (k, d) in table else "error"
                       for k in kinds] for d in depths]
     detail = []
     for k in kinds:
         for d in depths:
             r = table.get((k, d))
             if r is not None:
-                detail.append([harness.TRAINERS[k], d, harness.mib(r["peak_bytes"]),
-                               harness.mib(r["weights_and_slots_bytes"]),
-                               harness.mib(r["rest_bytes"]), harness.mib(r.get("kept_bytes")),
-                               harness.mib(r["peak_rss_bytes"])])
-    lines = [f"Peak device memory (MiB) by depth; {harness.settings_line(config)}; method: "
+                detail.append([harness.TRAINERS[k], d, report.mib(r["peak_bytes"]),
+                               report.mib(r["weights_and_slots_bytes"]),
+                               report.mib(r["rest_bytes"]), report.mib(r.get("kept_bytes")),
+                               report.mib(r["peak_rss_bytes"])])
+    lines = [f"Peak device memory (MiB) by depth; {report.settings_line(config)}; method: "
              f"{', '.join(sorted({r['method'] for r in table.values()}))}; "
              f"{payload['machine']['processor']}, {payload['machine']['cpu_count']} cores.", "",
-             harness.markdown_table(["depth"] + [harness.TRAINERS[k] for k in kinds], summary),
-             "", harness.markdown_table(
+             report.markdown_table(["depth"] + [harness.TRAINERS[k] for k in kinds], summary),
+             "", report.markdown_table(
                  ["trainer", "depth", "peak (MiB)", "weights+optimizer (MiB)", "rest (MiB)",
                   "kept stacks (MiB)", "process peak RSS (MiB)"], detail)]
     lines += _errors_and_targets(results, payload["targets"])
@@ -219,7 +219,7 @@ def _errors_and_targets(results: Sequence[dict], checks: Sequence[dict]) -> list
     lines = [""] + [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
                     for r in results if "error" in r]
     if checks:
-        lines += ["", harness.markdown_table(
+        lines += ["", report.markdown_table(
             ["target", "measured", "met"],
             [[c["target"], c["value"], "yes" if c["met"] else "**no**"] for c in checks])]
     return lines
@@ -229,7 +229,7 @@ def _run(args: Any) -> dict[str, Any]:
     """Runs every configuration in worker processes; returns the payload."""
     machine = harness.machine_info()  # Before the run: its date is the start.
     configs = harness.configurations(args)
-    print(f"{NAME}: {len(configs)} configurations, {harness.settings_line(configs[0])}")
+    print(f"{NAME}: {len(configs)} configurations, {report.settings_line(configs[0])}")
     results = harness.run_all(str(Path(__file__).resolve()), configs, args.timeout,
                               _describe, args.jobs)
     return {"benchmark": NAME, "config": harness.model_config(args), "depths": args.depths,
@@ -245,19 +245,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not harness.FLAGS["trainers"].present:
         args.trainers = harness.available_trainers()
     out = Path(args.out_dir)
-    payload = harness.read_json(out / f"{NAME}.json") if args.render_only else _run(args)
+    payload = report.read_json(out / f"{NAME}.json") if args.render_only else _run(args)
     payload["config"] = harness.with_workers_host_allocator(payload["config"],
                                                             payload["results"])
     payload["targets"] = targets(payload["results"])
-    harness.write_json(out / f"{NAME}.json", payload)
+    report.write_json(out / f"{NAME}.json", payload)
     (out / f"{NAME}.md").write_text(markdown(payload))
     panels = [("total peak", "peak device memory (MiB)",
                lambda r: r["peak_bytes"] / harness.MIB),
               ("beyond weights + optimizer state", "MiB",
                lambda r: r["rest_bytes"] / harness.MIB)]
-    harness.plot_by_depth(out / f"{NAME}.png", payload["results"], panels,
+    report.plot_by_depth(out / f"{NAME}.png", payload["results"], panels,
                           f"Peak device memory vs depth "
-                          f"({harness.settings_line(payload['config'])})")
+                          f"({report.settings_line(payload['config'])})")
     print(markdown(payload))
     print(f"wrote {out / NAME}.json, .md, .png")
     return payload

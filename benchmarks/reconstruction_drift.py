@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 
 from absl import flags  # noqa: E402
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness, report  # noqa: E402
 
 flags.adopt_module_key_flags(harness)  # --help lists the shared flags.
 flags.DEFINE_list("keep_every_values", ["4", "8", "16"], "keep_every values measured "
@@ -207,7 +207,7 @@ def markdown(payload: dict[str, Any]) -> str:
         f"{c['batch_size']}, dropout {c['dropout']} ({c.get('mask_bits', 16)}-bit masks), "
         f"float32 streams; gradients against "
         f"Trainer in the same precision; {m['processor']}, jax {m['jax']}, {m['date']}.",
-        "", harness.markdown_table(
+        "", report.markdown_table(
             ["depth", "compute", "variant", "keep_every", "kept copies",
              "kept MiB (incl. block input)",
              "worst rec. error", "median rec. error", "worst grad. error",
@@ -256,22 +256,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_flags(argv)
     out = Path(args.out_dir)
     if args.render_only:
-        payload = harness.read_json(out / f"{NAME}.json")
+        payload = report.read_json(out / f"{NAME}.json")
     else:
         config = {name: getattr(args, name) for name in (*DEFAULTS, "seed") if name != "depths"}
         config["mask_bits"] = int(args.mask_bits)
         payload = {"benchmark": NAME, "config": config, "machine": harness.machine_info(),
                    "results": []}
         if args.merge:
-            payload["results"] = harness.read_json(out / f"{NAME}.json")["results"]
+            payload["results"] = report.read_json(out / f"{NAME}.json")["results"]
         for depth in args.depths:
             for dtype in args.compute_dtypes:
                 for variant in args.variants:
                     payload["results"] += measure_depth(config, depth, dtype,
                                                         args.keep_every_values,
                                                         args.gradients, variant)
-                    harness.write_json(out / f"{NAME}.json", payload)  # Partial runs count.
-    harness.write_json(out / f"{NAME}.json", payload)
+                    report.write_json(out / f"{NAME}.json", payload)  # Partial runs count.
+    report.write_json(out / f"{NAME}.json", payload)
     (out / f"{NAME}.md").write_text(markdown(payload))
     plot(out / f"{NAME}.png", payload)
     print(markdown(payload))

@@ -58,7 +58,7 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 
 from absl import flags  # noqa: E402
 
-from benchmarks import harness, phases  # noqa: E402
+from benchmarks import harness, phases, report  # noqa: E402
 
 PRESETS = {"trax_reformer": {"batch_size": 8, "seq_len": 256, "d_model": 256, "d_ff": 1024,
                              "vocab_size": 256}}
@@ -223,7 +223,7 @@ def add_ratios(results: Sequence[dict[str, Any]]) -> None:
     for r in results:
         if "error" not in r and "cpu_times_s" in r:  # Re-summarise (also --render_only).
             r |= summarise(r, r)
-    table = harness.by_key(results)
+    table = report.by_key(results)
     for r in results:
         base = table.get(("trainer", r["depth"]))
         if "error" in r or base is None:
@@ -246,7 +246,7 @@ def _describe(r: dict[str, Any]) -> str:
 
 def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's time targets, evaluated where the needed depths were measured."""
-    table = harness.by_key(results)
+    table = report.by_key(results)
     depths = sorted({r["depth"] for r in results})
     checks = []
     hi = depths[-1] if depths else None
@@ -289,11 +289,11 @@ def markdown(payload: dict[str, Any]) -> str:
                          f"{r['tokens_per_s']:,.0f}", f"{r['first_step_s']:.1f}",
                          f"{r['first_step_compile_s']:.1f}", r["n_dispatches_per_step"]])
     rounds = config.get("rounds", 1)
-    lines = [f"Step time by depth; {harness.settings_line(config)}; median of "
+    lines = [f"Step time by depth; {report.settings_line(config)}; median of "
              f"{config['steps']} steps after {config['warmup']} warm-up steps"
              f"{f' in each of {rounds} rounds' if rounds > 1 else ''}; "
              f"{payload['machine']['processor']}, {payload['machine']['cpu_count']} cores.",
-             "", harness.markdown_table(
+             "", report.markdown_table(
                  ["trainer", "depth", "median step (s)", "vs Trainer", "CPU s/step",
                   "vs Trainer (CPU)", "others' CPU s/step", "quiet steps", "tokens/s",
                   "first step (s)",
@@ -307,7 +307,7 @@ def markdown(payload: dict[str, Any]) -> str:
     lines += [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
               for r in results if "error" in r]
     if payload["targets"]:
-        lines += ["", harness.markdown_table(
+        lines += ["", report.markdown_table(
             ["target", "measured", "met"],
             [[c["target"], c["value"], "yes" if c["met"] else "**no**"]
              for c in payload["targets"]])]
@@ -339,7 +339,7 @@ def phase_table(results: Sequence[dict[str, Any]]) -> list[str]:
             "one forward pass's dropout masks alone (masks of the run's --mask_bits, as the "
             "layers draw them; "
             "32-bit `jax.random.bernoulli` for comparison):", "",
-            harness.markdown_table(["trainer", "depth", *(f"{p} (s)" for p in phases.PHASES),
+            report.markdown_table(["trainer", "depth", *(f"{p} (s)" for p in phases.PHASES),
                                     "masks (s)", "bernoulli masks (s)"], rows)]
 
 
@@ -348,7 +348,7 @@ def _run(args: Any) -> dict[str, Any]:
     machine = harness.machine_info()  # Before the run: its date is the start.
     configs = [c | {"phase_steps": args.phase_steps}
                for c in harness.configurations(args, args.rounds)]
-    print(f"{NAME}: {len(configs)} runs, {harness.settings_line(configs[0])}")
+    print(f"{NAME}: {len(configs)} runs, {report.settings_line(configs[0])}")
     results = merge_rounds(harness.run_all(str(Path(__file__).resolve()), configs,
                                            args.timeout, _describe, args.jobs))
     return {"benchmark": NAME, "config": harness.model_config(args) | {
@@ -364,19 +364,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     args = apply_preset(harness.parse_flags(argv, steps=5, warmup=2))
     out = Path(args.out_dir)
-    payload = (harness.read_json(out / f"{NAME}.json") if args.render_only
+    payload = (report.read_json(out / f"{NAME}.json") if args.render_only
                else _run(args))
     payload["config"] = harness.with_workers_host_allocator(payload["config"],
                                                             payload["results"])
     add_ratios(payload["results"])
     payload["targets"] = targets(payload["results"])
-    harness.write_json(out / f"{NAME}.json", payload)
+    report.write_json(out / f"{NAME}.json", payload)
     (out / f"{NAME}.md").write_text(markdown(payload))
     panels = [("median step time", "seconds per step", lambda r: r["median_step_s"]),
               ("first step (compilation included)", "seconds", lambda r: r["first_step_s"]),
               ("compiling in the first step", "seconds", lambda r: r["first_step_compile_s"])]
-    harness.plot_by_depth(out / f"{NAME}.png", payload["results"], panels,
-                          f"Step time vs depth ({harness.settings_line(payload['config'])})")
+    report.plot_by_depth(out / f"{NAME}.png", payload["results"], panels,
+                          f"Step time vs depth ({report.settings_line(payload['config'])})")
     print(markdown(payload))
     print(f"wrote {out / NAME}.json, .md, .png")
     return payload

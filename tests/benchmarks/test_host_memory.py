@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from absl import flags
 
-from benchmarks import harness, host_memory
+from benchmarks import harness, host_memory, report
 
 
 def test_reports_peak_rss_and_step_time_per_trainer_and_passes_the_environment(
@@ -16,7 +16,7 @@ def test_reports_peak_rss_and_step_time_per_trainer_and_passes_the_environment(
     payload = host_memory.main(quick_args + ["--env", "MALLOC_ARENA_MAX=2"])
     saved = json.loads((tmp_path / "host_memory.json").read_text())
     assert saved["results"] == json.loads(json.dumps(payload["results"]))
-    table = harness.by_key(saved["results"])
+    table = report.by_key(saved["results"])
     assert set(table) == {("reversible", 2), ("memory_efficient", 2)}, saved["results"]
     for r in table.values():
         assert r["peak_rss_bytes"] >= r["rss_end_bytes"] > 0

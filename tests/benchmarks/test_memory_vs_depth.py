@@ -5,7 +5,7 @@ import shutil
 import pytest
 from absl import flags
 
-from benchmarks import harness, memory_vs_depth
+from benchmarks import harness, memory_vs_depth, report
 
 
 def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, tmp_path):
@@ -14,7 +14,7 @@ def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, t
                                                  "--d_ff", "64"])
     saved = json.loads((tmp_path / "memory_vs_depth.json").read_text())
     assert saved["results"] == json.loads(json.dumps(payload["results"]))
-    table = harness.by_key(saved["results"])
+    table = report.by_key(saved["results"])
     assert set(table) == {(kind, 2) for kind in harness.available_trainers()}, saved["results"]
     assert set(harness.FSDP_KINDS) <= set(harness.available_trainers())
     for r in table.values():

@@ -4,13 +4,13 @@ import time
 
 import pytest
 
-from benchmarks import harness, phases, step_time
+from benchmarks import harness, phases, report, step_time
 
 
 def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, tmp_path):
     step_time.main(quick_args)
     saved = json.loads((tmp_path / "step_time.json").read_text())
-    table = harness.by_key(saved["results"])
+    table = report.by_key(saved["results"])
     assert set(table) == {(kind, 2) for kind in harness.DEFAULT_TRAINERS}, saved["results"]
     config = saved["config"]
     n_flat_layers = 1 + 4 * 2 + 1  # embedding block, 2 x (2 half-residuals + 2 swaps), loss
