@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 
 #: ``mallopt`` parameters (glibc ``<malloc.h>``).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -37,15 +38,21 @@ def user_malloc_settings() -> list[str]:
     return sorted(names)
 
 
-def _mallopt():
-    """The C library's ``mallopt`` (argument and result types set), or None without one
-    (macOS; ``CDLL(None)`` is refused on Windows)."""
+def _libc_function(name: str, argtypes: list, restype: Any) -> Any:
+    """The C library's function ``name`` with its argument and result types set, or None
+    where it has none (glibc's ``mallopt``/``malloc_trim`` are missing on macOS and musl;
+    ``CDLL(None)`` is refused on Windows)."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        function = getattr(ctypes.CDLL(None), name)
     except (AttributeError, OSError, TypeError):
         return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
+def _mallopt() -> Any:
+    """glibc's ``mallopt(param, value) -> int``, or None."""
+    return _libc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
 
 
 def parse_host_allocator(value: str) -> str:
@@ -136,9 +143,5 @@ def release_free_host_memory() -> bool:
       True when the C library has ``malloc_trim`` (glibc) and it released memory; False
       where it has none (macOS, musl) or there was nothing to release.
     """
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(malloc_trim(0))
+    malloc_trim = _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+    return malloc_trim is not None and bool(malloc_trim(0))

@@ -11,6 +11,7 @@ import pytest
 from revtrain import host_heap
 
 _REAL_MALLOPT = host_heap._mallopt
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each call's program returns 4 x 64 MiB of outputs, freed before the next call: 65,536
 # fresh 4 KiB pages per call when every buffer is mapped anew, and none once the (single,
@@ -102,7 +103,7 @@ def test_an_empty_or_differently_written_tuned_tunes_every_call_alike(value, mal
     assert mallopt.calls == expected * 2
 
 
-def test_a_c_library_without_mallopt_or_refusing_it_is_left_alone(mallopt, monkeypatch):
+def test_a_c_library_without_mallopt_or_malloc_trim_is_left_alone(mallopt, monkeypatch):
     mallopt.result = 0  # A mallopt that refuses the settings (a stub C library's).
     assert host_heap.configure_host_allocator() is False
 
@@ -116,6 +117,7 @@ def test_a_c_library_without_mallopt_or_refusing_it_is_left_alone(mallopt, monke
         monkeypatch.setattr(host_heap.ctypes, "CDLL", cdll)
         assert host_heap.host_allocator_choice() == "system"
         assert host_heap.configure_host_allocator() is False
+        assert host_heap.release_free_host_memory() is False
 
 
 def test_bad_choice_names_the_value_and_the_fix(monkeypatch):
@@ -134,3 +136,34 @@ def test_console_script_refuses_a_bad_choice_in_one_line_naming_the_command():
     assert done.stderr.startswith("revtrain-train: error: ValueError: REVTRAIN_HOST_ALLOCATOR="
                                   "'fast\\nest' is not 'tuned' or 'system'; set one of "
                                   "them, or unset it"), done.stderr
+
+
+# Three steps of a small reversible LM: the heap now hands back reused, unzeroed memory
+# where mmap gave fresh zero pages, so a buffer read before it is written would show here.
+_STEPS = textwrap.dedent("""
+    import sys
+    from revtrain import host_heap
+    applied = host_heap.configure_host_allocator()
+    import jax
+    from benchmarks import harness
+    config = dict(vocab_size=32, d_model=32, d_ff=64, depth=2, n_heads=2, seq_len=32,
+                  dropout=0.1, seed=0, batch_size=4, n_devices=1, trainer=sys.argv[1])
+    trainer, batch = harness.build(config)
+    losses = [float(trainer.one_step(batch, jax.random.key(s))[0]) for s in range(3)]
+    print(applied, *[loss.hex() for loss in losses])
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@pytest.mark.parametrize("trainer", ["trainer", "reversible"])
+def test_tuned_allocator_gives_bitwise_the_same_steps(trainer):
+    runs = {}
+    for choice in ("tuned", "system"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        env[host_heap.HOST_ALLOCATOR_ENV] = choice
+        env["PYTHONPATH"] = os.pathsep.join([_ROOT, env.get("PYTHONPATH", "")])
+        out = subprocess.run([sys.executable, "-c", _STEPS, trainer], env=env, text=True,
+                             capture_output=True, timeout=300, check=True).stdout.split()
+        runs[choice] = out
+    assert runs["tuned"][0] == "True" and runs["system"][0] == "False"
+    assert runs["tuned"][1:] == runs["system"][1:]
