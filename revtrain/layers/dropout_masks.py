@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry2x32_p
 
 MASK_BITS = (8, 16)
 DEFAULT_MASK_BITS = 16
@@ -94,3 +96,61 @@ def keep_mask(rng: jax.Array, shape: Sequence[int], rate: float,
     if values.shape[0] != n:
         values = values[:n]
     return values.reshape(shape) >= jnp.uint32(drop_threshold(rate, mask_bits))
+
+
+def mask_seed(rng: jax.Array) -> jax.Array:
+    """Two uint32 words drawn from ``rng`` (any key implementation): the seed of
+    `position_keep_mask`."""
+    return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def position_keep_mask(seed: jax.Array, shape: Sequence[int], row_start: Any,
+                       col_start: Any, length: int, rate: float,
+                       mask_bits: int = DEFAULT_MASK_BITS) -> jax.Array:
+    """Bool ``[batch, n_heads, n_rows, n_cols]`` keep-mask of one block of an attention matrix.
+
+    Element ``(b, h, r, c)`` of the block is element ``(b, h, row_start + r, col_start + c)``
+    of the whole ``[batch, n_heads, length, length]`` matrix, and its value is a pure
+    function of ``seed`` and those global indices: it hashes the counter pair ``(row, word)``
+    with threefry2x32, ``row = (b * n_heads + h) * length + i`` and ``word = j // lanes``,
+    and takes lane ``j % lanes`` of the 64 bits (``lanes = 64 // mask_bits``). So the mask
+    of a block does not depend on how the matrix is cut into blocks: the full attention
+    path (one block) and the blockwise path (many) drop exactly the same probabilities,
+    whatever the block size (FlashAttention draws its dropout mask from the global element
+    offset for the same reason; Dao et al., 2022). Drop rule and rate quantisation as
+    `keep_mask`.
+
+    Args:
+      seed: uint32[2] from `mask_seed`.
+      shape: ``(batch, n_heads, n_rows, n_cols)``, the block's shape.
+      row_start, col_start: the block's first row and column (ints or int32 scalars).
+      length: the matrix's number of rows (the sequence length, unpadded).
+      rate: drop probability in ``[0, 1)``.
+      mask_bits: 8 or 16 random bits per element.
+
+    Returns:
+      bool array of ``shape``; True keeps.
+    """
+    mask_bits = check_mask_bits(mask_bits, "position_keep_mask")
+    batch, n_heads, n_rows, n_cols = (int(s) for s in shape)
+    lanes = 64 // mask_bits
+    n_words = -(-n_cols // lanes) + 1
+    u32 = jnp.uint32
+    b = jnp.arange(batch, dtype=u32)[:, None, None, None]
+    h = jnp.arange(n_heads, dtype=u32)[None, :, None, None]
+    rows = jnp.asarray(row_start).astype(u32) + jnp.arange(n_rows, dtype=u32)[:, None]
+    rows = (b * u32(n_heads) + h) * u32(length) + rows
+    col_start = jnp.asarray(col_start).astype(u32)
+    words = col_start // u32(lanes) + jnp.arange(n_words, dtype=u32)
+    shape4 = (batch, n_heads, n_rows, n_words)
+    hi, lo = threefry2x32_p.bind(seed[0], seed[1], jnp.broadcast_to(rows, shape4),
+                                 jnp.broadcast_to(words, shape4))
+    per_word = lanes // 2
+    shifts = jnp.arange(per_word, dtype=u32) * u32(mask_bits)
+    low_mask = u32(2 ** mask_bits - 1)
+    values = jnp.concatenate([(lo[..., None] >> shifts) & low_mask,
+                              (hi[..., None] >> shifts) & low_mask], axis=-1)
+    values = values.reshape(batch, n_heads, n_rows, n_words * lanes)
+    offset = (col_start % u32(lanes)).astype(jnp.int32)
+    values = jax.lax.dynamic_slice_in_dim(values, offset, n_cols, axis=3)
+    return values >= u32(drop_threshold(rate, mask_bits))
