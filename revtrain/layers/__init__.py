@@ -9,6 +9,8 @@ from revtrain.layers.blocks import (
     nest_flat_values,
     reconstruction_error,
 )
+from revtrain.layers.blockwise_attention import blockwise_attention
+from revtrain.layers.chunk import Chunk
 from revtrain.layers.combinators import (
     Add,
     Branch,
@@ -53,6 +55,7 @@ from revtrain.layers.reversible import (
     ReversibleSerial,
     ReversibleSwap,
 )
+from revtrain.layers.rotary import rotary_embedding
 from revtrain.layers.signatures import LayerError, ShapeDtype, signature_of
 from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
 
@@ -66,7 +69,8 @@ __all__ = [
     "Accuracy", "CrossEntropyLoss", "L2Loss", "ProjectedCrossEntropy",
     "WeightedCategoryCrossEntropy", "weighted_mean",
     "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LayerNorm", "MaxPool",
-    "dot_product_attention", "einsum_attention",
+    "dot_product_attention", "einsum_attention", "blockwise_attention", "rotary_embedding",
+    "Chunk",
     "Remat",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
     "ReversibleSerial", "ReversibleSwap", "blocks_to_layers", "extract_reversible_blocks",

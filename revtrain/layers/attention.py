@@ -1,16 +1,29 @@
-"""Multi-head causal self-attention: `CausalAttention`.
+"""Multi-head causal self-attention: `CausalAttention`, full or blockwise.
 
 Scaled dot-product attention (Vaswani et al., 2017, section 3.2): ``softmax(q k^T /
 sqrt(d_head) + causal_mask) v`` per head, with learned query, key, value and output
-projections. Without attention dropout (rate 0, or ``'eval'``/``'predict'`` mode) it runs
-``jax.nn.dot_product_attention`` (``implementation='cudnn'`` selects cuDNN's flash
-attention on GPUs; JAX's default is its XLA attention); with dropout, plain einsums
-(`einsum_attention`). The attention logits and softmax are computed
-in at least float32 whatever the input dtype; the output has the input dtype.
+projections. It runs one of three exact implementations (`choose_implementation` picks
+one when none is given):
+
+* ``'xla'`` -- the full path: ``jax.nn.dot_product_attention`` without attention dropout,
+  plain einsums (`einsum_attention`) with it. Holds the ``[batch, n_heads, length,
+  length]`` logits and probabilities (and, in the backward pass, their cotangents).
+* ``'blockwise'`` -- `revtrain.layers.blockwise_attention`: online softmax over blocks of
+  ``block_size`` positions with a recomputing custom vjp; memory linear in the length, on
+  every backend, attention dropout included.
+* ``'cudnn'`` -- cuDNN's fused flash attention through ``jax.nn.dot_product_attention``
+  (NVIDIA GPUs, float16/bfloat16, no attention dropout); memory linear in the length.
+
+Attention dropout keeps or drops each probability by a pure function of the layer's key
+and the element's ``(row, column)`` (`revtrain.layers.dropout_masks.position_keep_mask`),
+so the full and the blockwise paths drop the same probabilities whatever the block size:
+switching implementation never changes what a model computes beyond float rounding. The
+attention logits and softmax are computed in at least float32 whatever the input dtype;
+the output has the input dtype.
 
 References: Vaswani et al., 2017, "Attention Is All You Need"; Trax's
 ``trax.layers.attention.CausalAttention`` (arguments, dropout on the attention
-probabilities, ``mode``).
+probabilities, ``mode``); Rabe & Staats, 2021, and Dao et al., 2022 (blockwise).
 """
 
 from __future__ import annotations
@@ -21,10 +34,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from revtrain.layers.blockwise_attention import (
+    DEFAULT_BLOCK_SIZE,
+    blockwise_attention,
+    check_block_size,
+)
 from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, check_mode, check_rate
-from revtrain.layers.core import dropout as apply_dropout
-from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, check_mask_bits
+from revtrain.layers.dropout_masks import (
+    DEFAULT_MASK_BITS,
+    check_mask_bits,
+    drop_threshold,
+    mask_seed,
+    position_keep_mask,
+    quantised_rate,
+)
 from revtrain.layers.layer import Layer
+from revtrain.layers.rotary import check_rotary_head_size, rotary_embedding
+
+IMPLEMENTATIONS = (None, "xla", "blockwise", "cudnn")
+# The full path is chosen while its float32 [batch, n_heads, length, length] logits take at
+# most this many bytes (64 MiB: e.g. batch 32 x 4 heads at length 362, or 1 x 4 at 2,048).
+FULL_ATTENTION_MAX_BYTES = 64 * 2 ** 20
 
 
 def causal_mask(length: int) -> jax.Array:
@@ -94,8 +124,57 @@ def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(compute).min)
     probs = jax.nn.softmax(logits, axis=-1)
-    probs = apply_dropout(probs, dropout_rate, rng, mask_bits=mask_bits)
+    probs = _drop_probabilities(probs, dropout_rate, rng, mask_bits)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+def _drop_probabilities(probs: jax.Array, rate: float, rng: jax.Array | None,
+                        mask_bits: int) -> jax.Array:
+    """Attention dropout on ``[batch, n_heads, length_q, length_k]`` probabilities, with
+    the position-keyed mask the blockwise path draws (module docstring)."""
+    check_mask_bits(mask_bits, "attention dropout")
+    if rate == 0.0 or drop_threshold(rate, mask_bits) == 0:
+        return probs
+    if rng is None:
+        raise ValueError(f"attention dropout with rate={rate} needs an rng; pass a "
+                         f"jax.random.key or use mode='eval'")
+    keep = position_keep_mask(mask_seed(rng), probs.shape, 0, 0, probs.shape[2], rate,
+                              mask_bits)
+    scale = jnp.asarray(1.0 / (1.0 - quantised_rate(rate, mask_bits)), probs.dtype)
+    return jnp.where(keep, probs * scale, jnp.zeros((), probs.dtype))
+
+
+def choose_implementation(batch: int, n_heads: int, length: int, d_head: int, dtype,
+                          dropout: float, backend: str) -> str:
+    """The implementation `CausalAttention` runs when given ``implementation=None``.
+
+    * ``'xla'`` (the full path) while the float32 ``[batch, n_heads, length, length]``
+      logits take at most `FULL_ATTENTION_MAX_BYTES` (64 MiB): at such sizes it is the
+      fastest and its buffers are small;
+    * above that, ``'cudnn'`` on a GPU backend for float16/bfloat16 inputs without
+      attention dropout and with ``d_head`` a multiple of 8 up to 128 (what cuDNN's flash
+      attention takes);
+    * else ``'blockwise'`` (CPU, TPU, float32, dropout): linear memory everywhere.
+
+    ``batch`` is what the layer sees: per device inside the trainers' ``shard_map``. All
+    three are exact, and the full and blockwise paths draw the same dropout masks, so
+    the choice changes results by float rounding only.
+
+    Args:
+      batch, n_heads, length, d_head: the attention's sizes.
+      dtype: the query/key/value dtype.
+      dropout: the attention-dropout rate in effect (0 outside ``'train'`` mode).
+      backend: ``jax.default_backend()``: ``'cpu'``, ``'gpu'`` or ``'tpu'``.
+
+    Returns:
+      ``'xla'``, ``'cudnn'`` or ``'blockwise'``.
+    """
+    if 4 * batch * n_heads * length * length <= FULL_ATTENTION_MAX_BYTES:
+        return "xla"
+    if (backend == "gpu" and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
+            and not dropout and d_head % 8 == 0 and d_head <= 128):
+        return "cudnn"
+    return "blockwise"
 
 
 class CausalAttention(Layer):
@@ -104,7 +183,8 @@ class CausalAttention(Layer):
     Position ``t`` of the output depends only on input positions ``<= t``. Weights are four
     ``(w: float32[d_feature, d_feature], b: float32[d_feature])`` pairs, for the query, key,
     value and output projections in that order; kernels are Glorot-uniform and biases
-    normal with stddev 1e-6, as Trax's ``Dense``.
+    normal with stddev 1e-6, as Trax's ``Dense``. Every implementation computes the same
+    function (module docstring), so weights and checkpoints move freely between them.
 
     Args:
       d_feature: model width; the last axis of the input.
@@ -114,29 +194,38 @@ class CausalAttention(Layer):
         set, the layer decodes incrementally (Trax's predict mode): its state is a
         key/value cache ``(keys, values: float32[batch, max_len, n_heads, d_head], index:
         int32[])``, each call takes the next ``length`` positions (the whole prompt once,
-        then one token) and attends to the cached positions before them. A new token then
-        costs ``O(d_feature^2)`` for the projections plus ``O(max_len * d_feature)`` for
-        attention over the cache, instead of re-running ``O(length)`` positions.
-        Without ``max_len``, ``'predict'`` behaves as ``'eval'``.
+        then one token) and attends to the cached positions before them with the full
+        path (a new token costs ``O(max_len * d_feature)``; a prompt of ``p`` tokens holds
+        ``[batch, n_heads, p, max_len]`` logits). Without ``max_len``, ``'predict'``
+        behaves as ``'eval'``.
       max_len: cache length (longest decoded sequence) for ``'predict'`` mode.
-      implementation: for attention without dropout, ``jax.nn.dot_product_attention``'s
-        ``implementation``: None (JAX's choice, XLA) or ``'cudnn'`` (flash attention on
-        NVIDIA GPUs for bfloat16/float16 activations, e.g. ``compute_dtype=bfloat16``).
+      implementation: ``'xla'`` (full), ``'blockwise'`` (linear memory, any backend),
+        ``'cudnn'`` (NVIDIA GPUs, float16/bfloat16 activations, e.g.
+        ``compute_dtype=bfloat16``, no attention dropout), or None: chosen per call by
+        `choose_implementation` (full up to 64 MiB of logits, else cuDNN where it applies,
+        else blockwise).
+      block_size: positions per block of the blockwise path (its logits take ``4 * batch
+        * n_heads * block_size**2`` bytes per block); need not divide the length.
       mask_bits: random bits per element of the attention-dropout mask: 16 (rate error
-        <= 7.6e-6) or 8 (rate error <= 2e-3, a quarter of 16's time on a 2-core CPU);
-        see `revtrain.layers.dropout_masks`.
+        <= 7.6e-6) or 8 (rate error <= 2e-3); see `revtrain.layers.dropout_masks`.
+      rotary: rotate queries and keys by their positions (`revtrain.layers.rotary`,
+        RoFormer) before attending; the LMs set it for ``pos_type='rotary'``.
 
     Integer inputs are computed in float32 (as `Dense` does); float inputs in their dtype.
 
     Raises:
-      ValueError: if ``d_feature`` or ``n_heads`` is not a positive int, or ``d_feature``
-        is not divisible by ``n_heads``.
+      ValueError: if ``d_feature`` or ``n_heads`` is not a positive int, ``d_feature`` is
+        not divisible by ``n_heads``, ``implementation`` is unknown, ``block_size`` is not
+        a positive int, ``rotary`` is set with an odd ``d_head``, or ``'cudnn'`` is asked
+        for where it cannot run (no GPU backend, or attention dropout in ``'train'``
+        mode).
       LayerError: (from ``pure_fn``) for inputs that are not ``[batch, length, d_feature]``.
     """
 
     def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
                  mode: str = "train", max_len: int | None = None,
-                 implementation: str | None = None, mask_bits: int = DEFAULT_MASK_BITS):
+                 implementation: str | None = None, mask_bits: int = DEFAULT_MASK_BITS,
+                 block_size: int = DEFAULT_BLOCK_SIZE, rotary: bool = False):
         super().__init__(n_in=1, n_out=1)
         for name, value in (("d_feature", d_feature), ("n_heads", n_heads)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -152,11 +241,12 @@ class CausalAttention(Layer):
         if max_len is not None and max_len < 1:
             raise ValueError(f"CausalAttention max_len={max_len} must be >= 1 or None")
         self._cache_len = max_len if mode == "predict" else None
-        if implementation not in (None, "xla", "cudnn"):
-            raise ValueError(f"CausalAttention implementation={implementation!r} is not one "
-                             f"of None, 'xla', 'cudnn'")
-        self._implementation = implementation
+        self._implementation = _check_implementation(implementation, self._dropout, mode)
+        self._block_size = check_block_size(block_size, "CausalAttention")
         self._mask_bits = check_mask_bits(mask_bits, "CausalAttention")
+        if rotary:
+            check_rotary_head_size(d_feature // n_heads, "CausalAttention")
+        self._rotary = bool(rotary)
 
     def _check_input(self, shape: tuple[int, ...]) -> None:
         if len(shape) != 3 or shape[-1] != self._d_feature:
@@ -181,22 +271,39 @@ class CausalAttention(Layer):
         if self._cache_len is not None:
             attended, state = self._attend_cached(q, k, v, state)
         else:
-            rate = self._dropout if self._mode == "train" else 0.0
-            attended = dot_product_attention(q, k, v, None, rate, rng, is_causal=True,
-                                             implementation=self._implementation,
-                                             mask_bits=self._mask_bits)
+            if self._rotary:
+                positions = jnp.arange(length)
+                q, k = rotary_embedding(q, positions), rotary_embedding(k, positions)
+            attended = self._attend(q, k, v, rng)
         return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
+
+    def _attend(self, q, k, v, rng):
+        rate = self._dropout if self._mode == "train" else 0.0
+        batch, length, n_heads, d_head = q.shape
+        implementation = self._implementation or choose_implementation(
+            batch, n_heads, length, d_head, q.dtype, rate, jax.default_backend())
+        if implementation == "blockwise":
+            return blockwise_attention(q, k, v, block_size=self._block_size,
+                                       dropout_rate=rate, rng=rng, mask_bits=self._mask_bits)
+        # The full path, when chosen rather than asked for, keeps jax.nn's own default.
+        passed = None if self._implementation is None and implementation == "xla" else (
+            implementation)
+        return dot_product_attention(q, k, v, None, rate, rng, is_causal=True,
+                                     implementation=passed, mask_bits=self._mask_bits)
 
     def _attend_cached(self, q, k, v, state):
         """Writes ``k, v`` at the cache index and attends to every position up to each query."""
         keys, values, index = state
+        query_positions = index + jnp.arange(q.shape[1])
+        if self._rotary:
+            q, k = rotary_embedding(q, query_positions), rotary_embedding(k, query_positions)
         keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, index, 0, 0))
         values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype),
                                               (0, index, 0, 0))
-        query_positions = index + jnp.arange(q.shape[1])
         mask = jnp.arange(self._cache_len)[None, :] <= query_positions[:, None]
+        implementation = None if self._implementation == "blockwise" else self._implementation
         attended = dot_product_attention(q, keys.astype(q.dtype), values.astype(v.dtype),
-                                         mask, implementation=self._implementation)
+                                         mask, implementation=implementation)
         return attended, (keys, values, index + q.shape[1])
 
     def init_weights_and_state(self, input_signature, rng):
@@ -213,3 +320,28 @@ class CausalAttention(Layer):
         cache = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
                  jnp.zeros((), jnp.int32))
         return tuple(pairs), cache
+
+
+def _check_implementation(implementation: str | None, dropout: float, mode: str) -> str | None:
+    """Returns ``implementation`` if `CausalAttention` can run it here, else raises
+    ValueError naming it and the fix."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"CausalAttention implementation={implementation!r} is not one of "
+                         f"{IMPLEMENTATIONS}; use 'blockwise' for long sequences or None to "
+                         f"choose by size")
+    if implementation != "cudnn":
+        return implementation
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise ValueError(f"CausalAttention implementation='cudnn' needs an NVIDIA GPU, but "
+                         f"JAX's backend here is {backend!r}; use implementation='blockwise' "
+                         f"(or None)")
+    if dropout and mode == "train":
+        raise ValueError(f"CausalAttention implementation='cudnn' runs without attention "
+                         f"dropout, but dropout={dropout}; use dropout=0 or "
+                         f"implementation='blockwise'")
+    return implementation
+
+
+__all__ = ["FULL_ATTENTION_MAX_BYTES", "IMPLEMENTATIONS", "CausalAttention",
+           "choose_implementation", "dot_product_attention", "einsum_attention"]

@@ -231,3 +231,92 @@ def test_implementation_is_passed_to_jax_nn_and_checked(monkeypatch):
     assert seen == ["xla"]
     with pytest.raises(ValueError, match="implementation='flash'"):
         CausalAttention(D, implementation="flash")
+
+
+# ------------------------------------------------------------------------------------------
+# Implementations: blockwise equals full (dropout included), the default chooses by size,
+# rotary positions, bad arguments.
+
+def _long(length=40, seed=0):
+    return np.random.default_rng(seed).normal(size=(B, length, D)).astype(np.float32)
+
+
+@pytest.mark.parametrize("dropout, mode, rotary", [(0.0, "train", False), (0.4, "train", True),
+                                                   (0.4, "eval", False)])
+def test_blockwise_layer_equals_the_full_layer(dropout, mode, rotary):
+    kwargs = dict(n_heads=2, dropout=dropout, mode=mode, rotary=rotary)
+    full = CausalAttention(D, implementation="xla", **kwargs)
+    blockwise = CausalAttention(D, implementation="blockwise", block_size=7, **kwargs)
+    x = _long()
+    weights, _ = full.init(SDS(x.shape, jnp.float32), rng=jax.random.key(1))
+    rng = jax.random.key(9)
+
+    def run(layer):
+        return jax.value_and_grad(lambda w, x: jnp.sum(jnp.sin(
+            layer.pure_fn(x, w, (), rng)[0])), argnums=(0, 1))(weights, x)
+
+    (value, grads), (value_b, grads_b) = run(full), run(blockwise)
+    assert float(value_b) == pytest.approx(float(value), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(grads_b), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_default_implementation_chooses_by_size_and_backend():
+    from revtrain.layers.attention import FULL_ATTENTION_MAX_BYTES, choose_implementation
+    assert FULL_ATTENTION_MAX_BYTES == 64 * 2 ** 20
+    assert choose_implementation(32, 4, 128, 32, jnp.float32, 0.1, "cpu") == "xla"
+    assert choose_implementation(1, 4, 2048, 32, jnp.float32, 0.0, "cpu") == "xla"
+    assert choose_implementation(1, 4, 2049, 32, jnp.float32, 0.0, "cpu") == "blockwise"
+    assert choose_implementation(1, 4, 8192, 32, jnp.float32, 0.0, "tpu") == "blockwise"
+    assert choose_implementation(1, 4, 8192, 32, jnp.bfloat16, 0.0, "gpu") == "cudnn"
+    assert choose_implementation(1, 4, 8192, 32, jnp.bfloat16, 0.1, "gpu") == "blockwise"
+    assert choose_implementation(1, 4, 8192, 32, jnp.float32, 0.0, "gpu") == "blockwise"
+    assert choose_implementation(1, 4, 8192, 256, jnp.bfloat16, 0.0, "gpu") == "blockwise"
+
+
+def test_default_implementation_runs_blockwise_above_the_threshold(monkeypatch):
+    import revtrain.layers.attention as attention
+    calls = []
+    real = attention.blockwise_attention
+    monkeypatch.setattr(attention, "blockwise_attention",
+                        lambda *a, **kw: calls.append(kw["block_size"]) or real(*a, **kw))
+    monkeypatch.setattr(attention, "FULL_ATTENTION_MAX_BYTES", 4 * B * 2 * 30 * 30)
+    layer = CausalAttention(D, n_heads=2, block_size=16)
+    weights, _ = layer.init(SDS((B, 31, D), jnp.float32), rng=jax.random.key(1))
+    short = layer.pure_fn(_long(30), weights, (), None)[0]
+    assert calls == []
+    long = layer.pure_fn(_long(31), weights, (), None)[0]
+    assert calls == [16]
+    np.testing.assert_allclose(long[:, :30], CausalAttention(D, n_heads=2).pure_fn(
+        _long(31), weights, (), None)[0][:, :30], rtol=1e-5, atol=1e-5)
+    assert short.shape == (B, 30, D)
+
+
+@pytest.mark.parametrize("implementation", [None, "blockwise"])
+def test_predict_mode_with_rotary_matches_train_mode(implementation):
+    kwargs = dict(n_heads=2, rotary=True, implementation=implementation)
+    train = CausalAttention(D, block_size=4, **kwargs)
+    x = _long(12)
+    weights, _ = train.init(SDS(x.shape, jnp.float32), rng=jax.random.key(1))
+    predict = CausalAttention(D, mode="predict", max_len=12, **kwargs)
+    predict.init(SDS((B, 1, D), jnp.float32), rng=jax.random.key(1))
+    y, state = predict.pure_fn(x[:, :5], weights, predict.state, None)  # a prompt of 5
+    steps = [y]
+    for t in range(5, 12):
+        y, state = predict.pure_fn(x[:, t:t + 1], weights, state, None)
+        steps.append(y)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1),
+                               train.pure_fn(x, weights, (), None)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(implementation="flash"), "implementation='flash' is not one of"),
+    (dict(block_size=0), "block_size=0 must be a positive int"),
+    (dict(block_size=-4), "block_size=-4 must be a positive int"),
+    (dict(n_heads=8, rotary=True), "d_head=1 is odd"),
+    (dict(implementation="cudnn"), "implementation='cudnn' needs an NVIDIA GPU"),
+])
+def test_bad_implementation_arguments_are_one_line_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        CausalAttention(D, **kwargs)
+    assert "\n" not in str(info.value)
