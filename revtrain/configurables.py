@@ -12,8 +12,10 @@ Library code is never decorated; importing this module makes the names below usa
   (`revtrain.training.config`), ``optimizer_fn``, ``warmup_rsqrt_decay``,
   ``warmup_cosine_decay``, ``constant``;
 * layers: the losses/metrics ``CrossEntropyLoss``, ``WeightedCategoryCrossEntropy``,
-  ``ProjectedCrossEntropy``, ``Accuracy`` (each with ``n_chunks``) and the activations
-  ``Relu``, ``Gelu``, ``Tanh``, ``Sigmoid``;
+  ``ProjectedCrossEntropy``, ``Accuracy`` (each with ``n_chunks``), the activations
+  ``Relu``, ``Gelu``, ``Tanh``, ``Sigmoid``, and the attention layer ``CausalAttention``
+  (for ``attention_type = @CausalAttention`` with ``CausalAttention.implementation``,
+  ``block_size``);
 * constants ``%jnp.float32`` and ``%jnp.bfloat16`` (for ``compute_dtype``).
 
 `train` is the registered (gin-wrapped) version of `revtrain.training.train_lib.train`;
@@ -43,7 +45,7 @@ REGISTRY = (
                            schedules.warmup_cosine_decay, schedules.constant)),
     ("revtrain.layers", (layers.CrossEntropyLoss, layers.WeightedCategoryCrossEntropy,
                          layers.ProjectedCrossEntropy, layers.Accuracy, layers.Relu,
-                         layers.Gelu, layers.Tanh, layers.Sigmoid)),
+                         layers.Gelu, layers.Tanh, layers.Sigmoid, layers.CausalAttention)),
 )
 CONSTANTS = {"jnp.float32": jnp.float32, "jnp.bfloat16": jnp.bfloat16}
 

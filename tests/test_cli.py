@@ -156,15 +156,18 @@ def test_every_config_parses_with_model_and_inputs(name):
     assert set(gin.get_bindings("train")) == {"steps"}  # The rest is the run configuration.
 
 
-@pytest.mark.parametrize("name, model", [
-    ("reversible_lm.gin", "ReversibleTransformerLM"),
-    ("reversible_lm_memory_efficient.gin", "ReversibleTransformerLM"),
-    ("transformer_lm.gin", "TransformerLM"),
+@pytest.mark.parametrize("name, model, extra", [
+    ("reversible_lm.gin", "ReversibleTransformerLM", []),
+    ("reversible_lm_memory_efficient.gin", "ReversibleTransformerLM", []),
+    ("transformer_lm.gin", "TransformerLM", []),
+    # The 64K config at 16 tokens: two attention blocks and four feed-forward chunks.
+    ("reversible_lm_64k.gin", "ReversibleTransformerLM",
+     ["CausalAttention.block_size=8", "ReversibleTransformerLM.ff_chunk_size=4"]),
 ])
-def test_text_configs_train_two_tiny_steps(tmp_path, capsys, name, model):
+def test_text_configs_train_two_tiny_steps(tmp_path, capsys, name, model, extra):
     shrink = [f"{model}.d_model=16", f"{model}.d_ff=32", f"{model}.n_heads=2",
               f"{model}.n_layers=1", "TextFiles.sequence_length=16", "TextFiles.batch_size=4",
-              "train.steps=2", "EvalConfig.steps=1", "LogConfig.progress=False"]
+              "train.steps=2", "EvalConfig.steps=1", "LogConfig.progress=False", *extra]
     argv = ["revtrain-train", f"--config_file={os.path.join(CONFIGS, name)}",
             f"--output_dir={tmp_path}"] + [f"--gin_bindings={b}" for b in shrink]
     assert cli.train_main(argv) == 0

@@ -38,6 +38,7 @@ from revtrain.layers import (
     Serial,
 )
 from revtrain.layers.attention import CausalAttention
+from revtrain.layers.chunk import Chunk, check_chunk_size
 from revtrain.layers.core import sinusoidal_encoding
 from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, MASK_BITS, is_mask_bits
 from revtrain.layers.normalization import LayerNorm
@@ -79,12 +80,39 @@ def _check_arguments(n_layers: int, compute_dtype: Any, mask_bits: Any) -> None:
                          f"jnp.bfloat16")
 
 
-def _attention(d_model: int, n_heads: int, dropout: float, mode: str, max_len: int,
-               mask_bits: int) -> Layer:
-    """Causal attention; in ``'predict'`` mode with a key/value cache of ``max_len``."""
-    return CausalAttention(d_model, n_heads=n_heads, dropout=dropout, mode=mode,
-                           max_len=max_len if mode == "predict" else None,
-                           mask_bits=mask_bits)
+POS_TYPES = ("sinusoidal", "rotary")
+
+
+def _check_long_context(attention_type: Any, ff_chunk_size: Any, pos_type: Any) -> None:
+    """Raises ValueError for a non-callable ``attention_type``, a non-positive
+    ``ff_chunk_size`` or an unknown ``pos_type``."""
+    if not callable(attention_type):
+        raise ValueError(f"attention_type={attention_type!r} is not callable; pass a layer "
+                         f"class or factory such as CausalAttention or functools.partial("
+                         f"CausalAttention, implementation='blockwise')")
+    if ff_chunk_size is not None:
+        check_chunk_size(ff_chunk_size, "the LM's", "ff_chunk_size")
+    if pos_type not in POS_TYPES:
+        raise ValueError(f"pos_type={pos_type!r} is not one of {POS_TYPES}; use 'sinusoidal' "
+                         f"(an added table) or 'rotary' (RoFormer rotations in attention)")
+
+
+def _attention(attention_type: Callable[..., Layer], d_model: int, n_heads: int,
+               dropout: float, mode: str, max_len: int, mask_bits: int,
+               pos_type: str) -> Layer:
+    """``attention_type(d_model, n_heads=, dropout=, mode=, max_len=, mask_bits=)``, with
+    ``rotary=True`` added for ``pos_type='rotary'``; in ``'predict'`` mode ``max_len`` is
+    the key/value cache length, else None."""
+    kwargs = dict(n_heads=n_heads, dropout=dropout, mode=mode,
+                  max_len=max_len if mode == "predict" else None, mask_bits=mask_bits)
+    if pos_type == "rotary":
+        kwargs["rotary"] = True
+    layer = attention_type(d_model, **kwargs)
+    if not isinstance(layer, Layer) or layer.n_in != 1 or layer.n_out != 1:
+        raise ValueError(f"attention_type={attention_type!r} gave {layer!r}, not a layer "
+                         f"with one input and one output; pass a layer class or factory "
+                         f"such as CausalAttention")
+    return layer
 
 
 class _PositionalEncodingAt(Layer):
@@ -111,19 +139,24 @@ class _PositionalEncodingAt(Layer):
 
 def _feed_forward(d_model: int, d_ff: int, dropout: float,
                   ff_activation: Callable[[], Layer], mode: str,
-                  compute_dtype: Any, mask_bits: int) -> list[Layer]:
-    """Pre-norm feed-forward: LayerNorm, [cast], Dense(d_ff), act, Dropout, Dense, Dropout."""
-    return [LayerNorm(), *_cast(compute_dtype), Dense(d_ff), ff_activation(),
-            Dropout(dropout, mode=mode, mask_bits=mask_bits), Dense(d_model),
-            Dropout(dropout, mode=mode, mask_bits=mask_bits)]
+                  compute_dtype: Any, mask_bits: int, ff_chunk_size: int | None) -> list[Layer]:
+    """Pre-norm feed-forward: LayerNorm, [cast], Dense(d_ff), act, Dropout, Dense, Dropout;
+    with ``ff_chunk_size`` all of it in one `Chunk` of that many positions."""
+    layers = [LayerNorm(), *_cast(compute_dtype), Dense(d_ff), ff_activation(),
+              Dropout(dropout, mode=mode, mask_bits=mask_bits), Dense(d_model),
+              Dropout(dropout, mode=mode, mask_bits=mask_bits)]
+    return layers if ff_chunk_size is None else [Chunk(Serial(*layers), ff_chunk_size)]
 
 
 def _embed(vocab_size: int, d_model: int, max_len: int, dropout: float,
-           mode: str, mask_bits: int) -> list[Layer]:
+           mode: str, mask_bits: int, pos_type: str) -> list[Layer]:
+    """Embedding and Dropout, then the sinusoidal table unless positions are rotary."""
+    layers = [Embedding(vocab_size, d_model), Dropout(dropout, mode=mode, mask_bits=mask_bits)]
+    if pos_type == "rotary":
+        return layers
     position = (_PositionalEncodingAt(max_len) if mode == "predict" else
                 PositionalEncoding(max_len, dropout=dropout, mode=mode, mask_bits=mask_bits))
-    return [Embedding(vocab_size, d_model), Dropout(dropout, mode=mode, mask_bits=mask_bits),
-            position]
+    return layers + [position]
 
 
 def _head(vocab_size: int) -> list[Layer]:
@@ -141,12 +174,15 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
                             n_layers: int = 6, n_heads: int = 8, max_len: int = 2048,
                             dropout: float = 0.1, ff_activation: Callable[[], Layer] = Relu,
                             mode: str = "train", compute_dtype: Any = jnp.float32,
-                            dropout_mask_bits: int = DEFAULT_MASK_BITS) -> Layer:
+                            dropout_mask_bits: int = DEFAULT_MASK_BITS,
+                            attention_type: Callable[..., Layer] = CausalAttention,
+                            ff_chunk_size: int | None = None,
+                            pos_type: str = "sinusoidal") -> Layer:
     """A Reformer-style reversible Transformer LM: ``int32[batch, length]`` -> log-probs.
 
     Layers: ``Embedding, Dropout, PositionalEncoding, Dup``, then one `ReversibleSerial` of
     ``n_layers`` blocks ``[ReversibleHalfResidual(LayerNorm, attention_layer=
-    CausalAttention), ReversibleSwap, ReversibleHalfResidual(LayerNorm, Dense(d_ff),
+    attention_type(...)), ReversibleSwap, ReversibleHalfResidual(LayerNorm, Dense(d_ff),
     activation, Dropout, Dense(d_model), Dropout), ReversibleSwap]`` (pre-norm; each block
     maps ``(x1, x2)`` to ``(x1 + Attn(x2), x2 + FF(x1 + Attn(x2)))``), then ``Concatenate``
     (``[batch, length, 2 * d_model]``), ``LayerNorm, Dense(vocab_size), LogSoftmax``.
@@ -157,13 +193,20 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
     with depth. The cast has no weights but adds one entry to each half-residual's weights
     tuple, so float32 and bfloat16 models have different weight trees.
 
+    Long sequences (Reformer's recipe, Kitaev et al., 2020): ``attention_type=
+    functools.partial(CausalAttention, implementation='blockwise')`` (or the default
+    implementation, which turns blockwise above 64 MiB of logits) keeps attention linear
+    in the length, ``ff_chunk_size`` the feed-forward, and ``pos_type='rotary'`` drops the
+    position table.
+
     Args:
       vocab_size: number of token ids; the output's last axis.
       d_model: width of each residual stream.
       d_ff: hidden width of the feed-forward blocks.
       n_layers: number of (attention, feed-forward) block pairs.
       n_heads: attention heads; must divide ``d_model``.
-      max_len: longest sequence accepted.
+      max_len: longest sequence accepted (the sinusoidal table's and the decoding cache's
+        length).
       dropout: rate for embedding, positional-encoding, attention and feed-forward dropout.
       ff_activation: a layer class (or function) giving the feed-forward activation.
       mode: ``'train'`` (dropout on), ``'eval'`` or ``'predict'`` (incremental decoding:
@@ -175,6 +218,17 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
         rate is within 7.6e-6 of ``dropout``) or 8 (within 2e-3: 0.1 becomes 26/256 =
         0.1016; the masks take a quarter of the time on a 2-core CPU). See
         `revtrain.layers.dropout_masks`.
+      attention_type: the attention layer (Trax's name): a class or factory called as
+        ``attention_type(d_model, n_heads=, dropout=, mode=, max_len=, mask_bits=)``
+        (``max_len`` is the cache length in ``'predict'`` mode, else None), plus
+        ``rotary=True`` when ``pos_type='rotary'``. Default `CausalAttention`.
+      ff_chunk_size: run each feed-forward block over chunks of this many positions
+        (`revtrain.layers.Chunk`; Trax's ``ff_chunk_size``), so its ``[batch, length,
+        d_ff]`` activation exists one chunk at a time; None runs it whole. Chunking adds a
+        level to the feed-forward weights tree, and with dropout its masks depend on the
+        chunk size.
+      pos_type: ``'sinusoidal'`` (the added table of `PositionalEncoding`) or
+        ``'rotary'`` (no table: queries and keys rotated by their positions, RoFormer).
 
     Returns:
       A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``, with
@@ -182,22 +236,28 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
 
     Raises:
       ValueError: when ``n_heads`` does not divide ``d_model`` (from `CausalAttention`),
-        ``n_layers < 0``, ``compute_dtype`` is not a float dtype or ``dropout_mask_bits``
-        is not 8 or 16.
+        ``n_layers < 0``, ``compute_dtype`` is not a float dtype, ``dropout_mask_bits``
+        is not 8 or 16, ``ff_chunk_size`` is not a positive int or None, ``pos_type`` is
+        unknown, ``attention_type`` does not make a one-in-one-out layer, or rotary
+        positions meet an odd head size.
     """
     _check_arguments(n_layers, compute_dtype, dropout_mask_bits)
+    _check_long_context(attention_type, ff_chunk_size, pos_type)
     blocks = []
     for _ in range(n_layers):
         blocks += [
             ReversibleHalfResidual(LayerNorm(), *_cast(compute_dtype),
-                                   attention_layer=_attention(d_model, n_heads, dropout, mode,
-                                                              max_len, dropout_mask_bits)),
+                                   attention_layer=_attention(
+                                       attention_type, d_model, n_heads, dropout, mode,
+                                       max_len, dropout_mask_bits, pos_type)),
             ReversibleSwap(),
             ReversibleHalfResidual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
-                                                  compute_dtype, dropout_mask_bits)),
+                                                  compute_dtype, dropout_mask_bits,
+                                                  ff_chunk_size)),
             ReversibleSwap(),
         ]
-    model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode, dropout_mask_bits),
+    model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode, dropout_mask_bits,
+                          pos_type),
                    Dup(),
                    ReversibleSerial(blocks), Concatenate(), _head(vocab_size),
                    name="ReversibleTransformerLM")
@@ -208,11 +268,13 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
                   n_layers: int = 6, n_heads: int = 8, max_len: int = 2048,
                   dropout: float = 0.1, ff_activation: Callable[[], Layer] = Relu,
                   mode: str = "train", compute_dtype: Any = jnp.float32,
-                  dropout_mask_bits: int = DEFAULT_MASK_BITS) -> Layer:
+                  dropout_mask_bits: int = DEFAULT_MASK_BITS,
+                  attention_type: Callable[..., Layer] = CausalAttention,
+                  ff_chunk_size: int | None = None, pos_type: str = "sinusoidal") -> Layer:
     """The plain (non-reversible) pre-norm Transformer LM, the baseline of the reversible one.
 
     Layers: ``Embedding, Dropout, PositionalEncoding``, ``n_layers`` pairs of
-    ``Residual(LayerNorm, CausalAttention)`` and ``Residual(LayerNorm, Dense(d_ff),
+    ``Residual(LayerNorm, attention_type(...))`` and ``Residual(LayerNorm, Dense(d_ff),
     activation, Dropout, Dense(d_model), Dropout)``, then ``LayerNorm, Dense(vocab_size),
     LogSoftmax``. Arguments as `ReversibleTransformerLM`; with bfloat16 ``compute_dtype`` the
     residual branches compute in bfloat16 and are cast back to the float32 stream.
@@ -225,17 +287,19 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
       ValueError: as `ReversibleTransformerLM`.
     """
     _check_arguments(n_layers, compute_dtype, dropout_mask_bits)
+    _check_long_context(attention_type, ff_chunk_size, pos_type)
     back = [] if not _cast(compute_dtype) else [_Cast(jnp.float32)]
     blocks = []
     for _ in range(n_layers):
         blocks += [
             Residual(LayerNorm(), *_cast(compute_dtype),
-                     _attention(d_model, n_heads, dropout, mode, max_len,
-                                dropout_mask_bits), *back),
+                     _attention(attention_type, d_model, n_heads, dropout, mode, max_len,
+                                dropout_mask_bits, pos_type), *back),
             Residual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
-                                    compute_dtype, dropout_mask_bits), *back),
+                                    compute_dtype, dropout_mask_bits, ff_chunk_size), *back),
         ]
-    model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode, dropout_mask_bits),
+    model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode, dropout_mask_bits,
+                          pos_type),
                    blocks,
                    _head(vocab_size), name="TransformerLM")
     return _accepts(model, vocab_size, max_len)

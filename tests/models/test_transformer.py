@@ -319,3 +319,88 @@ def test_zero_layers_is_embedding_then_head():
     y = model(tokens)
     assert y.shape == (1, 3, 3)
     np.testing.assert_allclose(jnp.exp(y).sum(-1), 1.0, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# Long-context options: attention_type, ff_chunk_size, pos_type.
+
+def _long_context(cls, implementation, ff_chunk_size, pos_type="sinusoidal", **kwargs):
+    import functools
+
+    from revtrain.layers import CausalAttention
+    attention = functools.partial(CausalAttention, implementation=implementation,
+                                  block_size=3)
+    return _lm(cls, attention_type=attention, ff_chunk_size=ff_chunk_size,
+               pos_type=pos_type, **kwargs)
+
+
+@pytest.mark.parametrize("cls, pos_type", [(ReversibleTransformerLM, "rotary"),
+                                           (TransformerLM, "sinusoidal")])
+def test_blockwise_and_chunked_model_equals_the_full_one(cls, pos_type):
+    """Same weights (the chunked tree nests the feed-forward one level deeper), same
+    log-probabilities and gradients."""
+    inputs, targets, _ = _batch()
+    full = _long_context(cls, "xla", None, pos_type, dropout=0.0)
+    long = _long_context(cls, "blockwise", 3, pos_type, dropout=0.0)
+    full.init(_signature(inputs), rng=jax.random.key(0))
+    long.init(_signature(inputs), rng=jax.random.key(1))
+
+    # Chunking nests the feed-forward weights one level deeper, in the same order.
+    long.weights = jax.tree.unflatten(jax.tree.structure(long.weights),
+                                      jax.tree.leaves(full.weights))
+
+    def loss(model, weights):
+        log_probs = model.pure_fn(inputs, weights, model.state, None)[0]
+        return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], -1))
+
+    np.testing.assert_allclose(long(inputs), full(inputs), rtol=1e-5, atol=1e-5)
+    g_full = jax.grad(lambda w: loss(full, w))(full.weights)
+    g_long = jax.grad(lambda w: loss(long, w))(long.weights)
+    for a, b in zip(jax.tree.leaves(g_long), jax.tree.leaves(g_full), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_rotary_model_has_no_position_table_and_reverses_exactly():
+    model = _long_context(ReversibleTransformerLM, "blockwise", 3, "rotary", dropout=0.2)
+    assert "PositionalEncoding" not in repr(model)
+    batch = _batch()
+    model = Serial(model, CrossEntropyLoss())
+    _init(model, batch)
+    errors = reconstruction_error(model, batch, jax.random.key(2))
+    assert max(errors) < 1e-5
+
+
+@pytest.mark.parametrize("implementation", [None, "blockwise"])
+def test_rotary_blockwise_model_decodes_the_tokens_of_the_full_forward(implementation):
+    """Greedy decoding with the key/value cache gives the argmax of the full forward."""
+    train = _long_context(ReversibleTransformerLM, implementation, 3, "rotary", dropout=0.0)
+    predict = _long_context(ReversibleTransformerLM, implementation, 3, "rotary",
+                            dropout=0.0, mode="predict")
+    inputs, _, _ = _batch()
+    train.init(_signature(inputs), rng=jax.random.key(0))
+    predict.init(_signature(inputs[:, :1]), rng=jax.random.key(0))
+    state = predict.state
+    steps = []
+    for t in range(LENGTH):
+        y, state = predict.pure_fn(inputs[:, t:t + 1], train.weights, state, None)
+        steps.append(y)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), train(inputs), rtol=1e-4,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [ReversibleTransformerLM, TransformerLM])
+@pytest.mark.parametrize("kwargs,message", [
+    ({"ff_chunk_size": 0}, r"ff_chunk_size=0 must be a positive int"),
+    ({"ff_chunk_size": -8}, r"ff_chunk_size=-8 must be a positive int"),
+    ({"pos_type": "axial"}, r"pos_type='axial' is not one of \('sinusoidal', 'rotary'\)"),
+    ({"attention_type": "CausalAttention"}, r"attention_type='CausalAttention' is not "
+                                            r"callable"),
+    ({"attention_type": lambda d, **kw: 3}, r"gave 3, not a layer"),
+    ({"pos_type": "rotary", "d_model": 6, "n_heads": 2}, r"d_head=3 is odd"),
+])
+def test_bad_long_context_arguments_are_rejected_naming_them(make, kwargs, message):
+    args = dict(vocab_size=4, d_model=4, d_ff=8, n_layers=1, n_heads=2, max_len=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message) as info:
+        make(**args)
+    assert "\n" not in str(info.value)
