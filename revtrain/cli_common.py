@@ -179,7 +179,7 @@ def resolve_config_file(path: str) -> str:
 
 def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
     """Clears gin and parses files then bindings; gin errors become one-line ValueErrors."""
-    from revtrain import configurables  # noqa: F401  (registers the gin configurables)
+    from revtrain import configurables  # registers the gin configurables
 
     files = [resolve_config_file(path) for path in config_files]
     gin.clear_config()
@@ -193,6 +193,7 @@ def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
             gin.add_config_file_search_path(directory)
     try:
         gin.parse_config_files_and_bindings(files, list(bindings), finalize_config=False)
+        configurables.check_bindings()
     except (ValueError, KeyError, SyntaxError, TypeError, OSError) as e:
         raise UsageError(f"gin config: {_one_line(e)}") from e
 

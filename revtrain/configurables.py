@@ -72,6 +72,28 @@ train = gin.external_configurable(
     denylist=["output_dir", "run", "eval_config", "checkpoint", "log", "callbacks"])
 
 
+# What the LMs pass to their ``attention_type`` themselves (an explicit argument beats a
+# gin binding), and the LM parameter that sets it.
+_SET_BY_THE_LM = {"n_heads": "n_heads", "dropout": "dropout", "mode": "mode",
+                  "max_len": "max_len", "mask_bits": "dropout_mask_bits",
+                  "rotary": "pos_type"}
+
+
+def check_bindings() -> None:
+    """Raises ValueError for a binding the model would silently override.
+
+    ``CausalAttention`` is registered to be an LM's ``attention_type``; the LM passes it
+    ``n_heads``, ``dropout``, ``mode``, ``max_len``, ``mask_bits`` (and ``rotary``), so
+    binding one of those on ``CausalAttention`` would have no effect.
+    """
+    bound = gin.get_bindings("CausalAttention")
+    for name, lm_name in _SET_BY_THE_LM.items():
+        if name in bound:
+            raise ValueError(f"CausalAttention.{name} is set by the language model, which "
+                             f"overrides the binding; bind ReversibleTransformerLM."
+                             f"{lm_name} (or TransformerLM.{lm_name}) instead")
+
+
 def run_configs() -> dict[str, object]:
     """``{'run', 'eval_config', 'checkpoint', 'log'}`` built through gin (bindings applied).
 
@@ -85,4 +107,4 @@ def run_configs() -> dict[str, object]:
                                                            strict=True)}
 
 
-__all__ = ["CONSTANTS", "REGISTRY", "run_configs", "train"]
+__all__ = ["CONSTANTS", "REGISTRY", "check_bindings", "run_configs", "train"]

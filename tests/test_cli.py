@@ -75,6 +75,10 @@ def test_nan_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path, capsys):
     ([f"--config_file={COPY_TASK}", "--bogus_flag=1"], "Unknown command line flag"),
     ([f"--config_file={COPY_TASK}"], "--output_dir is required"),
     (["--output_dir=X", "extra"], "unexpected arguments"),
+    ([f"--config_file={COPY_TASK}", "--output_dir=X",
+      "--gin_bindings=CausalAttention.mask_bits=4"],
+     "CausalAttention.mask_bits is set by the language model, which overrides the binding; "
+     "bind ReversibleTransformerLM.dropout_mask_bits"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, capsys, argv_tail, message):
     argv = [a.replace("=X", f"={tmp_path}") for a in argv_tail]

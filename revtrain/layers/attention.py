@@ -259,6 +259,13 @@ class CausalAttention(Layer):
             x = x.astype(jnp.float32)
         batch, length, _ = x.shape
         d_head = self._d_feature // self._n_heads
+        rate = self._dropout if self._mode == "train" else 0.0
+        implementation = None
+        if self._cache_len is None:
+            implementation = self._implementation or choose_implementation(
+                batch, self._n_heads, length, d_head, x.dtype, rate, jax.default_backend())
+            if implementation == "blockwise":
+                return self._blockwise_by_head(x, weights, rng, rate), state
 
         def project(pair, inputs):
             w, b = pair
@@ -274,22 +281,54 @@ class CausalAttention(Layer):
             if self._rotary:
                 positions = jnp.arange(length)
                 q, k = rotary_embedding(q, positions), rotary_embedding(k, positions)
-            attended = self._attend(q, k, v, rng)
+            # The full path, when chosen rather than asked for, keeps jax.nn's own default.
+            passed = None if self._implementation is None and implementation == "xla" else (
+                implementation)
+            attended = dot_product_attention(q, k, v, None, rate, rng, is_causal=True,
+                                             implementation=passed, mask_bits=self._mask_bits)
         return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
 
-    def _attend(self, q, k, v, rng):
-        rate = self._dropout if self._mode == "train" else 0.0
-        batch, length, n_heads, d_head = q.shape
-        implementation = self._implementation or choose_implementation(
-            batch, n_heads, length, d_head, q.dtype, rate, jax.default_backend())
-        if implementation == "blockwise":
-            return blockwise_attention(q, k, v, block_size=self._block_size,
-                                       dropout_rate=rate, rng=rng, mask_bits=self._mask_bits)
-        # The full path, when chosen rather than asked for, keeps jax.nn's own default.
-        passed = None if self._implementation is None and implementation == "xla" else (
-            implementation)
-        return dot_product_attention(q, k, v, None, rate, rng, is_causal=True,
-                                     implementation=passed, mask_bits=self._mask_bits)
+    def _blockwise_by_head(self, x, weights, rng, rate):
+        """The blockwise path, one head at a time: ``y = sum_h attn_h(x) W_o[h] + b_o``.
+
+        A ``lax.scan`` over the heads, each under ``jax.checkpoint``: the backward pass
+        recomputes a head's projections and attention forward, so one head's ``q, k, v``,
+        output and their cotangents (``[batch, length, d_head]`` each) exist at a time,
+        beside ``x``, the sum and their cotangents. That is ``n_heads`` times fewer such
+        buffers than projecting every head at once, for one more forward pass of the
+        attention in the backward pass. Dropout masks are those of all heads at once
+        (`blockwise_attention`'s ``head_start``), so results equal the full path's.
+        """
+        batch, length, d = x.shape
+        n_heads = self._n_heads
+        d_head = d // n_heads
+
+        def by_head(pair):  # [d, d], [d] -> [heads, d, d_head], [heads, d_head]
+            w, b = pair
+            return (jnp.moveaxis(w.astype(x.dtype).reshape(d, n_heads, d_head), 1, 0),
+                    b.astype(x.dtype).reshape(n_heads, d_head))
+
+        projections = tuple(by_head(pair) for pair in weights[:3])
+        w_out = weights[3][0].astype(x.dtype).reshape(n_heads, d_head, d)
+        positions = jnp.arange(length)
+
+        @jax.checkpoint
+        def head(x, projection, w_o, h):
+            q, k, v = (jnp.dot(x, w) + b for w, b in projection)
+            if self._rotary:
+                q, k = (rotary_embedding(a[:, :, None], positions)[:, :, 0] for a in (q, k))
+            attended = blockwise_attention(
+                q[:, :, None], k[:, :, None], v[:, :, None], block_size=self._block_size,
+                dropout_rate=rate, rng=rng, mask_bits=self._mask_bits, head_start=h,
+                total_heads=n_heads)
+            return jnp.dot(attended[:, :, 0], w_o)
+
+        def add_head(total, xs):
+            return total + head(x, *xs), None
+
+        total = jnp.zeros_like(x, shape=(batch, length, d))
+        total, _ = jax.lax.scan(add_head, total, (projections, w_out, jnp.arange(n_heads)))
+        return total + weights[3][1].astype(x.dtype)
 
     def _attend_cached(self, q, k, v, state):
         """Writes ``k, v`` at the cache index and attends to every position up to each query."""

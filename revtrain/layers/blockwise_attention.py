@@ -18,8 +18,14 @@ iteration holds a few ``float32[batch, n_heads, block_size, block_size]`` tempor
 
 Loops are ``lax.fori_loop``/``lax.scan`` over block indices, so the compiled program and its
 compile time do not grow with the length. Logits, softmax statistics and accumulators are
-float32 whatever the input dtype (bfloat16 inputs are multiplied with float32 accumulation);
-the output has ``v``'s dtype.
+at least float32 whatever the input dtype (bfloat16 inputs are multiplied with float32
+accumulation; float64 stays float64); the output has ``v``'s dtype.
+
+Differentiation: reverse mode (``jax.grad``, ``jax.vjp``) and forward-over-reverse
+(``jax.jacfwd(jax.grad(f))``, Hessian-vector products) work; forward mode alone
+(``jax.jvp``) and reverse-over-reverse (``jax.grad`` of ``jax.grad``) do not -- the vjp is
+custom and its loops have data-dependent bounds -- so use ``implementation='xla'`` where a
+second reverse-mode derivative is needed.
 
 Attention dropout drops normalised probabilities, as the full path does; each element's
 keep decision is `revtrain.layers.dropout_masks.position_keep_mask` of its global ``(row,
@@ -48,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from revtrain.layers.core import check_rate
 from revtrain.layers.dropout_masks import (
     DEFAULT_MASK_BITS,
     check_mask_bits,
@@ -70,17 +77,21 @@ def check_block_size(block_size: object, owner: str) -> int:
 
 
 class _Config(NamedTuple):
-    """Static settings of one blockwise computation (hashable, a custom_vjp nondiff arg)."""
+    """Static settings of one blockwise computation (hashable, a custom_vjp nondiff arg);
+    logits and accumulators are ``promote_types(dtype, float32)``: float32, or float64
+    for float64 inputs."""
     length: int        # unpadded sequence length
     block: int         # positions per block
     rate: float        # attention-dropout rate (0: none)
     mask_bits: int
+    total_heads: int   # heads of the whole attention (this call may hold some of them)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                         block_size: int = DEFAULT_BLOCK_SIZE, dropout_rate: float = 0.0,
                         rng: jax.Array | None = None,
-                        mask_bits: int = DEFAULT_MASK_BITS) -> jax.Array:
+                        mask_bits: int = DEFAULT_MASK_BITS, head_start: int | jax.Array = 0,
+                        total_heads: int | None = None) -> jax.Array:
     """Causal scaled dot-product attention over blocks, in memory linear in the length.
 
     Args:
@@ -91,6 +102,9 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       dropout_rate: drop rate of the attention probabilities, in ``[0, 1)``.
       rng: PRNG key of the dropout mask; needed when ``dropout_rate > 0``.
       mask_bits: random bits per mask element, 16 or 8 (`revtrain.layers.dropout_masks`).
+      head_start, total_heads: when ``q, k, v`` hold heads ``head_start ..`` of an
+        attention of ``total_heads`` heads (default: all of them), so that a call per head
+        draws the dropout masks of one call over all heads.
 
     Returns:
       ``[batch, length, n_heads, d_head]`` in ``v.dtype``; equal to the full path
@@ -106,16 +120,47 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     if q.ndim != 4 or q.shape != k.shape or q.shape[:3] != v.shape[:3]:
         raise ValueError(f"blockwise_attention expects q, k, v of shape [batch, length, "
                          f"n_heads, d_head] alike; got {q.shape}, {k.shape}, {v.shape}")
-    rate = float(dropout_rate)
+    if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (q, k, v)):
+        raise ValueError(f"blockwise_attention needs float q, k, v; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}; cast them (e.g. to float32) first")
+    if q.shape[1] == 0:
+        raise ValueError("blockwise_attention got a length-0 sequence; pass at least one "
+                         "position")
+    rate = check_rate(dropout_rate, "blockwise_attention")
     if rate and drop_threshold(rate, mask_bits) == 0:
         rate = 0.0
     if rate and rng is None:
         raise ValueError(f"blockwise_attention with dropout_rate={rate} needs an rng; pass a "
                          f"jax.random.key or use dropout_rate=0")
     seed = mask_seed(rng) if rate else jnp.zeros((2,), jnp.uint32)
+    seed = jnp.concatenate([seed, jnp.asarray(head_start).astype(jnp.uint32).reshape(1)])
     length = q.shape[1]
-    config = _Config(length, min(block_size, length), rate, mask_bits)
+    total = q.shape[2] if total_heads is None else int(total_heads)
+    config = _Config(length, min(block_size, length), rate, mask_bits, total)
+    # Inside shard_map every operand must vary over the mesh axes any of them varies over,
+    # so that the custom vjp's cotangents have their primals' types; autodiff turns the
+    # cast of a replicated operand into a sum over the axis outside the kernel.
+    q, k, v, seed = _vary_alike(q, k, v, seed)
     return _attention(config, q, k, v, seed)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _vary_alike(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """``xs``, each cast to vary over the union of the axes any of them varies over."""
+    axes = frozenset().union(*(_varying_axes(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        out.append(lax.pcast(x, missing, to="varying") if missing else x)
+    return tuple(out)
 
 
 def _pad(x: jax.Array, config: _Config) -> jax.Array:
@@ -141,7 +186,7 @@ def _logits(q_blk: jax.Array, k_blk: jax.Array, i: jax.Array, j: jax.Array,
     """float32 ``[batch, heads, block, block]`` scaled logits, -inf where causally hidden."""
     scale = 1.0 / math.sqrt(q_blk.shape[-1])
     s = jnp.einsum("bqhd,bkhd->bhqk", q_blk, k_blk,
-                   preferred_element_type=jnp.float32) * scale
+                   preferred_element_type=_accumulation(q_blk)) * scale
     rows = i * config.block + jnp.arange(config.block)
     cols = j * config.block + jnp.arange(config.block)
     return jnp.where(cols[None, :] <= rows[:, None], s, -jnp.inf)
@@ -153,16 +198,23 @@ def _dropped(x: jax.Array, seed: jax.Array, i: jax.Array, j: jax.Array,
     if not config.rate:
         return x
     keep = position_keep_mask(seed, x.shape, i * config.block, j * config.block,
-                              config.length, config.rate, config.mask_bits)
+                              config.length, config.rate, config.mask_bits,
+                              head_start=seed[2], total_heads=config.total_heads)
     scale = 1.0 / (1.0 - quantised_rate(config.rate, config.mask_bits))
     return jnp.where(keep, x * scale, 0.0)
 
 
-def _full(shape: tuple[int, ...], value: float, *like: jax.Array) -> jax.Array:
-    """``float32`` ``shape`` filled with ``value``, varying over every mesh axis any of
+def _full(shape: tuple[int, ...], value: float, *like: jax.Array, dtype=jnp.float32
+          ) -> jax.Array:
+    """``dtype`` ``shape`` filled with ``value``, varying over every mesh axis any of
     ``like`` varies over (inside ``shard_map`` a loop carry must keep its axes' type)."""
-    base = sum(jnp.zeros_like(x, shape=(), dtype=jnp.float32) for x in like)
-    return jnp.full(shape, value, jnp.float32) + base
+    base = sum(jnp.zeros_like(x, shape=(), dtype=dtype) for x in like)
+    return jnp.full(shape, value, dtype) + base
+
+
+def _accumulation(x: jax.Array):
+    """The dtype of logits and sums for inputs like ``x``: at least float32."""
+    return jnp.promote_types(x.dtype, jnp.float32)
 
 
 def _heads_last(x: jax.Array) -> jax.Array:
@@ -173,7 +225,7 @@ def _heads_last(x: jax.Array) -> jax.Array:
 def _forward(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array,
              seed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Returns the output ``[batch, padded_length, heads, d]`` in ``v.dtype`` and the
-    per-row log-sum-exp ``float32[batch, heads, padded_length]``.
+    per-row log-sum-exp ``[batch, heads, padded_length]`` (float32, or float64 for float64 inputs).
 
     Everything stays in the inputs' ``[batch, length, heads, d]`` layout: a block is a
     slice of it, and outputs are written into place, so no whole-array transpose or
@@ -183,6 +235,7 @@ def _forward(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array,
     batch, padded, heads, _ = qp.shape
     rows = (batch, heads, config.block)
     like = (qp, kp, vp, seed)
+    acc_dtype = _accumulation(qp)
 
     def query_block(i, outputs):
         out, lse = outputs
@@ -197,17 +250,18 @@ def _forward(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array,
             total = total * correction + p.sum(axis=-1)
             p = _dropped(p, seed, i, j, config).astype(vp.dtype)
             pv = jnp.einsum("bhqk,bkhd->bqhd", p, _block(vp, j, config),
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=acc_dtype)
             return m_new, total, acc * _heads_last(correction) + pv
 
-        init = (_full(rows, -jnp.inf, *like), _full(rows, 0.0, *like),
-                _full(q_blk.shape[:3] + (vp.shape[-1],), 0.0, *like))
+        init = (_full(rows, -jnp.inf, *like, dtype=acc_dtype),
+                _full(rows, 0.0, *like, dtype=acc_dtype),
+                _full(q_blk.shape[:3] + (vp.shape[-1],), 0.0, *like, dtype=acc_dtype))
         m, total, acc = lax.fori_loop(0, i + 1, key_block, init)
         out = _put(out, acc / _heads_last(total), i, config)
         return out, _put(lse, m + jnp.log(total), i, config, axis=2)
 
     out = _full((batch, padded, heads, vp.shape[-1]), 0.0, *like).astype(vp.dtype)
-    lse = _full((batch, heads, padded), 0.0, *like)
+    lse = _full((batch, heads, padded), 0.0, *like, dtype=acc_dtype)
     return lax.fori_loop(0, padded // config.block, query_block, (out, lse))
 
 
@@ -227,8 +281,9 @@ def _attention_bwd(config: _Config, residuals, d_out):
     q, k, v, out, lse, seed = residuals
     qp, kp, vp, dop = (_pad(x, config) for x in (q, k, v, d_out))
     # D_r = sum_c A_rc (do_r . v_c) = do_r . out_r  (A: the dropped probabilities).
+    acc_dtype = _accumulation(qp)
     delta = jnp.einsum("bqhd,bqhd->bhq", dop, _pad(out, config),
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=acc_dtype)
     n_blocks = qp.shape[1] // config.block
     scale = 1.0 / math.sqrt(q.shape[-1])
     like = (qp, kp, vp, dop, lse, seed)
@@ -244,25 +299,26 @@ def _attention_bwd(config: _Config, residuals, d_out):
             p = jnp.exp(_logits(q_blk, k_blk, i, j, config) - lse_blk[..., None])
             dv = dv + jnp.einsum("bhqk,bqhd->bkhd",
                                  _dropped(p, seed, i, j, config).astype(do_blk.dtype), do_blk,
-                                 preferred_element_type=jnp.float32)
+                                 preferred_element_type=acc_dtype)
             dp = jnp.einsum("bqhd,bkhd->bhqk", do_blk, v_blk,
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=acc_dtype)
             ds = p * (_dropped(dp, seed, i, j, config)
                       - _block(delta, i, config, axis=2)[..., None])
             dq_blk = jnp.einsum("bhqk,bkhd->bqhd", ds, k_blk,
-                                preferred_element_type=jnp.float32) * scale
+                                preferred_element_type=acc_dtype) * scale
             dq = _put(dq, _block(dq, i, config) + dq_blk, i, config)
             dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds, q_blk,
-                                 preferred_element_type=jnp.float32) * scale
+                                 preferred_element_type=acc_dtype) * scale
             return dk, dv, dq
 
-        init = (_full(k_blk.shape, 0.0, *like), _full(v_blk.shape, 0.0, *like), dq)
+        init = (_full(k_blk.shape, 0.0, *like, dtype=acc_dtype),
+                _full(v_blk.shape, 0.0, *like, dtype=acc_dtype), dq)
         dk, dv, dq = lax.fori_loop(j, n_blocks, query_block, init)
         return dq, _put(dk_all, dk, j, config), _put(dv_all, dv, j, config)
 
     zeros = [_full(x.shape, 0.0, *like).astype(x.dtype) for x in (kp, vp)]
     dq, dk, dv = lax.fori_loop(0, n_blocks, key_block,
-                               (_full(qp.shape, 0.0, *like), *zeros))
+                               (_full(qp.shape, 0.0, *like, dtype=acc_dtype), *zeros))
     n = config.length
     return dq[:, :n].astype(q.dtype), dk[:, :n], dv[:, :n], None
 

@@ -40,9 +40,10 @@ class Chunk(Layer):
     """Runs a position-wise ``layer`` over chunks of axis 1: ``[batch, length, ...]`` -> same.
 
     Args:
-      layer: a layer with one input and one output that treats positions independently
-        (`LayerNorm`, `Dense`, activations, `Dropout`, or a `Serial` of them) and keeps no
-        state (a chunk must not update state another chunk reads).
+      layer: a layer with one output that treats positions independently (`LayerNorm`,
+        `Dense`, activations, `Dropout`, `Concatenate`, or a `Serial` of them) and keeps no
+        state (a chunk must not update state another chunk reads). With ``n_in > 1``
+        inputs, every input is ``[batch, length, ...]`` and all are chunked alike.
       chunk_size: positions per chunk; a length it does not divide is zero-padded to a
         multiple (the padding's outputs are cut off and get no gradient).
 
@@ -61,32 +62,40 @@ class Chunk(Layer):
     def __init__(self, layer: Layer, chunk_size: int, name: str | None = None):
         if not isinstance(layer, Layer):
             raise TypeError(f"Chunk wraps a Layer; got {type(layer).__name__}: {layer!r}")
-        if layer.n_in != 1 or layer.n_out != 1:
-            raise ValueError(f"Chunk needs a layer with one input and one output; "
+        if layer.n_in < 1 or layer.n_out != 1:
+            raise ValueError(f"Chunk needs a layer with inputs and one output; "
                              f"{layer.name} takes {layer.n_in} and gives {layer.n_out}")
-        super().__init__(n_in=1, n_out=1, name=name or "Chunk", sublayers=(layer,))
+        super().__init__(n_in=layer.n_in, n_out=1, name=name or "Chunk", sublayers=(layer,))
         self._chunk_size = check_chunk_size(chunk_size, "Chunk")
 
     def forward_with_state(self, x, weights, state, rng):
         (layer,) = self.sublayers
         check_per_sublayer(self, weights=weights, state=state)
         (layer_weights,), (layer_state,) = weights, state
-        if x.ndim < 2:
-            raise ValueError(f"Chunk expects [batch, length, ...] inputs; got shape {x.shape}")
-        batch, length = x.shape[:2]
+        items = tuple(x) if self.n_in > 1 else (x,)
+        if any(a.ndim < 2 or a.shape[:2] != items[0].shape[:2] for a in items):
+            raise ValueError(f"Chunk expects [batch, length, ...] inputs of one batch and "
+                             f"length; got shapes {[a.shape for a in items]}")
+        batch, length = items[0].shape[:2]
+        if length == 0:
+            raise ValueError("Chunk got a length-0 input; pass at least one position")
         size = min(self._chunk_size, length)
         n_chunks = -(-length // size)
         pad = n_chunks * size - length
-        if pad:
-            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        chunks = jnp.moveaxis(x.reshape((batch, n_chunks, size) + x.shape[2:]), 1, 0)
+
+        def to_chunks(a):
+            if pad:
+                a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+            return jnp.moveaxis(a.reshape((batch, n_chunks, size) + a.shape[2:]), 1, 0)
 
         @jax.checkpoint
-        def run(chunk, index):
+        def run(chunks, index):
             key = None if rng is None else jax.random.fold_in(rng, index)
-            return layer.pure_fn(chunk, layer_weights, layer_state, key)[0]
+            inputs = chunks if self.n_in > 1 else chunks[0]
+            return layer.pure_fn(inputs, layer_weights, layer_state, key)[0]
 
-        ys = lax.map(lambda args: run(*args), (chunks, jnp.arange(n_chunks)))
+        chunked = tuple(to_chunks(a) for a in items)
+        ys = lax.map(lambda args: run(*args), (chunked, jnp.arange(n_chunks)))
         ys = jnp.moveaxis(ys, 0, 1)
         y = ys.reshape((batch, n_chunks * size) + ys.shape[3:])
         return (y[:, :length] if pad else y), state

@@ -106,7 +106,8 @@ def mask_seed(rng: jax.Array) -> jax.Array:
 
 def position_keep_mask(seed: jax.Array, shape: Sequence[int], row_start: Any,
                        col_start: Any, length: int, rate: float,
-                       mask_bits: int = DEFAULT_MASK_BITS) -> jax.Array:
+                       mask_bits: int = DEFAULT_MASK_BITS, head_start: Any = 0,
+                       total_heads: int | None = None) -> jax.Array:
     """Bool ``[batch, n_heads, n_rows, n_cols]`` keep-mask of one block of an attention matrix.
 
     Element ``(b, h, r, c)`` of the block is element ``(b, h, row_start + r, col_start + c)``
@@ -127,6 +128,9 @@ def position_keep_mask(seed: jax.Array, shape: Sequence[int], row_start: Any,
       length: the matrix's number of rows (the sequence length, unpadded).
       rate: drop probability in ``[0, 1)``.
       mask_bits: 8 or 16 random bits per element.
+      head_start, total_heads: the block's first head and the matrix's number of heads
+        (default 0 and ``n_heads``), for a block of some heads only: ``h`` above is then
+        ``head_start + `` the block's head index, and ``n_heads`` is ``total_heads``.
 
     Returns:
       bool array of ``shape``; True keeps.
@@ -136,10 +140,12 @@ def position_keep_mask(seed: jax.Array, shape: Sequence[int], row_start: Any,
     lanes = 64 // mask_bits
     n_words = -(-n_cols // lanes) + 1
     u32 = jnp.uint32
+    total_heads = n_heads if total_heads is None else int(total_heads)
     b = jnp.arange(batch, dtype=u32)[:, None, None, None]
-    h = jnp.arange(n_heads, dtype=u32)[None, :, None, None]
+    h = (jnp.asarray(head_start).astype(u32)
+         + jnp.arange(n_heads, dtype=u32))[None, :, None, None]
     rows = jnp.asarray(row_start).astype(u32) + jnp.arange(n_rows, dtype=u32)[:, None]
-    rows = (b * u32(n_heads) + h) * u32(length) + rows
+    rows = (b * u32(total_heads) + h) * u32(length) + rows
     col_start = jnp.asarray(col_start).astype(u32)
     words = col_start // u32(lanes) + jnp.arange(n_words, dtype=u32)
     shape4 = (batch, n_heads, n_rows, n_words)

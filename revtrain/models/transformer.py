@@ -159,8 +159,16 @@ def _embed(vocab_size: int, d_model: int, max_len: int, dropout: float,
     return layers + [position]
 
 
-def _head(vocab_size: int) -> list[Layer]:
-    return [LayerNorm(), Dense(vocab_size), LogSoftmax()]
+def _head(vocab_size: int, ff_chunk_size: int | None, streams: int = 1) -> list[Layer]:
+    """``[Concatenate] LayerNorm, Dense(vocab_size), LogSoftmax``; with ``ff_chunk_size`` the
+    position-wise normalisation (and the concatenation of ``streams > 1`` residual streams)
+    runs in a `Chunk` too, so its ``[batch, length, streams * d_model]`` temporaries exist
+    one chunk at a time; the logits are chunked by the fused loss
+    (`revtrain.layers.fused_head`)."""
+    norm = [Concatenate(), LayerNorm()] if streams > 1 else [LayerNorm()]
+    if ff_chunk_size is not None:
+        norm = [Chunk(Serial(*norm), ff_chunk_size)]
+    return [*norm, Dense(vocab_size), LogSoftmax()]
 
 
 def _accepts(model: Layer, vocab_size: int, max_len: int) -> Layer:
@@ -222,11 +230,12 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
         ``attention_type(d_model, n_heads=, dropout=, mode=, max_len=, mask_bits=)``
         (``max_len`` is the cache length in ``'predict'`` mode, else None), plus
         ``rotary=True`` when ``pos_type='rotary'``. Default `CausalAttention`.
-      ff_chunk_size: run each feed-forward block over chunks of this many positions
-        (`revtrain.layers.Chunk`; Trax's ``ff_chunk_size``), so its ``[batch, length,
-        d_ff]`` activation exists one chunk at a time; None runs it whole. Chunking adds a
-        level to the feed-forward weights tree, and with dropout its masks depend on the
-        chunk size.
+      ff_chunk_size: run each feed-forward block, and the head's concatenation and
+        LayerNorm, over chunks of this many positions (`revtrain.layers.Chunk`; Trax's
+        ``ff_chunk_size``), so their ``[batch, length, d_ff]`` and ``[batch, length, 2 *
+        d_model]`` temporaries exist one chunk at a time; None runs them whole. Chunking
+        adds a level to those weights trees, and with dropout the feed-forward masks
+        depend on the chunk size.
       pos_type: ``'sinusoidal'`` (the added table of `PositionalEncoding`) or
         ``'rotary'`` (no table: queries and keys rotated by their positions, RoFormer).
 
@@ -259,7 +268,7 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
     model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode, dropout_mask_bits,
                           pos_type),
                    Dup(),
-                   ReversibleSerial(blocks), Concatenate(), _head(vocab_size),
+                   ReversibleSerial(blocks), _head(vocab_size, ff_chunk_size, streams=2),
                    name="ReversibleTransformerLM")
     return _accepts(model, vocab_size, max_len)
 
@@ -301,5 +310,5 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
     model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode, dropout_mask_bits,
                           pos_type),
                    blocks,
-                   _head(vocab_size), name="TransformerLM")
+                   _head(vocab_size, ff_chunk_size), name="TransformerLM")
     return _accepts(model, vocab_size, max_len)

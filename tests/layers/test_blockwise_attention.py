@@ -130,3 +130,54 @@ def test_dropout_without_rng_and_mismatched_shapes_are_errors():
         blockwise_attention(q, k, v, dropout_rate=0.1)
     with pytest.raises(ValueError, match="alike"):
         blockwise_attention(q, k[:, :4], v)
+
+
+def test_a_call_per_head_draws_the_masks_of_one_call_over_all_heads():
+    q, k, v, _ = _qkv(24, heads=3)
+    rng = jax.random.key(6)
+    whole = blockwise_attention(q, k, v, block_size=8, dropout_rate=0.4, rng=rng)
+    for h in range(3):
+        one = blockwise_attention(q[:, :, h:h + 1], k[:, :, h:h + 1], v[:, :, h:h + 1],
+                                  block_size=8, dropout_rate=0.4, rng=rng, head_start=h,
+                                  total_heads=3)
+        np.testing.assert_allclose(one[:, :, 0], whole[:, :, h], rtol=1e-6, atol=1e-6)
+
+
+def test_replicated_operands_inside_shard_map_get_summed_cotangents():
+    """A replicated k/v beside per-device queries: the cotangents keep their types (the
+    kernel casts them to varying, and autodiff sums over the axis)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
+    q = jax.random.normal(jax.random.key(1), (4, 11, 2, 4))
+    kv = jax.random.normal(jax.random.key(0), (2, 11, 2, 4))
+    q_sharded = jax.device_put(q, NamedSharding(mesh, P("batch")))
+    kv_replicated = jax.device_put(kv, NamedSharding(mesh, P()))
+
+    def grads(q, kv):
+        return jax.grad(lambda q, kv: blockwise_attention(q, kv, kv, block_size=4).sum(),
+                        (0, 1))(q, kv)
+
+    dq, dkv = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P("batch"), P()),
+                                    out_specs=(P("batch"), P())))(q_sharded, kv_replicated)
+    ref_dq, ref_dkv = jax.grad(lambda q, kv: sum(
+        _full(q[2 * d:2 * d + 2], kv, kv).sum() for d in range(2)), (0, 1))(q, kv)
+    np.testing.assert_allclose(dq, ref_dq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dkv, ref_dkv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dropout_rate=1.0), "rate=1.0 must be in"), (dict(dropout_rate=-0.1), "must be in"),
+])
+def test_bad_dropout_rates_are_refused(kwargs, message):
+    q, k, v, _ = _qkv(8)
+    with pytest.raises(ValueError, match=message):
+        blockwise_attention(q, k, v, rng=jax.random.key(0), **kwargs)
+
+
+def test_integer_and_empty_inputs_are_refused():
+    q, k, v, _ = _qkv(8)
+    with pytest.raises(ValueError, match="needs float q, k, v"):
+        blockwise_attention(q.astype(jnp.int32), k, v)
+    with pytest.raises(ValueError, match="length-0"):
+        blockwise_attention(q[:, :0], k[:, :0], v[:, :0])

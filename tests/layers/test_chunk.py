@@ -78,7 +78,21 @@ def test_bad_chunk_size_is_a_one_line_error(chunk_size):
 
 
 def test_layers_it_cannot_chunk_are_refused():
-    with pytest.raises(ValueError, match="one input and one output"):
-        tl.Chunk(tl.Concatenate(), 4)
-    with pytest.raises(ValueError, match="keeps state"):
+    with pytest.raises(ValueError, match="inputs and one output"):
+        tl.Chunk(tl.Dup(), 4)
+    with pytest.raises(tl.LayerError, match="keeps state"):
         tl.Chunk(tl.BatchNorm(), 4).init(SDS((2, 8, 4), jnp.float32))
+
+
+def test_several_inputs_are_chunked_alike():
+    layer = tl.Serial(tl.Concatenate(), tl.LayerNorm())
+    chunked = tl.Chunk(tl.Serial(tl.Concatenate(), tl.LayerNorm()), 3)
+    a, b = (jax.random.normal(jax.random.key(i), (2, 10, 4)) for i in range(2))
+    signature = (SDS(a.shape, a.dtype),) * 2
+    layer.init(signature, rng=jax.random.key(0))
+    chunked.init(signature, rng=jax.random.key(0))
+    chunked.weights = (layer.weights,)
+    assert chunked.n_in == 2
+    np.testing.assert_allclose(chunked((a, b)), layer((a, b)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(tl.LayerError, match="one batch and length"):
+        chunked((a, b[:, :9]))

@@ -102,19 +102,23 @@ def test_a_full_path_train_state_restores_into_a_blockwise_trainer():
 
 
 def test_the_ledger_counts_what_the_attention_vjp_saves():
-    """Trainer's one program differentiates the model: blockwise attention's residuals (q,
-    k, v and the output of each layer) are temporaries of that program, so the ledger's
-    peak holds at least them."""
+    """Trainer's one program differentiates the model: what blockwise attention keeps for
+    its backward pass (each layer's input; one head's q, k, v, output and log-sum-exp at a
+    time) are temporaries of that program, which the ledger adds to the live arrays; and
+    no length x length buffer is among them."""
     length = 1024
     blocks, loss = _model("blockwise", 0.0, ff_chunk_size=None, length=length, n_layers=2)
     trainer = Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), _adam)
     tokens = np.zeros((BATCH, length), np.int32)
     batch = (tokens, tokens, np.ones((BATCH, length), np.float32))
     trainer.one_step(batch, jax.random.key(0))
-    with memory.track_peak(trainer) as report:
-        trainer.one_step(batch, jax.random.key(1))
-        trainer.block_until_ready()
-    residuals = 2 * 4 * BATCH * length * 8 * 4  # 2 layers x (q, k, v, out) float32
-    assert report.method == "ledger" and report.peak_bytes > residuals
-    square = 2 * BATCH * 2 * length * length * 4  # the full path's probabilities alone
-    assert report.peak_bytes < square / 4
+    ledger = memory.MemoryLedger(jax.local_devices()[0])
+    trainer.observers.append(ledger)
+    trainer.one_step(batch, jax.random.key(1))
+    trainer.block_until_ready()
+    [entry] = [e for e in ledger.entries if e.fn_bytes]
+    one_head = 4 * BATCH * length * 4 * 4  # q, k, v, out of one head (d_head 4), float32
+    layer_inputs = 2 * 2 * BATCH * length * 8 * 4  # two streams per layer, float32
+    assert entry.fn_bytes > one_head + layer_inputs
+    square = BATCH * 2 * length * length * 4  # one layer's probabilities, full path
+    assert entry.total_bytes < square / 4

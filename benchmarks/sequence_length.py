@@ -1,0 +1,424 @@
+"""Peak memory and step time against sequence length, by attention and feed-forward kind.
+
+Usage (from the repository root, after ``pip install -e '.[bench]'``)::
+
+    python benchmarks/sequence_length.py                 # 1K..64K, the issue's model
+    python benchmarks/sequence_length.py --quick         # tiny sizes, seconds
+    python benchmarks/sequence_length.py --trax_python=/tmp/traxenv/bin/python  # + Trax
+
+The model is the long-context one of ``configs/reversible_lm_64k.gin`` at benchmark sizes:
+`ReversibleTransformerLM` (vocab 256, d_model 128, d_ff 512, 2 layers, 4 heads, dropout 0)
+with ``CrossEntropyLoss(n_chunks=length // 4096)``, batch 1, Adam, trained by ``--trainer`` (default
+`ReversibleSerialTrainer`) on one device. Variants (``--variants``):
+
+* ``full`` -- ``CausalAttention(implementation='xla')``: the ``length x length`` path,
+  run up to ``--full_max_length`` (beyond it the buffers exceed this machine's memory);
+* ``blockwise`` -- ``implementation='blockwise'`` (``--block_size``), feed-forward whole;
+* ``blockwise_chunked`` -- the same with ``ff_chunk_size=--ff_chunk_size``;
+* ``default`` -- ``implementation=None`` (chosen by size) with the chunked feed-forward.
+
+Each (variant, length) runs in a fresh process: ``--warmup`` steps (the first compiles,
+its time is ``first_step_s``), then ``--steps`` measured steps. Reported: the peak device
+bytes (``memory_stats`` on GPU/TPU, the dispatch ledger on CPU: `revtrain.memory`), the
+process's peak RSS, the median step time, the model FLOPs per step (``6 x`` the forward
+multiply-adds' FLOPs of the projections, the causal half of the attention products, the
+feed-forward and the head: the usual training estimate, reversal's recomputation not
+counted) and their rate as a fraction of a dense float32 ``4096 x 4096`` matmul's FLOP/s
+measured in the same process (the machine's practical peak).
+
+With ``--trax_python`` (a Python with Trax 1.4.1: ``../shared/peers/trax/install.sh``),
+the same lengths also run Trax's ``ReformerLM`` with its ``ReversibleSerialTrainer``
+(``--trax_script``: full attention up to ``--full_max_length``, LSH attention at every
+length), interleaved with revtrain's, each in a fresh process, so the two sides share
+the hour and the machine. Writes ``sequence_length.json``, ``.md`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from absl import flags  # noqa: E402
+
+from benchmarks import harness, report  # noqa: E402
+
+NAME = "sequence_length"
+VARIANTS = {
+    "full": "full (xla)",
+    "blockwise": "blockwise",
+    "blockwise_chunked": "blockwise + ff chunks",
+    "default": "default + ff chunks",
+}
+TRAX_VARIANTS = {"trax_full": "Trax full", "trax_lsh": "Trax LSH"}
+DEFAULTS = {"lengths": "1024,4096,8192,16384,65536", "d_model": 128, "d_ff": 512, "n_layers": 2,
+            "n_heads": 4, "vocab_size": 256, "block_size": 512, "ff_chunk_size": 4096,
+            "full_max_length": 8192}
+QUICK = {"lengths": "64,256", "d_model": 32, "d_ff": 64, "block_size": 32,
+         "ff_chunk_size": 64, "full_max_length": 256}
+TRAX_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "trax" / (
+    "reformer_length.py")
+FLAGS = flags.FLAGS
+
+flags.DEFINE_list("lengths", None, f"sequence lengths (default {DEFAULTS['lengths']})")
+flags.DEFINE_list("variants", list(VARIANTS), f"subset of {','.join(VARIANTS)}")
+flags.DEFINE_enum("trainer", "reversible", ["trainer", "reversible", "memory_efficient"],
+                  "which trainer runs the revtrain variants")
+flags.DEFINE_integer("n_layers", None, "model depth (default 2)", lower_bound=1)
+flags.DEFINE_integer("block_size", None, "blockwise attention's block (default 512)",
+                     lower_bound=1)
+flags.DEFINE_integer("ff_chunk_size", None, "positions per feed-forward chunk (default "
+                     "4096)", lower_bound=1)
+flags.DEFINE_integer("full_max_length", None, "longest length the full path and Trax's "
+                     "full attention run at (default 8192)", lower_bound=1)
+flags.DEFINE_string("trax_python", None, "a Python with Trax 1.4.1 installed: also run "
+                    "Trax's ReformerLM (full and LSH attention) at each length")
+flags.DEFINE_string("trax_script", str(TRAX_SCRIPT), "the Trax side's script")
+flags.register_validator("variants", lambda v: bool(v) and set(v) <= set(VARIANTS),
+                         f"--variants must be a subset of {','.join(VARIANTS)}")
+flags.register_validator("lengths", lambda v: v is None or harness._positive_ints(v),
+                         "--lengths must be positive integers, e.g. 1024,4096")
+
+
+def parse_flags(argv: Sequence[str] | None) -> SimpleNamespace:
+    """The run's settings (shared harness flags plus this script's); see `harness`."""
+    args = harness.parse_flags(argv, steps=2, warmup=1)
+    defaults = {**DEFAULTS, **(QUICK if args.quick else {})}
+    for name in ("lengths", "n_layers", "block_size", "ff_chunk_size", "full_max_length",
+                 "d_model", "d_ff", "n_heads", "vocab_size"):
+        value = getattr(FLAGS, name)
+        explicit = FLAGS[name].present
+        setattr(args, name, value if explicit and value is not None else defaults[name])
+    lengths = args.lengths.split(",") if isinstance(args.lengths, str) else args.lengths
+    args.lengths = [int(n) for n in lengths]
+    args.dropout = 0.0 if not FLAGS["dropout"].present else args.dropout
+    args.batch_size = 1 if not FLAGS["batch_size"].present else args.batch_size
+    return args
+
+
+def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
+    """One config per (length, variant), length-major; Trax's runs beside revtrain's."""
+    base = {name: getattr(args, name) for name in (
+        "d_model", "d_ff", "n_heads", "n_layers", "vocab_size", "batch_size", "dropout",
+        "block_size", "ff_chunk_size", "steps", "warmup", "seed", "trainer")}
+    base |= {"n_devices": 1, "host_allocator": harness.host_heap.host_allocator_choice()}
+    configs = []
+    for length in args.lengths:
+        for variant in args.variants:
+            if variant == "full" and length > args.full_max_length:
+                continue
+            configs.append(base | {"variant": variant, "seq_len": length})
+        if args.trax_python:
+            if length <= args.full_max_length:
+                configs.append(base | {"variant": "trax_full", "seq_len": length})
+            configs.append(base | {"variant": "trax_lsh", "seq_len": length})
+    return configs
+
+
+# ------------------------------------------------------------------------------------------
+# Worker side.
+
+def model_flops(config: dict[str, Any]) -> float:
+    """Training FLOPs of one step: 6 x (multiply-adds of the forward pass) per token."""
+    n, d, f = config["seq_len"], config["d_model"], config["d_ff"]
+    per_layer = 4 * d * d + 2 * d * f + 2 * (n + 1) / 2 * d  # attention: causal half
+    macs = config["batch_size"] * n * (config["n_layers"] * per_layer
+                                       + 2 * d * config["vocab_size"])
+    return 6.0 * macs
+
+
+def matmul_flops_per_second(n: int = 4096, repeats: int = 3) -> float:
+    """FLOP/s of a dense float32 ``n x n`` matmul on the default device (best of a few)."""
+    import jax
+    import jax.numpy as jnp
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(jnp.dot)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best
+
+
+def build(config: dict[str, Any]):
+    """The configured trainer on the long-context model, and a batch."""
+    import functools
+
+    import jax
+    import optax
+
+    from revtrain import layers as tl
+    from revtrain.models import ReversibleTransformerLM
+    from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
+
+    variant = config["variant"]
+    implementation = {"full": "xla", "default": None}.get(variant, "blockwise")
+    attention = functools.partial(tl.CausalAttention, implementation=implementation,
+                                  block_size=config["block_size"])
+    chunk = config["ff_chunk_size"] if variant in ("blockwise_chunked", "default") else None
+    model = ReversibleTransformerLM(
+        vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
+        n_layers=config["n_layers"], n_heads=config["n_heads"], max_len=config["seq_len"],
+        dropout=config["dropout"], attention_type=attention, ff_chunk_size=chunk,
+        ff_activation=tl.Relu)
+    config = config | {"batch_size": config["batch_size"]}
+    batch = harness.make_batch(config)
+    signature = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
+    # The fused loss in chunks of 4,096 positions (as configs/reversible_lm_64k.gin binds).
+    n_chunks = max(1, config["seq_len"] // 4096)
+    blocks, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss(n_chunks=n_chunks)])
+    tl.init_reversible_blocks(blocks, loss, signature, jax.random.key(config["seed"]))
+
+    def optimizer_fn():
+        return optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+
+    if config["trainer"] == "trainer":
+        return Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), optimizer_fn), batch
+    cls = {"reversible": ReversibleSerialTrainer,
+           "memory_efficient": MemoryEfficientTrainer}[config["trainer"]]
+    return cls(blocks, loss, optimizer_fn), batch
+
+
+def measure(config: dict[str, Any]) -> dict[str, Any]:
+    """One revtrain configuration: first step, measured steps, peak memory, FLOP/s."""
+    import jax
+
+    from revtrain import memory
+
+    trainer, batch = build(config)
+    start = time.perf_counter()
+    for step in range(config["warmup"]):
+        trainer.one_step(batch, jax.random.key(step), step=step)
+        trainer.block_until_ready()
+        if step == 0:
+            first = time.perf_counter() - start
+    times, losses = [], []
+    with memory.track_peak(trainer) as peak:
+        for step in range(config["warmup"], config["warmup"] + config["steps"]):
+            begin = time.perf_counter()
+            loss, _ = trainer.one_step(batch, jax.random.key(step), step=step)
+            trainer.block_until_ready()
+            times.append(time.perf_counter() - begin)
+            losses.append(float(loss))
+    step_s = statistics.median(times)
+    flops = model_flops(config)
+    matmul = matmul_flops_per_second()
+    return {"method": peak.method, "peak_bytes": peak.peak_bytes,
+            "peak_label": peak.peak_label, "peak_rss_bytes": peak.peak_rss_bytes,
+            "first_step_s": first, "step_s": step_s, "step_times_s": times,
+            "losses": losses, "model_flops": flops, "model_flops_per_s": flops / step_s,
+            "matmul_flops_per_s": matmul, "fraction_of_matmul": flops / step_s / matmul}
+
+
+def run_trax(args: SimpleNamespace, config: dict[str, Any]) -> dict[str, Any]:
+    """Trax's side in a fresh process: its script prints one JSON line."""
+    attention = "full" if config["variant"] == "trax_full" else "lsh"
+    command = [args.trax_python, args.trax_script, str(config["seq_len"]),
+               str(config["d_model"]), attention]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                              env=harness.worker_env(1) | {"XLA_FLAGS": ""})
+    except subprocess.TimeoutExpired:
+        return config | {"error": f"timed out after {args.timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            out = json.loads(line)
+            return config | {"peak_rss_bytes": out["peak_rss_MiB"] * harness.MIB,
+                             "first_step_s": out["first_s"], "step_s": out["step_s"],
+                             "losses": [out["loss"]],
+                             "worker_wall_s": time.perf_counter() - start}
+    tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+    return config | {"error": f"trax exited with code {done.returncode}: {tail}"}
+
+
+# ------------------------------------------------------------------------------------------
+# Parent side: run, write, render.
+
+def _describe(r: dict[str, Any]) -> str:
+    peak = f"peak {report.mib(r.get('peak_bytes'))} MiB ({r['method']}), " if (
+        "method" in r) else ""
+    return (f"{peak}peak RSS {report.mib(r['peak_rss_bytes'])} MiB, step {r['step_s']:.2f} s,"
+            f" first step {r['first_step_s']:.1f} s")
+
+
+def _label(variant: str) -> str:
+    return {**VARIANTS, **TRAX_VARIANTS}[variant]
+
+
+# The issue's figures, before blockwise attention: the ledger peak of the full path at 8K and
+# Trax 1.4.1's LSH peak RSS at 64K (used when a run has no Trax rows of its own).
+BEFORE_8K_PEAK_MIB = 4180
+TRAX_LSH_64K_RSS_MIB = 1715
+
+
+def _find(results: Sequence[dict[str, Any]], variant: str, length: int) -> dict | None:
+    found = [r for r in results if r["variant"] == variant and r["seq_len"] == length
+             and "error" not in r]
+    return found[0] if found else None
+
+
+def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The long-sequence targets, checked against ``results`` (those it has rows for)."""
+    checks = []
+
+    def check(target, value, met):
+        checks.append({"target": target, "value": value, "met": bool(met)})
+
+    long = _find(results, "default", 65536) or _find(results, "blockwise_chunked", 65536)
+    if long:
+        peak = long["peak_bytes"] / harness.MIB
+        check("64K peak device memory <= 512 MiB", f"{peak:,.1f} MiB", peak <= 512)
+        trax = _find(results, "trax_lsh", 65536)
+        limit = trax["peak_rss_bytes"] / harness.MIB if trax else TRAX_LSH_64K_RSS_MIB
+        rss = long["peak_rss_bytes"] / harness.MIB
+        check(f"64K peak RSS <= Trax LSH's ({limit:,.0f} MiB)", f"{rss:,.0f} MiB",
+              rss <= limit)
+        mid = _find(results, long["variant"], 16384)
+        if mid:
+            ratio = long["peak_bytes"] / mid["peak_bytes"]
+            check("linear: 64K peak <= 4.5x 16K peak", f"{ratio:.2f}x", ratio <= 4.5)
+    default = _find(results, "default", 8192)
+    if default:
+        ratio = default["peak_bytes"] / harness.MIB / BEFORE_8K_PEAK_MIB
+        check(f"8K default peak <= 0.15x the full path's {BEFORE_8K_PEAK_MIB:,} MiB before",
+              f"{ratio:.3f}x", ratio <= 0.15)
+    full, trax_full = _find(results, "full", 8192), _find(results, "trax_full", 8192)
+    if full and trax_full:
+        ratio = full["peak_rss_bytes"] / trax_full["peak_rss_bytes"]
+        check("8K full path peak RSS <= Trax full attention's", f"{ratio:.2f}x", ratio <= 1.0)
+    return checks
+
+
+def readme_table(payload: dict[str, Any]) -> str:
+    """The README's table: per length, revtrain's full and default paths beside Trax's."""
+    results = payload["results"]
+    lengths = sorted({r["seq_len"] for r in results})
+
+    def cell(variant, length, device=True):
+        r = _find(results, variant, length)
+        if r is None:
+            return "—"
+        memory = (f"{report.mib(r['peak_bytes'])} / " if device and "peak_bytes" in r
+                  else "")
+        return f"{memory}{report.mib(r['peak_rss_bytes'])} / {r['step_s']:.2f} s"
+
+    rows = [[f"{n:,}", cell("full", n), cell("default", n), cell("trax_full", n, False),
+             cell("trax_lsh", n, False)] for n in lengths]
+    return report.markdown_table(
+        ["length", "revtrain full: peak MiB / RSS MiB / step", "revtrain default: peak MiB "
+         "/ RSS MiB / step", "Trax full: RSS MiB / step", "Trax LSH: RSS MiB / step"], rows)
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    """The results as a Markdown table (one row per length and variant)."""
+    c, info = payload["config"], payload["machine"]
+    lines = [f"Sequence length: {c['trainer']} trainer, d_model {c['d_model']}, d_ff "
+             f"{c['d_ff']}, {c['n_layers']} layers, {c['n_heads']} heads, batch "
+             f"{c['batch_size']}, vocab {c['vocab_size']}, dropout {c['dropout']}, Adam; "
+             f"block_size {c['block_size']}, ff_chunk_size {c['ff_chunk_size']}; host "
+             f"allocator {c.get('host_allocator', 'system')}.",
+             f"Measured {info['date']} on {info['processor']} ({info['cpu_count']} CPUs), "
+             f"jax {info['jax']}; each row a fresh process, Trax's rows interleaved.", ""]
+    rows = []
+    for r in payload["results"]:
+        if "error" in r:
+            rows.append([f"{r['seq_len']:,}", _label(r["variant"]), "failed", "", "", "", ""])
+            continue
+        peak = f"{report.mib(r['peak_bytes'])} ({r['method']})" if "peak_bytes" in r else "—"
+        fraction = f"{100 * r['fraction_of_matmul']:.1f}%" if "fraction_of_matmul" in r else "—"
+        rows.append([f"{r['seq_len']:,}", _label(r["variant"]), peak,
+                     report.mib(r["peak_rss_bytes"]), f"{r['step_s']:.2f}",
+                     f"{r['first_step_s']:.1f}", fraction])
+    lines.append(report.markdown_table(
+        ["length", "variant", "peak device MiB", "peak RSS MiB", "step s", "first step s",
+         "model FLOP/s vs matmul"], rows))
+    checks = targets(payload["results"])
+    if checks:
+        lines += ["", report.markdown_table(
+            ["target", "measured", "met"],
+            [[c["target"], c["value"], "yes" if c["met"] else "no"] for c in checks])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, results: Sequence[dict[str, Any]]) -> bool:
+    """Peak memory and step time against length, log-log, one line per variant."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is missing, so {path.name} was not written; "
+              f"pip install -e '.[bench]'")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("peak device memory", "MiB", "peak_bytes", harness.MIB),
+              ("peak RSS", "MiB", "peak_rss_bytes", harness.MIB),
+              ("step time", "s", "step_s", 1.0))
+    variants = dict.fromkeys(r["variant"] for r in results)
+    for ax, (title, unit, key, scale) in zip(axes, panels, strict=True):
+        for variant in variants:
+            points = [(r["seq_len"], r[key] / scale) for r in results
+                      if r["variant"] == variant and "error" not in r and key in r]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", label=_label(variant))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(out_dir: Path, payload: dict[str, Any]) -> None:
+    report.write_json(out_dir / f"{NAME}.json", payload)
+    (out_dir / f"{NAME}.md").write_text(markdown(payload))
+    plot(out_dir / f"{NAME}.png", payload["results"])
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs (or, with ``--render_only``, re-renders) the benchmark; returns the payload."""
+    args = parse_flags(argv)
+    if args.render_only:
+        payload = report.read_json(args.out_dir / f"{NAME}.json")
+        write(args.out_dir, payload)
+        return payload
+    configs = configurations(args)
+    results = []
+    for k, config in enumerate(configs, 1):
+        if config["variant"] in TRAX_VARIANTS:
+            result = run_trax(args, config)
+        else:
+            result = harness.run_worker(__file__, config, args.timeout)
+        outcome = f"ERROR {result['error']}" if "error" in result else _describe(result)
+        print(f"[{k}/{len(configs)}] length {config['seq_len']:,}, "
+              f"{_label(config['variant'])}: {outcome}", flush=True)
+        results.append(result)
+    payload = {"benchmark": NAME, "machine": harness.machine_info(),
+               "config": harness.with_workers_host_allocator(configs[0], results),
+               "results": results}
+    write(args.out_dir, payload)
+    print(markdown(payload))
+    return payload
+
+
+if __name__ == "__main__":
+    harness.script_main(main, measure)

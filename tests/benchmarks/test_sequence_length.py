@@ -1,0 +1,53 @@
+"""benchmarks/sequence_length.py: runs end to end at tiny sizes; targets; the README table
+is the one the committed results give."""
+import json
+import re
+from pathlib import Path
+
+from benchmarks import harness, sequence_length
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_runs_each_variant_in_a_worker_and_writes_outputs(tmp_path):
+    payload = sequence_length.main(["--quick", "--lengths", "64,256", "--steps", "1",
+                                    "--out_dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "sequence_length.json").read_text())
+    assert saved["results"] == json.loads(json.dumps(payload["results"]))
+    rows = {(r["variant"], r["seq_len"]): r for r in saved["results"]}
+    assert set(rows) == {(v, n) for v in sequence_length.VARIANTS for n in (64, 256)}
+    for r in rows.values():
+        assert "error" not in r, r.get("error")
+        assert r["method"] == "ledger" and r["peak_bytes"] > 0 and r["step_s"] > 0
+        assert 0 < r["fraction_of_matmul"] < 1 and r["model_flops"] > 0
+    # Blockwise holds no 256 x 256 buffers: below the full path at the longer length.
+    assert rows[("blockwise", 256)]["peak_bytes"] < rows[("full", 256)]["peak_bytes"]
+    assert "| 256 | blockwise |" in (tmp_path / "sequence_length.md").read_text()
+    assert (tmp_path / "sequence_length.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _row(variant, length, peak_mib, rss_mib, step=1.0):
+    return {"variant": variant, "seq_len": length, "peak_bytes": peak_mib * harness.MIB,
+            "peak_rss_bytes": rss_mib * harness.MIB, "step_s": step, "method": "ledger"}
+
+
+def test_targets_use_the_runs_own_trax_rows():
+    results = [_row("default", 16384, 200, 900), _row("default", 65536, 600, 1600),
+               _row("trax_lsh", 65536, 0, 1500), _row("default", 8192, 100, 700),
+               _row("full", 8192, 4000, 7000), _row("trax_full", 8192, 0, 5000)]
+    checks = {c["target"]: c for c in sequence_length.targets(results)}
+    assert not checks["64K peak device memory <= 512 MiB"]["met"]
+    assert not checks["64K peak RSS <= Trax LSH's (1,500 MiB)"]["met"]
+    assert checks["linear: 64K peak <= 4.5x 16K peak"]["value"] == "3.00x"
+    assert checks["8K default peak <= 0.15x the full path's 4,180 MiB before"]["met"]
+    assert checks["8K full path peak RSS <= Trax full attention's"]["value"] == "1.40x"
+
+
+def test_the_readme_table_is_generated_from_the_committed_results():
+    payload = json.loads((ROOT / "benchmarks" / "results" / "sequence_length" /
+                          "sequence_length.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- sequence_length table -->\n(.*?)\n<!-- end -->", readme, re.S)
+    assert block, "README.md lacks the sequence_length table markers"
+    assert block.group(1).strip() == sequence_length.readme_table(payload).strip(), (
+        "README's sequence-length table is stale; paste sequence_length.readme_table()")
