@@ -27,6 +27,7 @@ restorable one.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import sys
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 SEPARATOR = "/"
 _KEY_MARK = "__prng_key__"  # Suffix of the path of a flattened typed PRNG key.
 _DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's per-step metadata file.
 
 
 def _is_typed_key(leaf: Any) -> bool:
@@ -189,6 +191,16 @@ def _orphaned_read_failures(record: logging.LogRecord) -> bool:
     return not (orphaned and _is_tensorstore_read(error))
 
 
+# orbax's own reports of a damaged step's metadata, logged while it lists the steps;
+# `Checkpointer.restore` names such a step once, with what to do.
+_STEP_METADATA_REPORTS = ("Metadata file does not exist: ",
+                          "Failed to json parse Metadata file: ")
+
+
+def _step_metadata_reports(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_STEP_METADATA_REPORTS)
+
+
 def _is_tensorstore_read(error: BaseException | None) -> bool:
     text = str(error)
     return error is not None and ('"zarr" driver' in text or "OCDBT database" in text)
@@ -233,6 +245,22 @@ def _step_dirs(directory: str) -> list[int]:
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
+def _check_layout(step_dir: str) -> None:
+    """Raises FileNotFoundError (the reason, one line) unless ``step_dir`` has orbax's
+    step metadata (``_CHECKPOINT_METADATA``, a JSON object) and its ``default`` item."""
+    if not os.path.isdir(os.path.join(step_dir, _DEFAULT_ITEM)):
+        raise FileNotFoundError(f"it has no {_DEFAULT_ITEM}/ item (an empty or partly "
+                                f"deleted step directory)")
+    try:
+        with open(os.path.join(step_dir, _STEP_METADATA)) as f:
+            metadata = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"its {_STEP_METADATA} is missing or not JSON ("
+                                f"{type(e).__name__})") from e
+    if not isinstance(metadata, dict):
+        raise FileNotFoundError(f"its {_STEP_METADATA} is not a JSON object")
+
+
 def barrier(name: str) -> None:
     """Waits for every process (no-op with one process)."""
     if jax.process_count() > 1:
@@ -265,6 +293,8 @@ class Checkpointer:
                  keep_time_interval: float | datetime.timedelta | None = None,
                  async_save: bool = False, cleanup_tmp: bool = False):
         self.directory = os.path.abspath(directory)
+        if _step_metadata_reports not in logging.getLogger("absl").filters:
+            logging.getLogger("absl").addFilter(_step_metadata_reports)
         self._keep = (keep_period, keep_time_interval)
         self._promises = retention.read_promises(self.directory)
         kept = retention.promised_steps(self._promises, _step_dirs(self.directory))
@@ -389,10 +419,16 @@ class Checkpointer:
         """Checks ``step``'s saved paths (those under ``roots``; None: all), shapes and
         dtypes against ``expected`` (a `flatten_tree` result) without reading arrays.
 
+        The step directory's layout is checked on disk first (`_check_layout`), so orbax is
+        only asked about a step that has its ``default`` item: orbax's manager decides
+        once, on the first step it reads, whether its checkpoints hold one unnamed item,
+        and an empty step directory read first would make it misread every later step.
+
         Raises:
-          FileNotFoundError: the step's metadata is missing or unreadable.
+          FileNotFoundError: the step's layout or metadata is missing or unreadable.
           CheckpointMismatchError: as `check_matches`.
         """
+        _check_layout(os.path.join(self.directory, str(step)))
         metadata = self._manager.metadata(step).item_metadata
         tree = None if metadata is None else getattr(metadata, "tree", None)
         if tree is None:
