@@ -296,8 +296,9 @@ class Checkpointer:
         if _step_metadata_reports not in logging.getLogger("absl").filters:
             logging.getLogger("absl").addFilter(_step_metadata_reports)
         self._keep = (keep_period, keep_time_interval)
-        self._promises = retention.read_promises(self.directory)
-        kept = retention.promised_steps(self._promises, _step_dirs(self.directory))
+        existing = _step_dirs(self.directory)
+        self._promises = retention.read_promises(self.directory, existing)
+        kept = retention.promised_steps(self._promises, existing)
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,
             preservation_policy=retention.preservation_policy(

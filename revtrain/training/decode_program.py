@@ -18,6 +18,7 @@ from revtrain.training.checkpoints import Checkpointer
 from revtrain.training.config import RunConfig
 from revtrain.training.decoding import CachedDecoder, Decoder, decode_text
 from revtrain.training.loop import CHECKPOINT_DIR
+from revtrain.training.run_files import write_atomic
 
 DECODER_DIR = "decoder_out"
 
@@ -70,7 +71,14 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
 
     Returns:
       The records written, ``{"prompt", "continuation", "tokens"}`` each.
+
+    Raises:
+      ValueError: ``prompts`` is empty (``path`` is left as it was).
+      OSError: ``path`` could not be written; it is left as it was.
     """
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError(f"no prompt to decode; {path} is left as it was")
     records = []
     for i, prompt in enumerate(prompts):
         text, tokens = decode_text(decoder, prompt, max_new_bytes, temperature, seed + i,
@@ -78,7 +86,5 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
         records.append({"prompt": prompt, "continuation": text, "tokens": tokens})
     if jax.process_index() == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in records)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
     return records
