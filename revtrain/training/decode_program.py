@@ -46,7 +46,8 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
         raise ValueError(f"revtrain-decode continues text with a byte-level LM; this run's "
                          f"inputs {type(inputs).__name__} are not byte-level")
     built = build_model(run, inputs)
-    checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=None)
+    checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=None,
+                                read_only=True)
     try:
         step = checkpointer.latest_step() if step is None else step
         if step is None and not allow_random_init:
