@@ -34,6 +34,7 @@ Each ``*_main(argv)`` builds its own flag set, so the tools can be called in-pro
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -158,6 +159,10 @@ def _eval(fv: flags.FlagValues) -> int:
                          "--eval_steps=N or --one_pass")
     evaluator = CheckpointEvaluator(configs["run"], eval_config, output_dir, fv.split)
     try:
+        if not fv.wait and not evaluator.checkpointer.all_steps():
+            raise UsageError(f"no checkpoint to load in {evaluator.checkpointer.directory}; "
+                             f"train first, or pass --wait to evaluate the checkpoints as "
+                             f"they appear")
         if fv.step is not None and fv.step not in evaluator.checkpointer.all_steps():
             raise UsageError(f"--step={fv.step}: no checkpoint of that step in "
                              f"{evaluator.checkpointer.directory}; it has "
@@ -204,10 +209,7 @@ def _decode(fv: flags.FlagValues) -> int:
         raise UsageError("--max_new_bytes must be >= 0 and --temperature >= 0")
     if fv.prompts_file and fv["prompt"].present:
         raise UsageError("give --prompt or --prompts_file, not both")
-    prompts = [fv.prompt]
-    if fv.prompts_file:
-        with open(fv.prompts_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [fv.prompt]
     output_dir, configs, _ = _read_run(fv)
     decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
                                  fv.cache)
@@ -219,6 +221,22 @@ def _decode(fv: flags.FlagValues) -> int:
             print(record["prompt"] + record["continuation"], flush=True)
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+    """The non-blank lines of ``--prompts_file``; a usage error when there are none, so
+    nothing (no ``decoder_out`` file) is written."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "it is not UTF-8 text"
+        raise UsageError(f"--prompts_file={path}: {reason}; give a UTF-8 file of prompts, "
+                         f"one per line") from e
+    if not prompts:
+        raise UsageError(f"--prompts_file={path} holds no prompt (it is empty or blank); "
+                         f"give one prompt per line")
+    return prompts
 
 
 def decode_main(argv: Sequence[str] | None = None) -> int:
@@ -269,7 +287,44 @@ def _app_run(main: Callable[[Sequence[str]], int], tool: str) -> None:
         flags.FLAGS.mark_as_parsed()
         return argv
 
-    app.run(main, flags_parser=parse)
+    def run_main(argv: list[str]) -> int:
+        status = main(argv)
+        _nothing_after_the_last_line(status)
+        return status
+
+    app.run(run_main, flags_parser=parse)
+
+
+def _nothing_after_the_last_line(status: int) -> None:
+    """Keeps the command's last line last while the interpreter shuts down.
+
+    Once ``main`` has returned, its work is done (checkpoints committed, the lock
+    released), so a Ctrl-C now exits at once with status 130 instead of raising
+    ``KeyboardInterrupt`` inside an ``atexit`` handler. After a failure reported in one
+    line (status not 0; ``--traceback`` raises instead of returning), what the failure left
+    behind -- orbax's and tensorstore's threads, asyncio's "Event loop is closed",
+    tensorboardX's ``atexit`` flush on a full disk, C++ logs -- is not shown: Python's
+    reports of it are dropped and stderr goes to ``/dev/null``.
+    """
+    import signal
+    import threading
+    import warnings
+
+    def exit_now(signum: int, frame: object) -> None:
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, exit_now)
+    if status == 0:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.unraisablehook = lambda unraisable: None
+    threading.excepthook = lambda args: None
+    warnings.simplefilter("ignore")
+    logging.disable(logging.CRITICAL)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stderr.fileno())
+    os.close(devnull)
 
 
 def run_train() -> None:

@@ -218,6 +218,25 @@ def _print_metrics(prefix: str, metrics: dict[str, float]) -> None:
         print(f"{prefix}: {text}", flush=True)
 
 
+def _orbax_thread_report(record: logging.LogRecord) -> bool:
+    """False for orbax's report, with a traceback, of a failure in one of its threads: the
+    failure reaches the main thread (the save or the wait raises it) and is reported there
+    in one line."""
+    return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+@contextlib.contextmanager
+def _without_thread_reports(traceback: bool) -> Iterator[None]:
+    """Drops `_orbax_thread_report` records unless ``--traceback`` asks for everything."""
+    absl = logging.getLogger("absl")
+    if not traceback:
+        absl.addFilter(_orbax_thread_report)
+    try:
+        yield
+    finally:
+        absl.removeFilter(_orbax_thread_report)
+
+
 def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
          body: Callable[[flags.FlagValues], int]) -> int:
     """Parses flags and runs ``body``, turning errors into one line and an exit status."""
@@ -228,7 +247,7 @@ def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
     except (flags.Error, UsageError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    with _absl_logging(prog, fv):
+    with _absl_logging(prog, fv), _without_thread_reports(fv.traceback):
         try:
             return body(fv)
         except UsageError as e:
@@ -237,7 +256,10 @@ def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
             print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            print(f"{prog}: interrupted", file=sys.stderr)
+            kept = ("; checkpoints are saved atomically, so the newest complete one is "
+                    "intact and the steps after it are lost" if prog == "revtrain-train"
+                    else "")
+            print(f"{prog}: interrupted{kept}", file=sys.stderr)
             return 128 + signal.SIGINT
         except Exception as e:  # One line for users; --traceback for developers.
             if fv.traceback:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -128,25 +129,97 @@ def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
     assert record["prompt"] == "def " and len(record["tokens"]) == 5
     assert cli.eval_main(["revtrain-eval", f"--output_dir={tmp_path / 'none'}"]) == 2
     assert "config.gin not found" in capsys.readouterr().err
+    for content in ("", "\n  \n"):  # No prompt: a usage error; the old output is kept.
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text(content)
+        assert cli.decode_main(["revtrain-decode", f"--output_dir={out}",
+                                f"--prompts_file={prompts}"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"revtrain-decode: error: --prompts_file={prompts} holds no prompt (it is empty "
+            f"or blank); give one prompt per line"]
+        with open(os.path.join(out, "decoder_out", "step_2.jsonl")) as f:
+            assert json.loads(f.read()) == record
+    fresh = tmp_path / "configured"  # A run's config.gin, no checkpoint.
+    fresh.mkdir()
+    shutil.copy(os.path.join(out, "config.gin"), fresh / "config.gin")
+    assert cli.eval_main(["revtrain-eval", f"--output_dir={fresh}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"revtrain-eval: error: no checkpoint to load in {fresh}/checkpoints; train first, "
+        f"or pass --wait to evaluate the checkpoints as they appear")
+    assert os.listdir(fresh) == ["config.gin"]  # Nothing created.
 
 
-def test_console_script_runs_and_sigterm_saves(tmp_path):
+def _start_and_signal(out, signals, *bindings, wait_for=" train: loss"):
+    """Starts revtrain-train, sends ``signals`` 50 ms apart once a stderr line holds
+    ``wait_for``; returns ``(returncode, stderr)``. It sees as many CPU devices as the
+    tests' process, so its steps are bitwise those of an in-process run."""
+    import time
+
     script = shutil.which("revtrain-train", path=os.path.dirname(sys.executable))
     assert script, "revtrain-train is not installed; pip install -e . to create it"
-    out = str(tmp_path)
     argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
-    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=100000",
-                                                    "CheckpointConfig.every=0"]]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:  # Wait for the first train log line, then ask it to stop.
-        if " train: loss" in line:
-            proc.terminate()
+    argv += [f"--gin_bindings={b}" for b in TINY + ["train.steps=100000", *bindings]]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(len(jax.devices())))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if wait_for in line:
+            for signum in signals:
+                proc.send_signal(signum)
+                time.sleep(0.05)
             break
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + 15, err
-    assert "stopped by SIGTERM after step" in err and "Traceback" not in err
+    return proc.returncode, "".join(lines) + err
+
+
+def _assert_same_checkpoints(a, b, step):
+    saved, straight = _checkpoint(a, step), _checkpoint(b, step)
+    assert sorted(saved) == sorted(straight)
+    for key in saved:
+        np.testing.assert_array_equal(saved[key], straight[key], err_msg=key)
+
+
+def test_sigterm_twice_saves_once_and_the_run_resumes_bit_exact(tmp_path):
+    import signal
+
+    out = str(tmp_path / "run")
+    code, err = _start_and_signal(out, [signal.SIGTERM, signal.SIGTERM],
+                                  "CheckpointConfig.every=0")
+    assert code == 128 + 15, err
+    assert "received SIGTERM again: ignored" in err and "Traceback" not in err
+    assert "stopped by SIGTERM after step" in err
+    [step] = _steps(out)
+    assert f"saved the checkpoint of step {step}" in err and step >= 2
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [str(step)]  # No tmp.
+    assert not os.path.exists(os.path.join(out, "run.lock"))
+    assert _train(out, f"train.steps={step + 2}", "CheckpointConfig.every=0") == 0
+    straight = str(tmp_path / "straight")
+    assert _train(straight, f"train.steps={step + 2}", "CheckpointConfig.every=0") == 0
+    _assert_same_checkpoints(out, straight, step + 2)
+
+
+def test_second_ctrl_c_forces_an_exit_keeping_the_last_checkpoint_and_no_lock(tmp_path):
+    import signal
+
+    out = str(tmp_path)
+    code, err = _start_and_signal(out, [signal.SIGINT, signal.SIGINT],
+                                  "CheckpointConfig.every=1", "LogConfig.every=1",
+                                  wait_for="saved the checkpoint of step 2")
+    assert code == 128 + 2, err
+    assert not os.path.exists(os.path.join(out, "run.lock"))
     steps = _steps(out)
-    assert len(steps) == 1 and steps[0] >= 2
+    assert steps and int(_checkpoint(out, steps[-1])["step"]) == steps[-1]
+    # The second Ctrl-C lands in the save (KeyboardInterrupt, reported in one line) or once
+    # the run has stopped (it is exiting anyway).
+    if "revtrain-train: interrupted" in err:
+        assert err.strip().splitlines()[-1] == (
+            "revtrain-train: interrupted; checkpoints are saved atomically, so the newest "
+            "complete one is intact and the steps after it are lost"), err
+    else:
+        assert "stopped by SIGINT after step" in err, err
+    assert _train(out, f"train.steps={steps[-1] + 1}", "CheckpointConfig.every=1") == 0
 
 
 @pytest.mark.parametrize("name", sorted(f for f in os.listdir(CONFIGS) if f.endswith(".gin")))
@@ -224,3 +297,56 @@ def test_verbosity_sets_the_logging_levels(flag, revtrain_level, absl_level):
         assert logging.getLogger("revtrain.training").getEffectiveLevel() == revtrain_level
         assert logging.getLogger("absl").getEffectiveLevel() == absl_level
     assert logging.getLogger().level == root_level
+
+
+@pytest.mark.parametrize("init", ["missing", "empty"])
+def test_a_warm_start_without_a_checkpoint_is_one_line_and_creates_nothing(tmp_path, capsys,
+                                                                          init):
+    source = tmp_path / init
+    if init == "empty":
+        source.mkdir()
+    new = tmp_path / "new"
+    assert _train(str(new), f"CheckpointConfig.init_checkpoint_dir='{source}'") == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    reason = "is not a directory" if init == "missing" else "holds no checkpoint"
+    assert line.startswith(f"revtrain-train: error: FileNotFoundError: CheckpointConfig."
+                           f"init_checkpoint_dir='{source}' {reason}"), line
+    assert not new.exists()  # Not even an empty checkpoints/.
+
+
+def _mount_tmpfs(path, size):
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): the full-disk test "
+                    f"did not run ({mounted.stderr.strip()})")
+
+
+def test_a_full_disk_during_a_save_ends_with_one_line_naming_what_is_intact(tmp_path):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "600k")
+    try:
+        out = str(disk / "run")
+        script = shutil.which("revtrain-train", path=os.path.dirname(sys.executable))
+        argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
+        argv += [f"--gin_bindings={b}" for b in TINY + [
+            "train.steps=100000", "CheckpointConfig.every=2",
+            "CheckpointConfig.max_to_keep=None", "LogConfig.every=100000"]]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1, run.stderr
+        lines = run.stderr.strip().splitlines()
+        intact = _steps(out)[-1]
+        assert lines[-1].startswith("revtrain-train: error: CheckpointSaveError: could not "
+                                    f"save the checkpoint of step {intact + 2} in {out}/"
+                                    "checkpoints: the disk is full (No space left on "
+                                    f"device); the newest checkpoint, step {intact}, is "
+                                    "intact; free space and run the same command"), lines[-1]
+        assert [line for line in lines if "rror" in line] == [lines[-1]], run.stderr
+        assert "Traceback" not in run.stderr and "Event loop" not in run.stderr
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        assert _train(out, f"train.steps={intact + 2}", "CheckpointConfig.every=2",
+                      "CheckpointConfig.max_to_keep=None") == 0
+        assert int(_checkpoint(out, intact + 2)["step"]) == intact + 2
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -10,6 +10,7 @@ from revtrain.training.builder import (
 from revtrain.training.checkpoints import (
     Checkpointer,
     CheckpointMismatchError,
+    CheckpointSaveError,
     CheckpointUnreadableError,
     flatten_tree,
     unflatten_tree,
@@ -28,7 +29,8 @@ from revtrain.training.train_lib import train
 
 __all__ = [
     "BuiltModel", "CachedDecoder", "CheckpointConfig", "CheckpointEvaluator",
-    "CheckpointMismatchError", "CheckpointUnreadableError", "Checkpointer", "Decoder",
+    "CheckpointMismatchError", "CheckpointSaveError", "CheckpointUnreadableError",
+    "Checkpointer", "Decoder",
     "EvalConfig", "Evaluator", "LogConfig", "Loop", "MetricsWriter", "NonFiniteLossError",
     "RunConfig", "RunLock", "RunLockError", "StopOnSignals", "bits_per_byte",
     "build_evaluator", "build_loop", "build_model", "build_trainer", "constant",

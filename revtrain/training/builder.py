@@ -150,20 +150,42 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
                             run.n_devices, **run.trainer_arguments())
     splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
+    # Validated before anything is created in output_dir.
+    init = (None if checkpoint.init_checkpoint_dir is None else
+            init_checkpointer(checkpoint.init_checkpoint_dir))
     # The training run holds the run lock, so temporary directories are a crashed save's.
-    checkpointer = None if output_dir is None else Checkpointer(
-        os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=checkpoint.max_to_keep,
-        keep_period=checkpoint.keep_period, keep_time_interval=checkpoint.keep_time_interval,
-        async_save=checkpoint.async_save, cleanup_tmp=True)
-    init = None
-    if checkpoint.init_checkpoint_dir is not None:
-        init = Checkpointer(checkpoint_directory(checkpoint.init_checkpoint_dir),
-                            max_to_keep=None)
+    try:
+        checkpointer = None if output_dir is None else Checkpointer(
+            os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=checkpoint.max_to_keep,
+            keep_period=checkpoint.keep_period,
+            keep_time_interval=checkpoint.keep_time_interval,
+            async_save=checkpoint.async_save, cleanup_tmp=True)
+    except BaseException:
+        if init is not None:
+            init.close()
+        raise
     writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
     return Loop(trainer, inputs, built, build_evaluator(run, built, inputs), splits,
                 checkpointer=checkpointer, init_checkpointer=init, writer=writer,
                 schedule=_schedule(run), eval_config=eval_config, checkpoint=checkpoint,
                 log=log or LogConfig(), seed=run.seed)
+
+
+def init_checkpointer(path: str) -> Checkpointer:
+    """A read-only `Checkpointer` of ``CheckpointConfig.init_checkpoint_dir``, checked to
+    hold a checkpoint.
+
+    Raises:
+      FileNotFoundError: naming ``CheckpointConfig.init_checkpoint_dir`` when ``path`` is
+        not a directory or holds no checkpoint.
+    """
+    source = Checkpointer(checkpoint_directory(path), max_to_keep=None, read_only=True)
+    if source.latest_step() is None:
+        source.close()
+        raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir={path!r} holds no "
+                                f"checkpoint; point it at the output_dir of a run that "
+                                f"saved one")
+    return source
 
 
 def checkpoint_directory(path: str) -> str:

@@ -26,11 +26,14 @@ restorable one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
+import json
 import logging
 import os
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -45,6 +48,8 @@ logger = logging.getLogger(__name__)
 SEPARATOR = "/"
 _KEY_MARK = "__prng_key__"  # Suffix of the path of a flattened typed PRNG key.
 _DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's per-step metadata file.
+_NO_SPACE = "No space left on device"  # strerror(ENOSPC), also in tensorstore's messages.
 
 
 def _is_typed_key(leaf: Any) -> bool:
@@ -149,6 +154,11 @@ class CheckpointUnreadableError(OSError):
     """No checkpoint of a directory can be read; the message names the first failure."""
 
 
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written (e.g. a full disk); the message names the step,
+    the directory, the cause and the newest checkpoint that is intact."""
+
+
 def _reason(error: BaseException) -> str:
     """A short one-line reason (tensorstore appends its whole JSON spec to messages)."""
     text = " ".join(str(error).split()).split(" [tensorstore_spec=")[0]
@@ -156,27 +166,39 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _drop_closed_event_loop_reports() -> None:
-    """Keeps a failed restore's leftover reads from printing tracebacks.
+def _is_closed_loop(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
-    When one array of a checkpoint cannot be read, orbax's restore raises at once and closes
-    its asyncio event loop while tensorstore still completes the other reads; each of
-    those then reports ``RuntimeError('Event loop is closed')`` through
-    ``sys.unraisablehook``, seconds later or at exit, and asyncio logs the reads orbax
-    never collected (`_orphaned_read_failures`). Those reports (and only those) are
-    dropped; the failure itself is reported by `Checkpointer.restore`.
+
+def _drop_closed_event_loop_reports() -> None:
+    """Keeps a failed restore's or save's leftover operations from printing tracebacks.
+
+    When one array of a checkpoint cannot be read or written (a damaged file, a full
+    disk), orbax raises at once and closes its asyncio event loop while tensorstore still
+    completes the other reads or writes; each of those then reports
+    ``RuntimeError('Event loop is closed')`` through ``sys.unraisablehook`` or (printed
+    from tensorstore's threads) ``sys.excepthook``, seconds later or at exit, and asyncio
+    logs the reads orbax never collected (`_orphaned_read_failures`). Those reports (and
+    only those) are dropped; the failure itself is raised by `Checkpointer.restore` or
+    `Checkpointer.save`.
     """
     previous = sys.unraisablehook
     if getattr(previous, "_revtrain_filter", False):
         return
 
     def hook(unraisable: Any) -> None:
-        if not (isinstance(unraisable.exc_value, RuntimeError)
-                and str(unraisable.exc_value) == "Event loop is closed"):
+        if not _is_closed_loop(unraisable.exc_value):
             previous(unraisable)
+
+    previous_excepthook = sys.excepthook
+
+    def excepthook(kind: type, value: BaseException, traceback: Any) -> None:
+        if not _is_closed_loop(value):
+            previous_excepthook(kind, value, traceback)
 
     hook._revtrain_filter = True
     sys.unraisablehook = hook
+    sys.excepthook = excepthook
     logging.getLogger("asyncio").addFilter(_orphaned_read_failures)
 
 
@@ -187,6 +209,16 @@ def _orphaned_read_failures(record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
     orphaned = str(record.msg).startswith("Task exception was never retrieved")
     return not (orphaned and _is_tensorstore_read(error))
+
+
+# orbax's own reports of a damaged step's metadata, logged while it lists the steps;
+# `Checkpointer.restore` names such a step once, with what to do.
+_STEP_METADATA_REPORTS = ("Metadata file does not exist: ",
+                          "Failed to json parse Metadata file: ")
+
+
+def _step_metadata_reports(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_STEP_METADATA_REPORTS)
 
 
 def _is_tensorstore_read(error: BaseException | None) -> bool:
@@ -233,6 +265,22 @@ def _step_dirs(directory: str) -> list[int]:
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
+def _check_layout(step_dir: str) -> None:
+    """Raises FileNotFoundError (the reason, one line) unless ``step_dir`` has orbax's
+    step metadata (``_CHECKPOINT_METADATA``, a JSON object) and its ``default`` item."""
+    if not os.path.isdir(os.path.join(step_dir, _DEFAULT_ITEM)):
+        raise FileNotFoundError(f"it has no {_DEFAULT_ITEM}/ item (an empty or partly "
+                                f"deleted step directory)")
+    try:
+        with open(os.path.join(step_dir, _STEP_METADATA)) as f:
+            metadata = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"its {_STEP_METADATA} is missing or not JSON ("
+                                f"{type(e).__name__})") from e
+    if not isinstance(metadata, dict):
+        raise FileNotFoundError(f"its {_STEP_METADATA} is not a JSON object")
+
+
 def barrier(name: str) -> None:
     """Waits for every process (no-op with one process)."""
     if jax.process_count() > 1:
@@ -255,6 +303,13 @@ class Checkpointer:
         exiting.
       cleanup_tmp: delete temporary directories left by a crashed save when opening
         (orbax's ``cleanup_tmp_directories``); only for the one process that saves.
+      read_only: only restore (``revtrain-eval``, ``revtrain-decode``, a warm start's
+        source): nothing is created, written or deleted, not even ``directory``, and the
+        retention record is not read.
+
+    A ``directory`` this object created is removed again by `close` when nothing was
+    saved into it, so a run that fails before its first save leaves no empty
+    ``checkpoints/``.
 
     Raises:
       ValueError: for ``max_to_keep < 1``, ``keep_period < 1`` or a non-positive interval.
@@ -263,16 +318,31 @@ class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int | None = 3,
                  keep_period: int | None = None,
                  keep_time_interval: float | datetime.timedelta | None = None,
-                 async_save: bool = False, cleanup_tmp: bool = False):
+                 async_save: bool = False, cleanup_tmp: bool = False,
+                 read_only: bool = False):
         self.directory = os.path.abspath(directory)
+        if _step_metadata_reports not in logging.getLogger("absl").filters:
+            logging.getLogger("absl").addFilter(_step_metadata_reports)
         self._keep = (keep_period, keep_time_interval)
-        self._promises = retention.read_promises(self.directory)
-        kept = retention.promised_steps(self._promises, _step_dirs(self.directory))
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,
-            preservation_policy=retention.preservation_policy(
-                max_to_keep, keep_period, keep_time_interval, kept))
+        self._created = not read_only and not os.path.exists(self.directory)
+        self._read_only = read_only
+        if read_only:
+            retention.check_retention(max_to_keep, keep_period, keep_time_interval)
+            self._promises = []
+            # Not orbax's read_only, which warns on every use: it never saves, so nothing
+            # is deleted either; create=False keeps a missing directory missing.
+            options = ocp.CheckpointManagerOptions(create=False)
+        else:
+            existing = _step_dirs(self.directory)
+            self._promises = retention.read_promises(self.directory, existing)
+            kept = retention.promised_steps(self._promises, existing)
+            options = ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,
+                preservation_policy=retention.preservation_policy(
+                    max_to_keep, keep_period, keep_time_interval, kept))
         self.unreadable_steps: list[int] = []
+        self._saving: int | None = None  # The step of a save not known to be complete.
+        self._async = async_save
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               handler_registry=_handler_registry())
 
@@ -293,6 +363,9 @@ class Checkpointer:
         every process must call this; `multihost_utils.sync_global_devices` brackets the
         save.
         """
+        if self._read_only:
+            raise ValueError(f"this Checkpointer of {self.directory} is read-only; open it "
+                             f"without read_only=True to save")
         self._set_aside_unreadable()
         latest = self.latest_step()
         if latest is not None and step <= latest:
@@ -305,9 +378,35 @@ class Checkpointer:
         if jax.process_index() == 0:  # Before saving: the save may delete old steps.
             retention.record_promise(self.directory, self._promises, *self._keep, step)
         barrier(f"revtrain_checkpoint_save_start_{step}")
-        saved = self._manager.save(int(step), args=ocp.args.StandardSave(flat), force=True)
+        _drop_closed_event_loop_reports()  # A failed write's leftover writes, as `restore`.
+        self._saving = int(step)
+        with self._reporting_save_failures():
+            saved = self._manager.save(int(step), args=ocp.args.StandardSave(flat),
+                                       force=True)
+        if not self._async:
+            self._saving = None  # Written; an asynchronous save is known at the wait.
         barrier(f"revtrain_checkpoint_save_end_{step}")
         return bool(saved)
+
+    @contextlib.contextmanager
+    def _reporting_save_failures(self) -> Iterator[None]:
+        """Turns a failure of the save in progress (orbax's, tensorstore's, the file
+        system's) into one `CheckpointSaveError` that says what is intact."""
+        try:
+            yield
+        except Exception as e:
+            if self._saving is None or isinstance(e, CheckpointSaveError):
+                raise
+            step, self._saving = self._saving, None
+            intact = [s for s in _step_dirs(self.directory) if s < step]
+            kept = (f"the newest checkpoint, step {intact[-1]}, is intact" if intact else
+                    "no earlier checkpoint is there")
+            full = _NO_SPACE in str(e) or getattr(e, "errno", None) == errno.ENOSPC
+            cause = f"the disk is full ({_NO_SPACE})" if full else _reason(e)
+            raise CheckpointSaveError(
+                f"could not save the checkpoint of step {step} in {self.directory}: "
+                f"{cause}; {kept}; {'free space' if full else 'fix the cause'} and run "
+                f"the same command to resume") from e
 
     def restore(self, template: Any, step: int | None = None) -> Any:
         """Restores the checkpoint of ``step`` (default: the newest readable one).
@@ -389,10 +488,16 @@ class Checkpointer:
         """Checks ``step``'s saved paths (those under ``roots``; None: all), shapes and
         dtypes against ``expected`` (a `flatten_tree` result) without reading arrays.
 
+        The step directory's layout is checked on disk first (`_check_layout`), so orbax is
+        only asked about a step that has its ``default`` item: orbax's manager decides
+        once, on the first step it reads, whether its checkpoints hold one unnamed item,
+        and an empty step directory read first would make it misread every later step.
+
         Raises:
-          FileNotFoundError: the step's metadata is missing or unreadable.
+          FileNotFoundError: the step's layout or metadata is missing or unreadable.
           CheckpointMismatchError: as `check_matches`.
         """
+        _check_layout(os.path.join(self.directory, str(step)))
         metadata = self._manager.metadata(step).item_metadata
         tree = None if metadata is None else getattr(metadata, "tree", None)
         if tree is None:
@@ -439,12 +544,27 @@ class Checkpointer:
         return unflatten_tree(flat, template)
 
     def wait_until_finished(self) -> None:
-        """Blocks until an asynchronous save has finished."""
-        self._manager.wait_until_finished()
+        """Blocks until an asynchronous save has finished.
+
+        Raises:
+          CheckpointSaveError: the save failed; names the step and what is intact.
+        """
+        with self._reporting_save_failures():
+            self._manager.wait_until_finished()
+        self._saving = None
 
     def close(self) -> None:
-        """Finishes pending saves and releases the manager."""
-        self._manager.close()
+        """Finishes pending saves and releases the manager.
+
+        Raises:
+          CheckpointSaveError: as `wait_until_finished`.
+        """
+        with self._reporting_save_failures():
+            self._manager.close()
+        self._saving = None
+        if self._created and os.path.isdir(self.directory) and not os.listdir(
+                self.directory) and jax.process_index() == 0:
+            os.rmdir(self.directory)  # Nothing was saved: leave no trace.
 
 
 def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:

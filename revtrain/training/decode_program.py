@@ -18,6 +18,7 @@ from revtrain.training.checkpoints import Checkpointer
 from revtrain.training.config import RunConfig
 from revtrain.training.decoding import CachedDecoder, Decoder, decode_text
 from revtrain.training.loop import CHECKPOINT_DIR
+from revtrain.training.run_files import write_atomic
 
 DECODER_DIR = "decoder_out"
 
@@ -45,7 +46,8 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
         raise ValueError(f"revtrain-decode continues text with a byte-level LM; this run's "
                          f"inputs {type(inputs).__name__} are not byte-level")
     built = build_model(run, inputs)
-    checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=None)
+    checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=None,
+                                read_only=True)
     try:
         step = checkpointer.latest_step() if step is None else step
         if step is None and not allow_random_init:
@@ -70,7 +72,14 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
 
     Returns:
       The records written, ``{"prompt", "continuation", "tokens"}`` each.
+
+    Raises:
+      ValueError: ``prompts`` is empty (``path`` is left as it was).
+      OSError: ``path`` could not be written; it is left as it was.
     """
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError(f"no prompt to decode; {path} is left as it was")
     records = []
     for i, prompt in enumerate(prompts):
         text, tokens = decode_text(decoder, prompt, max_new_bytes, temperature, seed + i,
@@ -78,7 +87,5 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
         records.append({"prompt": prompt, "continuation": text, "tokens": tokens})
     if jax.process_index() == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in records)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
     return records

@@ -69,7 +69,7 @@ class CheckpointEvaluator:
         self._steps = eval_config.steps
         self.output_dir = output_dir
         self.checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR),
-                                         max_to_keep=None)
+                                         max_to_keep=None, read_only=True)
         self._writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
         self.unreadable_steps: set[int] = set()
 

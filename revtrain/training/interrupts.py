@@ -2,17 +2,25 @@
 
 Inside `StopOnSignals`, the first SIGINT (Ctrl-C) or SIGTERM (e.g. a preemption notice)
 only records the signal; the training loop checks `StopOnSignals.requested` after each step,
-saves a checkpoint and stops. A second SIGINT runs the previous handler (normally
-``KeyboardInterrupt``), so a user can still force an exit. Handlers can only be installed
-in the main thread; elsewhere the context manager does nothing.
+saves a checkpoint and stops. The loop keeps the handlers installed until that final save
+has committed (`revtrain.training.loop.Loop.run`), so a signal during the save cannot kill
+it half-way. Later SIGTERMs are absorbed with a warning: a preemption sends SIGTERM and,
+after a grace period, SIGKILL, and a scheduler may repeat the SIGTERM meanwhile. A second
+SIGINT runs the previous handler (normally ``KeyboardInterrupt``), so a user can still force
+an exit; orbax's saves are atomic, so the newest committed checkpoint stays valid, and the
+run lock is released as the exception unwinds. Handlers can only be installed in the main
+thread; elsewhere the context manager does nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -32,6 +40,11 @@ class StopOnSignals:
         del frame
         if self.signum is None:
             self.signum = signum
+        else:  # Runs between bytecodes of the main thread: logging's lock is reentrant.
+            logger.warning("received %s again: ignored; the run stops once its checkpoint "
+                           "is saved%s", signal.Signals(signum).name,
+                           "" if signum != signal.SIGTERM else
+                           " (a second Ctrl-C forces an exit)")
         if signum == signal.SIGINT:  # A second Ctrl-C goes to the previous handler.
             signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT,
                                                             signal.default_int_handler))

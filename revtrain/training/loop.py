@@ -218,36 +218,46 @@ class Loop:
         """Trains until ``steps`` steps in total have been taken; returns eval metrics.
 
         Stops early, after saving a checkpoint, when SIGINT or SIGTERM arrives (then
-        `interrupted_by` is set). Returns `last_eval_metrics` (possibly from the final
-        evaluation it runs when the last step was not evaluated).
+        `interrupted_by` is set). The signal handlers stay installed until the final save
+        has committed (an asynchronous one is waited for): a SIGTERM during the save, or
+        a repeated one, is absorbed and the save completes (`StopOnSignals`); a signal that
+        arrives during the final save of a finished run sets `interrupted_by` and skips
+        the final evaluation, and one during that evaluation lets it finish. Returns
+        `last_eval_metrics` (possibly from the final evaluation it runs when the last step
+        was not evaluated).
 
         Raises:
           NonFiniteLossError: the loss of a step was NaN or inf; no checkpoint is written
             after that step, so the newest checkpoint is the last good one.
+          KeyboardInterrupt: a second Ctrl-C (the newest committed checkpoint stays valid).
         """
         self.interrupted_by = None
         if self.step >= steps:
             logger.info("already at step %d >= steps=%d; nothing to train", self.step, steps)
         stream = self.inputs.train_stream(start_step=self.step)
         window = Window()
-        try:
-            with StopOnSignals() as stop, self._progress_bar(steps) as bar:
-                while self.step < steps:
-                    self._train_step(stream, window)
-                    bar.update(1)
-                    self._after_step(steps, window, bar)
-                    if stop.requested():
-                        self.interrupted_by = stop.signum
-                        logger.warning("stopping after step %d on signal %d", self.step,
-                                       stop.signum)
-                        break
-        finally:
-            self._stop_trace()
-        self._check_finite(window)
-        self.save()
-        if (self.interrupted_by is None and self.eval_config.enabled
-                and self._last_eval_step != self.step):
-            self.evaluate()
+        with StopOnSignals() as stop:
+            try:
+                with self._progress_bar(steps) as bar:
+                    while self.step < steps:
+                        self._train_step(stream, window)
+                        bar.update(1)
+                        self._after_step(steps, window, bar)
+                        if stop.requested():
+                            logger.warning("stopping after step %d on signal %d",
+                                           self.step, stop.signum)
+                            break
+            finally:
+                self._stop_trace()
+            self._check_finite(window)
+            self.save()
+            if self._checkpointer is not None:
+                self._checkpointer.wait_until_finished()  # Committed before handlers go.
+            # Every process asks (one all-gather), so all of them skip or run the eval.
+            self.interrupted_by = stop.signum if stop.requested() else None
+            if (self.interrupted_by is None and self.eval_config.enabled
+                    and self._last_eval_step != self.step):
+                self.evaluate()
         self._writer.flush()
         return self.last_eval_metrics
 
@@ -379,13 +389,27 @@ class Loop:
         logger.info("step %d %s: %s", self.step, split, text)
 
     def close(self) -> None:
-        """Finishes pending checkpoint saves and closes the metric writers."""
-        self._stop_trace()
-        for checkpointer in (self._checkpointer, self._init_checkpointer):
-            if checkpointer is not None:
-                checkpointer.close()  # Waits for an asynchronous save.
-        self._writer.close()
+        """Finishes pending checkpoint saves and closes the metric writers.
+
+        Every part is closed even when one fails; the first failure is raised after.
+
+        Raises:
+          CheckpointSaveError: an asynchronous save failed (names the step and what is
+            intact).
+          OSError: the metric writers could not flush (e.g. a full disk).
+        """
+        closers = [self._stop_trace]
+        closers += [c.close for c in (self._checkpointer, self._init_checkpointer)
+                    if c is not None]  # Waits for an asynchronous save.
+        first = None
+        for close in [*closers, self._writer.close]:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001  Close the rest, then raise the first.
+                first = first or e
         barrier("revtrain_loop_closed")  # No process exits while another still saves.
+        if first is not None:
+            raise first
 
     def __enter__(self) -> Loop:
         return self

@@ -12,10 +12,13 @@ Layout under ``output_dir``:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -56,8 +59,11 @@ class MetricsWriter:
         values = {name: float(value) for name, value in metrics.items()}
         record = {"step": int(step), "split": split, "time": round(time.time(), 3)}
         record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
-        with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        with open(self.jsonl_path, "ab+") as f:
+            if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                line = "\n" + line  # A write cut short (full disk, crash): start anew.
+            f.write(line.encode("utf-8"))  # One write: a whole line or, at worst, a cut one.
         if self._tensorboard:
             writer = self._summary_writer(split)
             for name, value in values.items():
@@ -90,10 +96,29 @@ class MetricsWriter:
 
 
 def read_metrics(output_dir: str, split: str | None = None) -> list[dict]:
-    """Reads ``output_dir/metrics.jsonl``; keeps only records of ``split`` when given."""
+    """Reads ``output_dir/metrics.jsonl``; keeps only records of ``split`` when given.
+
+    A line that is not a record (cut short by a crash or a full disk) is skipped with one
+    warning naming the file and the line numbers: the file is a record, so a lost line
+    means at most a step that ``revtrain-eval`` evaluates again.
+    """
     path = os.path.join(output_dir, METRICS_FILE)
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records, bad = [], []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+                if isinstance(record["step"], int) and isinstance(record["split"], str):
+                    records.append(record)
+                    continue
+            except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+                pass
+            bad.append(number)
+    if bad:
+        logger.warning("%s: skipped %d line(s) that are not metric records (line %s); a "
+                       "write was cut short", path, len(bad), ", ".join(map(str, bad[:5])))
     return [r for r in records if split is None or r["split"] == split]

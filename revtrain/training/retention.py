@@ -13,18 +13,25 @@ and the last step it saved under them -- and later runs add the steps those prom
 as an orbax ``CustomSteps`` rule: for a ``keep_period`` the multiples up to that last step,
 for a ``keep_time_interval`` every checkpoint up to it (the earlier run kept only the
 interval's checkpoints and its newest ``max_to_keep``, and which were which is not
-recorded). Steps after an earlier run's last step follow the current run's rules only.
+recorded). A damaged record is rebuilt, with a warning, as a promise to keep every existing
+checkpoint (`read_promises`). Steps after an earlier run's last step follow the current
+run's rules only.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from orbax.checkpoint import checkpoint_managers as policies
+
+from revtrain.training.run_files import UnreadableFileError, read_json, write_atomic
+
+logger = logging.getLogger(__name__)
 
 RECORD_FILE = "retention.json"
 
@@ -47,13 +54,39 @@ def check_retention(max_to_keep: int | None, keep_period: int | None,
         raise ValueError(f"keep_time_interval={seconds} seconds must be > 0 or None")
 
 
-def read_promises(directory: str) -> list[dict[str, Any]]:
-    """The retention promises recorded in ``directory`` (oldest first; [] when none)."""
+def read_promises(directory: str, steps: Sequence[int] = ()) -> list[dict[str, Any]]:
+    """The retention promises recorded in ``directory`` (oldest first; [] when none).
+
+    The record is only a memory of earlier runs' rules, so a damaged one (empty, not JSON,
+    or not a list of promises) does not stop a run: it is replaced, with a warning naming
+    it, by the one promise that loses nothing -- every existing checkpoint (``steps``) is
+    kept -- and rewritten so at the next save.
+
+    Args:
+      directory: the checkpoint directory.
+      steps: the steps of its existing checkpoints (the rebuilt promise keeps them).
+    """
+    path = os.path.join(directory, RECORD_FILE)
     try:
-        with open(os.path.join(directory, RECORD_FILE)) as f:
-            return list(json.load(f)["promises"])
+        record = read_json(path)
+        promises = list(record["promises"])
+        for promise in promises:
+            int(promise["last_step"])
+            for key in ("keep_period", "keep_time_interval"):
+                if promise.get(key) is not None:
+                    float(promise[key])
+        return promises
     except FileNotFoundError:
         return []
+    except UnreadableFileError as e:
+        reason = str(e).removeprefix(path + " ")
+    except (KeyError, TypeError, ValueError) as e:
+        reason = f"is not a retention record ({type(e).__name__}: {e})"
+    last = max(steps, default=0)
+    logger.warning("%s %s; it is rebuilt keeping every existing checkpoint up to step %d "
+                   "(delete by hand those no earlier run needs kept)", path, reason, last)
+    return [{"keep_period": None, "keep_time_interval": None, "keep_all": True,
+             "last_step": int(last)}]
 
 
 def promised_steps(promises: Sequence[dict[str, Any]], steps: Sequence[int]) -> list[int]:
@@ -62,7 +95,8 @@ def promised_steps(promises: Sequence[dict[str, Any]], steps: Sequence[int]) -> 
     for promise in promises:
         last, period = promise["last_step"], promise.get("keep_period")
         for step in steps:
-            if step <= last and (promise.get("keep_time_interval") is not None
+            if step <= last and (promise.get("keep_all")
+                                 or promise.get("keep_time_interval") is not None
                                  or (period is not None and step % period == 0)):
                 kept.add(step)
     return sorted(kept)
@@ -84,10 +118,7 @@ def record_promise(directory: str, promises: Sequence[dict[str, Any]],
             return
         current = None
     record = {"promises": list(promises) + ([current] if current else [])}
-    path = os.path.join(directory, RECORD_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_atomic(os.path.join(directory, RECORD_FILE), json.dumps(record, indent=1))
 
 
 def preservation_policy(max_to_keep: int | None, keep_period: int | None,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 import os
 
+from revtrain.training.run_files import write_atomic
+
 CONFIG_FILE = "config.gin"
 HISTORY_DIR = "config_history"
 
@@ -29,16 +31,18 @@ def write_run_config(output_dir: str, text: str,
 
     Returns:
       The path of the history file.
+
+    Raises:
+      FileExistsError: a history file of the same start time exists.
+      OSError: a file could not be written (e.g. a full disk); ``config.gin`` is then as
+        it was.
     """
     started = started or datetime.datetime.now(datetime.UTC)
     history = os.path.join(output_dir, HISTORY_DIR)
     os.makedirs(history, exist_ok=True)
     stamp = started.astimezone(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     path = os.path.join(history, f"{stamp}.gin")
-    with open(path, "x") as f:  # Never overwrites an earlier run's record.
-        f.write(text)
-    latest = os.path.join(output_dir, CONFIG_FILE)
-    with open(latest + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(latest + ".tmp", latest)  # Atomic: a crash never leaves half a config.gin.
+    write_atomic(path, text, overwrite=False)  # Never overwrites an earlier run's record.
+    # Whole or not at all: a crash or a full disk never leaves half a config.gin.
+    write_atomic(os.path.join(output_dir, CONFIG_FILE), text)
     return path

@@ -10,8 +10,16 @@ says which file to delete to force it. This is the pid-file scheme of daemons an
 Paxml/TensorFlow's single-writer assumption made explicit; it needs no ``fcntl`` locks, which
 network file systems often do not honour.
 
-A directory the lock created is removed again on release when nothing was written to it, so
-a run that fails validation leaves no trace.
+The lock file is written whole (a complete temporary file hard-linked to ``run.lock``,
+`revtrain.training.run_files.write_atomic`), so revtrain never leaves an empty or partial
+one, not even on a full disk. A ``run.lock`` that is unreadable all the same (empty, not
+JSON, or JSON without an owner's pid, host and start time: damaged by hand, by a file
+system, or left by an older version) names no process that could still hold it; it is taken
+over with a warning that says what was wrong with it, as a daemon replaces a stale pid file,
+rather than blocking the directory until someone deletes it.
+
+A directory the lock created is removed again on release (or when the lock cannot be
+taken) when nothing was written to it, so a run that fails validation leaves no trace.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import socket
 import uuid
 
 import psutil
+
+from revtrain.training.run_files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,22 @@ def _is_alive(owner: dict) -> bool:
         return False
 
 
+def _parse_owner(data: bytes) -> dict | str:
+    """The owner record in a lock file's bytes, or why there is none (one short phrase)."""
+    if not data.strip():
+        return "it is empty"
+    try:
+        owner = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "it is not JSON"
+    if not isinstance(owner, dict):
+        return f"it holds a JSON {type(owner).__name__}, not an owner record"
+    if not (isinstance(owner.get("pid"), int) and isinstance(owner.get("host"), str)
+            and isinstance(owner.get("started"), (int, float))):
+        return "it names no owner (pid, host and start time)"
+    return owner
+
+
 class RunLock:
     """Exclusive ownership of a run directory, as a context manager.
 
@@ -68,29 +94,48 @@ class RunLock:
         self._held = False
 
     def acquire(self) -> None:
-        """Takes the lock (taking over a dead process's lock on this host, with a warning)."""
+        """Takes the lock (taking over, with a warning, a dead process's lock on this host
+        or an unreadable lock file).
+
+        Raises:
+          RunLockError: as the class says; a directory this call created is removed.
+        """
         self._make_dir()
-        for _ in range(3):  # A takeover races with other starters at most once per loser.
-            if self._try_create():
-                self._held = True
-                return
-            owner = self._read_owner()
-            if owner is None:
-                continue  # Released (or half-written) meanwhile: try again.
-            self._refuse_or_take_over(owner)
-        raise RunLockError(f"could not take the lock {self.path}: other processes keep "
-                           f"taking it; start one revtrain-train per --output_dir")
+        try:
+            for _ in range(3):  # A takeover races with other starters at most once a loser.
+                if self._try_create():
+                    self._held = True
+                    return
+                data = self._read()
+                if data is None:
+                    continue  # Released meanwhile: try again.
+                owner = _parse_owner(data)
+                if isinstance(owner, str):
+                    self._take_over(data, f"took over {self.path}: it was unreadable "
+                                          f"({owner}), so it named no process that could "
+                                          f"still hold it")
+                else:
+                    self._refuse_or_take_over(owner, data)
+            raise RunLockError(f"could not take the lock {self.path}: other processes keep "
+                               f"taking it; start one revtrain-train per --output_dir")
+        except BaseException:
+            self._remove_created_dirs()
+            raise
 
     def release(self) -> None:
         """Removes the lock file if this process holds it, and a directory it left empty."""
         if not self._held:
             return
         self._held = False
-        if self._read_owner() == self._owner:
+        data = self._read()
+        if data is not None and _parse_owner(data) == self._owner:
             os.remove(self.path)
+        self._remove_created_dirs()
+
+    def _remove_created_dirs(self) -> None:
         directory = self.output_dir
-        while self._created and directory.startswith(self._created) and not os.listdir(
-                directory):  # Remove the directories the lock created, if left empty.
+        while self._created and directory.startswith(self._created) and os.path.isdir(
+                directory) and not os.listdir(directory):  # Left empty: remove.
             os.rmdir(directory)
             directory = os.path.dirname(directory)
 
@@ -117,25 +162,23 @@ class RunLock:
 
     def _try_create(self) -> bool:
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            write_atomic(self.path, json.dumps(self._owner), overwrite=False)
         except FileExistsError:
             return False
         except OSError as e:
             raise RunLockError(f"cannot write the lock file {self.path}: {e.strerror}; "
-                               f"choose a writable --output_dir") from e
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._owner, f)
+                               f"free space or choose a writable --output_dir") from e
         return True
 
-    def _read_owner(self) -> dict | None:
+    def _read(self) -> bytes | None:
+        """The lock file's bytes, or None when there is no lock file."""
         try:
-            with open(self.path) as f:
-                owner = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError):
+            with open(self.path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
             return None
-        return owner if isinstance(owner, dict) else None
 
-    def _refuse_or_take_over(self, owner: dict) -> None:
+    def _refuse_or_take_over(self, owner: dict, data: bytes) -> None:
         who = f"process {owner.get('pid')} on host {owner.get('host')}"
         if owner.get("host") != self._owner["host"]:
             raise RunLockError(f"{self.output_dir} is in use by {who}; if that run has "
@@ -144,18 +187,24 @@ class RunLock:
         if _is_alive(owner):
             raise RunLockError(f"{self.output_dir} is in use by {who}; wait for it to end "
                                f"or use another --output_dir")
+        self._take_over(data, f"took over {self.path} from {who}, which is no longer "
+                              f"running")
+
+    def _take_over(self, data: bytes, warning: str) -> None:
+        """Removes the lock file holding ``data`` (unless another starter changed it
+        meanwhile) and logs ``warning``; the caller then tries to create its own."""
         # Rename first: of several processes taking over at once, only one succeeds.
         stale = f"{self.path}.stale-{uuid.uuid4().hex}"
         try:
             os.rename(self.path, stale)
         except FileNotFoundError:
             return
-        with open(stale) as f:
-            moved = json.load(f)
-        if moved != owner:  # Another starter took it over first: give its lock back.
+        with open(stale, "rb") as f:
+            moved = f.read()
+        if moved != data:  # Another starter took it over first: give its lock back.
             with contextlib.suppress(FileExistsError):
                 os.link(stale, self.path)
             os.remove(stale)
             return
         os.remove(stale)
-        logger.warning("took over %s from %s, which is no longer running", self.path, who)
+        logger.warning("%s", warning)

@@ -11,6 +11,7 @@ tools rebuild the same run from its ``config.gin`` through the same dataclasses 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,8 @@ from revtrain.training.config import (
 from revtrain.training.loop import Loop
 from revtrain.training.run_lock import RunLock
 from revtrain.training.validation import check_arguments
+
+logger = logging.getLogger(__name__)
 
 
 def train(output_dir: str | None = None, steps: int = 1000, run: RunConfig | None = None,
@@ -78,8 +81,13 @@ def train(output_dir: str | None = None, steps: int = 1000, run: RunConfig | Non
             for callback in callbacks:
                 callback(loop)
             loop.run(steps)
-        finally:
-            loop.close()
+        except BaseException:
+            try:
+                loop.close()
+            except Exception:  # noqa: BLE001  The first failure is the one to report.
+                logger.debug("closing the loop after a failure also failed", exc_info=True)
+            raise
+        loop.close()
     return loop
 
 

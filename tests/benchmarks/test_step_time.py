@@ -1,6 +1,5 @@
 """benchmarks/step_time.py: runs end to end at tiny sizes; ratios and targets."""
 import json
-import time
 
 import pytest
 
@@ -116,26 +115,34 @@ def test_trax_reformer_preset_sets_the_sizes_no_flag_sets():
     assert plain.preset is None and plain.seq_len == harness.MODEL_DEFAULTS["seq_len"]
 
 
-def test_phase_timer_books_time_to_the_phase_each_dispatch_waits_in():
+def test_phase_timer_books_time_to_the_phase_each_dispatch_waits_in(monkeypatch):
+    class Clock:  # The timer's clock, advanced by hand: no sleeps to match under load.
+        now = 100.0
+
+        @classmethod
+        def perf_counter(cls):
+            return cls.now
+
+    monkeypatch.setattr(phases, "time", Clock)
     timer = phases.PhaseTimer()
     for label, pause in [("step_start", 0.0), ("dispatch", 0.02), ("dispatch", 0.01),
                          ("loss_start", 0.0), ("dispatch", 0.03), ("backward_start", 0.0),
                          ("dispatch", 0.04)]:
-        time.sleep(pause)
+        Clock.now += pause
         if label == "dispatch":
             timer.on_dispatch("op", None, ())
         else:
             timer.on_phase(label)
-    time.sleep(0.05)
+    Clock.now += 0.05
     timer.finish(())
     got = dict(timer.seconds)
     # Before the loss dispatch: the forward layers (booked to "step", named forward by
     # profile_phases); waiting at the loss dispatch ends them, its own time ends at the
     # first backward dispatch.
     assert set(got) == {"step", "loss", "backward"}
-    assert got["step"] == pytest.approx(0.06, abs=0.03)
-    assert got["loss"] == pytest.approx(0.04, abs=0.03)
-    assert got["backward"] == pytest.approx(0.05, abs=0.03)
+    assert got["step"] == pytest.approx(0.06, abs=1e-9)
+    assert got["loss"] == pytest.approx(0.04, abs=1e-9)
+    assert got["backward"] == pytest.approx(0.05, abs=1e-9)
 
 
 def test_mask_timing_covers_every_dropout_site_and_skips_rate_zero():

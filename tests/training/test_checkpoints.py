@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from revtrain.training import checkpoints
-from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.checkpoints import Checkpointer, CheckpointSaveError
 from tests.tree_utils import assert_trees_close
 
 
@@ -102,7 +102,9 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         raise RuntimeError("simulated crash before the checkpoint was committed")
 
     monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "finalize", crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(CheckpointSaveError, match=rf"could not save the checkpoint of step 6 "
+                       rf"in {tmp_path}: RuntimeError: simulated crash .*; the newest "
+                       rf"checkpoint, step 5, is intact"):
         ckpt.save(6, _tree(6.0))
     monkeypatch.undo()
     assert any("tmp" in name for name in os.listdir(tmp_path))  # The partial write is there.

@@ -2,6 +2,7 @@
 import glob
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -114,3 +115,43 @@ def test_eval_of_a_damaged_run_exits_cleanly(tmp_path):
                                 f"the 2 checkpoints to evaluate in {out}/checkpoints can be "
                                 f"read")
     assert "Traceback" not in run.stderr and "Event loop" not in run.stderr
+
+
+def _damage_part(directory, part):
+    """Damages one part of the checkpoint of step 10 (or adds a stray empty step 14)."""
+    step = os.path.join(directory, "10")
+    if part == "_CHECKPOINT_METADATA":
+        with open(os.path.join(step, "_CHECKPOINT_METADATA"), "w") as f:
+            f.write('{"item_handlers": ')  # Cut short.
+    elif part == "default/_METADATA":
+        with open(os.path.join(step, "default", "_METADATA"), "w") as f:
+            f.write("")
+    elif part == "data file":
+        [data] = glob.glob(os.path.join(step, "default", "d", "*"))[:1]
+        with open(data, "r+b") as f:
+            f.truncate(3)
+    elif part == "empty step directory":
+        shutil.rmtree(step)
+        os.makedirs(step)
+    else:  # A stray empty directory newer than every checkpoint.
+        os.makedirs(os.path.join(directory, "14"))
+
+
+@pytest.mark.parametrize("part, restored", [
+    ("_CHECKPOINT_METADATA", 8), ("default/_METADATA", 8), ("data file", 8),
+    ("empty step directory", 8), ("stray empty directory", 10),
+])
+def test_each_step_is_tried_on_its_own_and_the_newest_complete_one_restored(
+        tmp_path, caplog, part, restored):
+    directory = _saved(tmp_path, steps=(6, 8, 10))
+    _damage_part(directory, part)
+    checkpointer = Checkpointer(directory)
+    with caplog.at_level(logging.WARNING):
+        tree = checkpointer.restore(_tree(0))
+    checkpointer.close()
+    assert int(tree["step"]) == restored
+    np.testing.assert_array_equal(tree["weights"][0], np.full((3, 2), restored, np.float32))
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    broken = "14" if part == "stray empty directory" else "10"
+    assert len(skipped) == 1 and f"{directory}/{broken}:" in skipped[0], skipped
+    assert "\n" not in skipped[0]

@@ -41,3 +41,18 @@ def test_disabled_writer_writes_nothing(tmp_path):
     writer.close()
     assert not os.path.exists(tmp_path / "x")
     assert read_metrics(str(tmp_path / "x")) == []
+
+
+def test_a_line_cut_short_is_skipped_with_a_warning_and_the_next_record_is_whole(tmp_path,
+                                                                                 caplog):
+    import logging
+
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    writer.write(1, "eval", {"loss": 1.0})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "split": "ev')  # A full disk cut the write short.
+    writer.write(3, "eval", {"loss": 3.0})
+    with caplog.at_level(logging.WARNING):
+        assert [r["step"] for r in read_metrics(str(tmp_path), "eval")] == [1, 3]
+    assert f"{tmp_path}/metrics.jsonl: skipped 1 line(s) that are not metric records " \
+           "(line 2)" in caplog.text

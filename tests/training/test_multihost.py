@@ -66,6 +66,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# gRPC's words when the coordinator's port was taken between `_free_port` and its bind.
+_PORT_TAKEN = re.compile(r"(?i)address already in use|failed to add port|failed to bind")
+# Groups run at once: each process compiles on the CPU, and 13 processes started together
+# on a loaded 2-core machine made the slowest ones time out.
+_GROUPS_AT_ONCE = 2
+
+
 def _start(config: str, out: str, devices_per_process: int, extra_args=(), bindings=()):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
                JAX_NUM_CPU_DEVICES=str(devices_per_process))
@@ -76,6 +83,40 @@ def _start(config: str, out: str, devices_per_process: int, extra_args=(), bindi
                             env=env)
 
 
+def _two_processes(config: str, out: str, bindings=()):
+    """Starts a 2 x 2 run: ``port -> [process 0, process 1]``."""
+    def start(port):
+        return [_start(config, out, 2, [f"--coordinator_address=localhost:{port}",
+                                        "--num_processes=2", f"--process_id={i}"], bindings)
+                for i in range(2)]
+    return start
+
+
+def _run_groups(groups):
+    """Runs ``{name: port -> [Popen]}`` a few groups at a time; a group whose coordinator
+    port was taken meanwhile (by anything on the machine) is rerun on another port.
+    Returns ``{name: [(returncode, stdout, stderr), ...]}``."""
+    results, pending = {}, list(groups.items())
+    while pending:
+        batch, pending = pending[:_GROUPS_AT_ONCE], pending[_GROUPS_AT_ONCE:]
+        started = [(name, start, start(_free_port())) for name, start in batch]
+        for name, start, group in started:
+            for attempt in range(3):
+                done = []
+                for p in group:
+                    out, err = p.communicate(timeout=600)
+                    done.append((p.returncode, out, err))
+                    if p.returncode and _PORT_TAKEN.search(err):
+                        for other in group:  # Would wait for the coordinator in vain.
+                            other.kill()
+                taken = any(code and _PORT_TAKEN.search(err) for code, _, err in done)
+                if attempt == 2 or not taken:
+                    break
+                group = start(_free_port())
+            results[name] = done
+    return results
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{name: (output_dir, [(returncode, stdout, stderr), ...])}`` of three runs of the
@@ -84,28 +125,17 @@ def runs(tmp_path_factory):
     config = str(root / "sgd_copy.gin")
     with open(config, "w") as f:
         f.write(CONFIG)
-    port = _free_port()
-    procs = {"2x2": [_start(config, str(root / "2x2"), 2,
-                            [f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                             f"--process_id={i}"]) for i in range(2)],
-             "1x4": [_start(config, str(root / "1x4"), 4, bindings=["RunConfig.n_devices=4"])],
-             "1x1": [_start(config, str(root / "1x1"), 4, bindings=["RunConfig.n_devices=1"])]}
+    one = lambda out, *bindings: lambda port: [_start(config, out, 4, bindings=bindings)]
+    groups = {"2x2": _two_processes(config, str(root / "2x2")),
+              "1x4": one(str(root / "1x4"), "RunConfig.n_devices=4"),
+              "1x1": one(str(root / "1x1"), "RunConfig.n_devices=1")}
     for trainer in FSDP_TRAINERS:
         wide = [*WIDE, f"RunConfig.trainer_class=@{trainer}"]
-        port = _free_port()
-        procs[f"2x2-fsdp-{trainer}"] = [
-            _start(config, str(root / f"2x2-fsdp-{trainer}"), 2,
-                   [f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                    f"--process_id={i}"], [*wide, "RunConfig.fsdp=True"]) for i in range(2)]
-        procs[f"1x4-{trainer}"] = [_start(config, str(root / f"1x4-{trainer}"), 4,
-                                          bindings=[*wide, "RunConfig.n_devices=4"])]
-    results = {}
-    for name, group in procs.items():
-        outputs = [p.communicate(timeout=300) for p in group]
-        results[name] = (str(root / name), [(p.returncode, out, err) for p, (out, err)
-                                            in zip(group, outputs, strict=True)])
-    return results
-
+        groups[f"2x2-fsdp-{trainer}"] = _two_processes(
+            config, str(root / f"2x2-fsdp-{trainer}"), [*wide, "RunConfig.fsdp=True"])
+        groups[f"1x4-{trainer}"] = one(str(root / f"1x4-{trainer}"), *wide,
+                                       "RunConfig.n_devices=4")
+    return {name: (str(root / name), done) for name, done in _run_groups(groups).items()}
 
 @pytest.fixture(scope="module")
 def two_process_run(runs):

@@ -54,3 +54,25 @@ def test_cli_resume_without_keep_period_keeps_permanent_checkpoints(tmp_path):
     assert _steps(out) == [2, 4, 5]
     assert _train(out, "train.steps=7", *first[1:]) == 0
     assert _steps(out) == [2, 4, 7]
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("", "is empty"),
+    ('{"promises": [{"keep_period": 2, "last', "is not JSON"),
+    ('{"promises": [{"keep_period": 2}]}', "is not a retention record (KeyError"),
+    ("[]", "is not a retention record (TypeError"),
+])
+def test_damaged_record_keeps_every_checkpoint_warns_and_is_rebuilt(tmp_path, caplog,
+                                                                    damage, reason):
+    import logging
+
+    assert _run(tmp_path, range(1, 6), max_to_keep=1, keep_period=2) == [2, 4, 5]
+    record = tmp_path / "retention.json"
+    record.write_text(damage)
+    with caplog.at_level(logging.WARNING):
+        assert _run(tmp_path, [6, 7], max_to_keep=1) == [2, 4, 5, 7]
+    [warning] = [r.getMessage() for r in caplog.records if "retention.json" in r.getMessage()]
+    assert warning.startswith(f"{record} {reason}") and "up to step 5" in warning, warning
+    assert read_promises(str(tmp_path)) == [
+        {"keep_period": None, "keep_time_interval": None, "keep_all": True, "last_step": 5}]
+    assert _run(tmp_path, [8], max_to_keep=1) == [2, 4, 5, 8]  # Read back without warning.

@@ -96,3 +96,41 @@ def test_two_concurrent_trains_on_one_directory_refuse_the_second(tmp_path):
     latest = max(_steps(out))
     assert latest >= 2 and int(_checkpoint(out, latest)["step"]) == latest
     assert not os.path.exists(os.path.join(out, LOCK_FILE))
+
+
+@pytest.mark.parametrize("content, reason", [
+    ("", "it is empty"), ('{"pid": 12', "it is not JSON"),
+    ("[1, 2]", "it holds a JSON list, not an owner record"),
+    ('{"pid": "x"}', "it names no owner"),
+])
+def test_unreadable_lock_file_is_taken_over_with_a_warning(tmp_path, caplog, content,
+                                                           reason):
+    (tmp_path / LOCK_FILE).write_text(content)
+    with caplog.at_level(logging.WARNING), RunLock(str(tmp_path)):
+        with open(tmp_path / LOCK_FILE) as f:
+            assert json.load(f)["pid"] == os.getpid()
+    [warning] = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+    assert warning.startswith(f"took over {tmp_path / LOCK_FILE}: it was unreadable "
+                              f"({reason}")
+    assert not os.path.exists(tmp_path / LOCK_FILE)
+
+
+def test_lock_on_a_full_disk_leaves_no_lock_file_behind(tmp_path, monkeypatch):
+    import errno
+
+    real_open = open
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        if LOCK_FILE in os.fspath(path) and "x" in mode:  # The lock's temporary file.
+            f = real_open(path, mode, *args, **kwargs)
+            f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", full_disk_open)
+    new = tmp_path / "run"
+    with pytest.raises(RunLockError, match=rf"cannot write the lock file {new}/run.lock: No "
+                                           rf"space left on device; free space"):
+        RunLock(str(new)).acquire()
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []  # No 0-byte lock, and the new directory is gone.
