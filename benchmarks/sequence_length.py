@@ -83,6 +83,9 @@ flags.DEFINE_integer("full_max_length", None, "longest length the full path and 
 flags.DEFINE_string("trax_python", None, "a Python with Trax 1.4.1 installed: also run "
                     "Trax's ReformerLM (full and LSH attention) at each length")
 flags.DEFINE_string("trax_script", str(TRAX_SCRIPT), "the Trax side's script")
+flags.DEFINE_boolean("update", False, "re-measure only the configurations asked for and "
+                     "replace their rows in the JSON already in --out_dir (the other rows, "
+                     "and the run's date, are kept; each row records its own time)")
 flags.register_validator("variants", lambda v: bool(v) and set(v) <= set(VARIANTS),
                          f"--variants must be a subset of {','.join(VARIANTS)}")
 flags.register_validator("lengths", lambda v: v is None or harness._positive_ints(v),
@@ -403,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return payload
     configs = configurations(args)
     results = []
+    previous = report.read_json(args.out_dir / f"{NAME}.json") if args.update else None
     for k, config in enumerate(configs, 1):
         if config["variant"] in TRAX_VARIANTS:
             result = run_trax(args, config)
@@ -411,7 +415,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         outcome = f"ERROR {result['error']}" if "error" in result else _describe(result)
         print(f"[{k}/{len(configs)}] length {config['seq_len']:,}, "
               f"{_label(config['variant'])}: {outcome}", flush=True)
-        results.append(result)
+        results.append(result | {"measured": harness.machine_info()["date"]})
+    if previous is not None:
+        new = {(r["variant"], r["seq_len"]): r for r in results}
+        old = previous["results"]
+        results = [new.pop((r["variant"], r["seq_len"]), r) for r in old] + list(new.values())
+        payload = previous | {"results": results}
+        write(args.out_dir, payload)
+        print(markdown(payload))
+        return payload
     payload = {"benchmark": NAME, "machine": harness.machine_info(),
                "config": harness.with_workers_host_allocator(configs[0], results),
                "results": results}

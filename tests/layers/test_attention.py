@@ -320,3 +320,28 @@ def test_bad_implementation_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         CausalAttention(D, **kwargs)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.4])
+def test_the_full_path_runs_one_head_at_a_time_above_the_threshold(monkeypatch, dropout):
+    """Same values and gradients (and dropout masks) as all heads at once."""
+    import revtrain.layers.attention as attention
+    layer = CausalAttention(D, n_heads=2, dropout=dropout, implementation="xla")
+    x = _long(16)
+    weights, _ = layer.init(SDS(x.shape, jnp.float32), rng=jax.random.key(1))
+    rng = jax.random.key(4)
+
+    def run():
+        return jax.value_and_grad(lambda w: jnp.sum(jnp.sin(
+            layer.pure_fn(x, w, (), rng)[0])))(weights)
+
+    whole = run()
+    scans = []
+    real_scan = jax.lax.scan
+    monkeypatch.setattr(attention, "FULL_ATTENTION_MAX_BYTES", 0)
+    monkeypatch.setattr(jax.lax, "scan", lambda *a, **kw: scans.append(1) or real_scan(*a, **kw))
+    by_head = run()
+    assert scans  # the per-head scan ran
+    assert float(by_head[0]) == pytest.approx(float(whole[0]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(by_head[1]), jax.tree.leaves(whole[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
