@@ -9,7 +9,7 @@ Usage (from the repository root, after ``pip install -e '.[bench]'``)::
 The model is the long-context one of ``configs/reversible_lm_64k.gin`` at benchmark sizes:
 `ReversibleTransformerLM` (vocab 256, d_model 128, d_ff 512, 2 layers, 4 heads, dropout 0)
 with ``CrossEntropyLoss(n_chunks=length // 4096)``, batch 1, Adam, trained by ``--trainer`` (default
-`ReversibleSerialTrainer`) on one device. Variants (``--variants``):
+`ReversibleSerialTrainer`) on one device. Variants (``--attention_kinds``):
 
 * ``full`` -- ``CausalAttention(implementation='xla')``: the ``length x length`` path,
   run up to ``--full_max_length`` (beyond it the buffers exceed this machine's memory);
@@ -70,7 +70,7 @@ TRAX_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "trax" 
 FLAGS = flags.FLAGS
 
 flags.DEFINE_list("lengths", None, f"sequence lengths (default {DEFAULTS['lengths']})")
-flags.DEFINE_list("variants", list(VARIANTS), f"subset of {','.join(VARIANTS)}")
+flags.DEFINE_list("attention_kinds", list(VARIANTS), f"subset of {','.join(VARIANTS)}")
 flags.DEFINE_enum("trainer", "reversible", ["trainer", "reversible", "memory_efficient"],
                   "which trainer runs the revtrain variants")
 flags.DEFINE_integer("n_layers", None, "model depth (default 2)", lower_bound=1)
@@ -86,8 +86,9 @@ flags.DEFINE_string("trax_script", str(TRAX_SCRIPT), "the Trax side's script")
 flags.DEFINE_boolean("update", False, "re-measure only the configurations asked for and "
                      "replace their rows in the JSON already in --out_dir (the other rows, "
                      "and the run's date, are kept; each row records its own time)")
-flags.register_validator("variants", lambda v: bool(v) and set(v) <= set(VARIANTS),
-                         f"--variants must be a subset of {','.join(VARIANTS)}")
+flags.register_validator("attention_kinds",
+                         lambda v: bool(v) and set(v) <= set(VARIANTS),
+                         f"--attention_kinds must be a subset of {','.join(VARIANTS)}")
 flags.register_validator("lengths", lambda v: v is None or harness._positive_ints(v),
                          "--lengths must be positive integers, e.g. 1024,4096")
 
@@ -116,7 +117,7 @@ def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
     base |= {"n_devices": 1, "host_allocator": harness.host_heap.host_allocator_choice()}
     configs = []
     for length in args.lengths:
-        for variant in args.variants:
+        for variant in args.attention_kinds:
             if variant == "full" and length > args.full_max_length:
                 continue
             configs.append(base | {"variant": variant, "seq_len": length})

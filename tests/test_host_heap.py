@@ -45,8 +45,11 @@ def test_tuned_allocator_reuses_the_runtimes_buffers_instead_of_faulting_them_in
     applied, tuned = _faults({})
     not_applied, system = _faults({host_heap.HOST_ALLOCATOR_ENV: "system"})
     assert applied and not not_applied
-    assert system > 16 * 60_000, system  # Mapped anew on every call...
-    assert tuned < 0.6 * system, (tuned, system)  # ...against reused (measured ~0.27x).
+    # Mapped anew on every call: 65,536 4-KiB pages a call where the kernel backs the
+    # buffers with small pages, about a quarter of that where transparent huge pages back
+    # part of them (measured 270,000 for the 16 calls); at least 4,000 a call either way...
+    assert system > 16 * 4_000, system
+    assert tuned < 0.6 * system, (tuned, system)  # ...against reused (measured ~0.25x).
 
 
 class _FakeMallopt:
