@@ -205,7 +205,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 def _decode(fv: flags.FlagValues) -> int:
     from revtrain.training.decode_program import DECODER_DIR, decode_to_file, load_decoder
 
-    if fv.max_new_bytes < 0 or not math.isfinite(fv.temperature) or fv.temperature < 0:
+    if ((fv.max_new_bytes is not None and fv.max_new_bytes < 0)
+            or not math.isfinite(fv.temperature) or fv.temperature < 0):
         raise UsageError("--max_new_bytes must be >= 0 and --temperature >= 0")
     if fv.prompts_file and fv["prompt"].present:
         raise UsageError("give --prompt or --prompts_file, not both")
@@ -245,7 +246,9 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
     flags.DEFINE_string("prompt", "\n", "Text to continue.", flag_values=fv)
     flags.DEFINE_string("prompts_file", None, "A UTF-8 file of prompts, one per line.",
                         flag_values=fv)
-    flags.DEFINE_integer("max_new_bytes", 200, "Bytes to generate.", flag_values=fv)
+    flags.DEFINE_integer("max_new_bytes", None, "Bytes to generate (default: 200, or as many "
+                         "as the model's key/value cache holds after the prompt).",
+                         flag_values=fv)
     flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding, else the sampling "
                        "temperature.", flag_values=fv)
     flags.DEFINE_integer("top_k", None, "Sample among the k most likely bytes.",

@@ -66,7 +66,7 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
 
 
 def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], path: str,
-                   max_new_bytes: int, temperature: float = 0.0, seed: int = 0,
+                   max_new_bytes: int | None, temperature: float = 0.0, seed: int = 0,
                    top_k: int | None = None, top_p: float | None = None) -> list[dict]:
     """Decodes each prompt (prompt ``i`` with ``fold_in(key(seed), i)``); writes ``path``.
 

@@ -177,9 +177,12 @@ class CachedDecoder(_Sampling):
 
     def _check_length(self, n_prompt: int, n_new: int) -> None:
         if n_prompt + n_new > self.max_len:
+            room = self.max_len - n_prompt
+            fix = (f"ask for at most {room} new ones (--max_new_bytes={room})" if room > 0
+                   else "shorten the prompt")
             raise ValueError(f"prompt of {n_prompt} tokens plus {n_new} new ones exceeds the "
-                             f"cache of max_len={self.max_len}; shorten them or decode "
-                             f"without the cache")
+                             f"cache of max_len={self.max_len}; {fix}, or decode without the "
+                             f"cache (--nocache: a sliding window)")
 
     def _start(self, prompt: list[int]) -> jax.Array:
         self._state = self._initial_state
@@ -193,13 +196,30 @@ class CachedDecoder(_Sampling):
         return log_probs
 
 
-def decode_text(decoder: _Sampling, prompt: str, max_new_bytes: int,
+DEFAULT_NEW_BYTES = 200
+
+
+def new_bytes_for(decoder: _Sampling, n_prompt: int, max_new_bytes: int | None) -> int:
+    """``max_new_bytes``, or when None the default: `DEFAULT_NEW_BYTES`, fewer where the
+    decoder's key/value cache (``max_len``) has less room after a prompt of ``n_prompt``
+    bytes (at least 1, so a prompt that fills the cache gets the cache's one-line error)."""
+    if max_new_bytes is not None:
+        return max_new_bytes
+    if isinstance(decoder, CachedDecoder):
+        return max(1, min(DEFAULT_NEW_BYTES, decoder.max_len - n_prompt))
+    return DEFAULT_NEW_BYTES
+
+
+def decode_text(decoder: _Sampling, prompt: str, max_new_bytes: int | None,
                 temperature: float = 0.0, seed: int = 0, top_k: int | None = None,
                 top_p: float | None = None) -> tuple[str, list[int]]:
     """Continues UTF-8 text ``prompt`` with a byte LM; returns ``(new text, new bytes)``.
 
-    Bytes that do not form valid UTF-8 are shown as U+FFFD.
+    ``max_new_bytes=None`` continues as far as `new_bytes_for` allows (200 bytes, or what
+    the cache holds after the prompt). Bytes that do not form valid UTF-8 are shown as
+    U+FFFD.
     """
-    new = decoder.decode(list(prompt.encode("utf-8")), max_new_bytes, temperature,
-                         jax.random.key(seed), top_k, top_p)
+    tokens = list(prompt.encode("utf-8"))
+    new = decoder.decode(tokens, new_bytes_for(decoder, len(tokens), max_new_bytes),
+                         temperature, jax.random.key(seed), top_k, top_p)
     return bytes(new).decode("utf-8", errors="replace"), new

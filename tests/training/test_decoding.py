@@ -77,3 +77,18 @@ def test_uncached_decoder_slides_its_window_and_checks_arguments():
         decoder.decode([1], 3, temperature=-1)
     with pytest.raises(ValueError, match="top_p=0"):
         decoder.decode([1], 3, temperature=1, top_p=0)
+
+
+def test_default_length_fills_what_the_cache_holds_and_too_much_names_the_fix():
+    """The README's decode command gives no --max_new_bytes: a cached decoder continues as
+    far as its cache allows (at most 200 bytes); asking for more says how many fit."""
+    model_fn = functools.partial(ReversibleTransformerLM, **{**SIZES, "vocab_size": 256})
+    weights, state = _trained_values(model_fn)
+    cached = CachedDecoder(model_fn(mode="predict"), weights, max_len=12)
+    text, tokens = decode_text(cached, "The ", None)
+    assert len(tokens) == 12 - 4
+    uncached = Decoder(model_fn(mode="eval"), weights, state, length=12)
+    assert len(decode_text(uncached, "The ", None)[1]) == 200  # a sliding window: no limit
+    with pytest.raises(ValueError, match=r"ask for at most 8 new ones \(--max_new_bytes=8\)"
+                                         r", or decode without the cache \(--nocache"):
+        decode_text(cached, "The ", 9)
