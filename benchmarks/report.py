@@ -44,6 +44,20 @@ def by_key(results: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str,
     return {(r["trainer"], r["depth"]): r for r in results if "error" not in r}
 
 
+def pyplot(path: Path) -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None (saying that ``path`` is not
+    written) when matplotlib is not installed (the ``bench`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is missing, so {path.name} was not written; "
+              f"pip install -e '.[bench]'")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot_by_depth(path: Path, results: Sequence[dict[str, Any]],
                   panels: Sequence[tuple[str, str, Callable[[dict], float | None]]],
                   title: str) -> bool:
@@ -52,14 +66,9 @@ def plot_by_depth(path: Path, results: Sequence[dict[str, Any]],
     Returns False (and writes nothing) when matplotlib is not installed (the ``bench``
     extra).
     """
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is missing, so {path.name} was not written; "
-              f"pip install -e '.[bench]'")
+    plt = pyplot(path)
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     table = by_key(results)
     depths = sorted({r["depth"] for r in results})
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)

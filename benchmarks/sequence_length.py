@@ -358,14 +358,9 @@ def markdown(payload: dict[str, Any]) -> str:
 
 def plot(path: Path, results: Sequence[dict[str, Any]]) -> bool:
     """Peak memory and step time against length, log-log, one line per variant."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is missing, so {path.name} was not written; "
-              f"pip install -e '.[bench]'")
+    plt = report.pyplot(path)
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("peak device memory", "MiB", "peak_bytes", harness.MIB),
               ("peak RSS", "MiB", "peak_rss_bytes", harness.MIB),
@@ -384,7 +379,8 @@ def plot(path: Path, results: Sequence[dict[str, Any]]) -> bool:
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for ax in axes:  # Trax's rows have no device-memory figure: a legend per panel.
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
