@@ -7,7 +7,9 @@ one when none is given):
 
 * ``'xla'`` -- the full path: ``jax.nn.dot_product_attention`` without attention dropout,
   plain einsums (`einsum_attention`) with it. Holds the ``[batch, n_heads, length,
-  length]`` logits and probabilities (and, in the backward pass, their cotangents).
+  length]`` logits and probabilities (and, in the backward pass, their cotangents); above
+  `FULL_ATTENTION_MAX_BYTES` of logits it runs one head at a time, so ``[batch, 1, length,
+  length]`` of them (`CausalAttention._by_head`).
 * ``'blockwise'`` -- `revtrain.layers.blockwise_attention`: online softmax over blocks of
   ``block_size`` positions with a recomputing custom vjp; memory linear in the length, on
   every backend, attention dropout included.
