@@ -244,10 +244,7 @@ def plot(path: Path, payload: dict[str, Any]) -> bool:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(plt, fig, path)
     return True
 
 

@@ -58,6 +58,14 @@ def pyplot(path: Path) -> Any:
     return plt
 
 
+def save_figure(plt: Any, fig: Any, path: Path) -> None:
+    """Lays out ``fig``, writes it to ``path`` (110 dpi, folders made) and closes it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_by_depth(path: Path, results: Sequence[dict[str, Any]],
                   panels: Sequence[tuple[str, str, Callable[[dict], float | None]]],
                   title: str) -> bool:
@@ -86,10 +94,7 @@ def plot_by_depth(path: Path, results: Sequence[dict[str, Any]],
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return True
 
 

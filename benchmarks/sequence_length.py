@@ -381,10 +381,7 @@ def plot(path: Path, results: Sequence[dict[str, Any]]) -> bool:
         ax.grid(True, which="both", alpha=0.3)
     for ax in axes:  # Trax's rows have no device-memory figure: a legend per panel.
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(plt, fig, path)
     return True
 
 
