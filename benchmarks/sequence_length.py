@@ -176,7 +176,6 @@ def build(config: dict[str, Any]):
         n_layers=config["n_layers"], n_heads=config["n_heads"], max_len=config["seq_len"],
         dropout=config["dropout"], attention_type=attention, ff_chunk_size=chunk,
         ff_activation=tl.Relu)
-    config = config | {"batch_size": config["batch_size"]}
     batch = harness.make_batch(config)
     signature = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch)
     # The fused loss in chunks of 4,096 positions (as configs/reversible_lm_64k.gin binds).

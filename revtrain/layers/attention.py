@@ -45,11 +45,11 @@ from revtrain.layers.blockwise_attention import (
 from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, check_mode, check_rate
 from revtrain.layers.dropout_masks import (
     DEFAULT_MASK_BITS,
+    apply_keep_mask,
     check_mask_bits,
     drop_threshold,
     mask_seed,
     position_keep_mask,
-    quantised_rate,
 )
 from revtrain.layers.layer import Layer
 from revtrain.layers.rotary import check_rotary_head_size, rotary_embedding
@@ -150,8 +150,7 @@ def _drop_probabilities(probs: jax.Array, rate: float, rng: jax.Array | None,
                          f"jax.random.key or use mode='eval'")
     keep = position_keep_mask(mask_seed(rng), probs.shape, 0, 0, probs.shape[2], rate,
                               mask_bits, head_start=head_start, total_heads=total_heads)
-    scale = jnp.asarray(1.0 / (1.0 - quantised_rate(rate, mask_bits)), probs.dtype)
-    return jnp.where(keep, probs * scale, jnp.zeros((), probs.dtype))
+    return apply_keep_mask(probs, keep, rate, mask_bits)
 
 
 def choose_implementation(batch: int, n_heads: int, length: int, d_head: int, dtype,

@@ -57,11 +57,11 @@ from jax import lax
 from revtrain.layers.core import check_rate
 from revtrain.layers.dropout_masks import (
     DEFAULT_MASK_BITS,
+    apply_keep_mask,
     check_mask_bits,
     drop_threshold,
     mask_seed,
     position_keep_mask,
-    quantised_rate,
 )
 
 DEFAULT_BLOCK_SIZE = 512
@@ -200,8 +200,7 @@ def _dropped(x: jax.Array, seed: jax.Array, i: jax.Array, j: jax.Array,
     keep = position_keep_mask(seed, x.shape, i * config.block, j * config.block,
                               config.length, config.rate, config.mask_bits,
                               head_start=seed[2], total_heads=config.total_heads)
-    scale = 1.0 / (1.0 - quantised_rate(config.rate, config.mask_bits))
-    return jnp.where(keep, x * scale, 0.0)
+    return apply_keep_mask(x, keep, config.rate, config.mask_bits)
 
 
 def _full(shape: tuple[int, ...], value: float, *like: jax.Array, dtype=jnp.float32

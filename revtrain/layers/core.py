@@ -25,10 +25,10 @@ import numpy as np
 
 from revtrain.layers.dropout_masks import (
     DEFAULT_MASK_BITS,
+    apply_keep_mask,
     check_mask_bits,
     drop_threshold,
     keep_mask,
-    quantised_rate,
 )
 from revtrain.layers.layer import Layer
 from revtrain.layers.signatures import float_dtype
@@ -128,8 +128,7 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None,
     shared = {a % x.ndim for a in shared_axes}
     noise_shape = tuple(1 if i in shared else d for i, d in enumerate(x.shape))
     keep = keep_mask(rng, noise_shape, rate, mask_bits)
-    scale = jnp.asarray(1.0 / (1.0 - quantised_rate(rate, mask_bits)), dtype=x.dtype)
-    return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
+    return apply_keep_mask(x, keep, rate, mask_bits)
 
 
 class Dense(Layer):

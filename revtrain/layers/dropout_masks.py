@@ -69,6 +69,14 @@ def quantised_rate(rate: float, mask_bits: int = DEFAULT_MASK_BITS) -> float:
     return drop_threshold(rate, mask_bits) / 2 ** mask_bits
 
 
+def apply_keep_mask(x: jax.Array, keep: jax.Array, rate: float,
+                    mask_bits: int = DEFAULT_MASK_BITS) -> jax.Array:
+    """Inverted dropout with a given mask: ``x / (1 - r)`` where ``keep``, else 0, with ``r``
+    the `quantised_rate` the mask realises, so ``E[y] = x``; in ``x.dtype``."""
+    scale = jnp.asarray(1.0 / (1.0 - quantised_rate(rate, mask_bits)), x.dtype)
+    return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
+
+
 def keep_mask(rng: jax.Array, shape: Sequence[int], rate: float,
               mask_bits: int = DEFAULT_MASK_BITS) -> jax.Array:
     """Bool ``shape`` mask, True (keep) with probability ``1 - quantised_rate(rate)``.
