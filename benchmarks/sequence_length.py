@@ -15,7 +15,9 @@ with ``CrossEntropyLoss(n_chunks=length // 4096)``, batch 1, Adam, trained by ``
   run up to ``--full_max_length`` (beyond it the buffers exceed this machine's memory);
 * ``blockwise`` -- ``implementation='blockwise'`` (``--block_size``), feed-forward whole;
 * ``blockwise_chunked`` -- the same with ``ff_chunk_size=--ff_chunk_size``;
-* ``default`` -- ``implementation=None`` (chosen by size) with the chunked feed-forward.
+* ``default`` -- ``implementation=None`` (chosen by size) with the chunked feed-forward;
+* ``lsh`` -- `LSHCausalAttention` (``--chunk_len``, ``--n_hashes``, one chunk before)
+  with the chunked feed-forward: Reformer's configuration, as Trax's LSH rows.
 
 Each (variant, length) runs in a fresh process: ``--warmup`` steps (the first compiles,
 its time is ``first_step_s``), then ``--steps`` measured steps. Reported: the peak device
@@ -58,13 +60,16 @@ VARIANTS = {
     "blockwise": "blockwise",
     "blockwise_chunked": "blockwise + ff chunks",
     "default": "default + ff chunks",
+    "lsh": "LSH + ff chunks",
 }
 TRAX_VARIANTS = {"trax_full": "Trax full", "trax_lsh": "Trax LSH"}
-DEFAULTS = {"lengths": "1024,4096,8192,16384,65536", "d_model": 128, "d_ff": 512, "n_layers": 2,
-            "n_heads": 4, "vocab_size": 256, "block_size": 512, "ff_chunk_size": 4096,
-            "full_max_length": 8192}
+DEFAULTS = {"lengths": "1024,4096,8192,16384,65536", "trax_max_length": 65536,
+            "d_model": 128, "d_ff": 512, "n_layers": 2, "n_heads": 4, "vocab_size": 256,
+            "block_size": 512, "ff_chunk_size": 4096,
+            "full_max_length": 8192, "chunk_len": 128, "n_hashes": 2}
 QUICK = {"lengths": "64,256", "d_model": 32, "d_ff": 64, "block_size": 32,
-         "ff_chunk_size": 64, "full_max_length": 256}
+         "ff_chunk_size": 64, "full_max_length": 256, "chunk_len": 16,
+         "trax_max_length": 256}
 TRAX_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "trax" / (
     "reformer_length.py")
 FLAGS = flags.FLAGS
@@ -78,8 +83,13 @@ flags.DEFINE_integer("block_size", None, "blockwise attention's block (default 5
                      lower_bound=1)
 flags.DEFINE_integer("ff_chunk_size", None, "positions per feed-forward chunk (default "
                      "4096)", lower_bound=1)
+flags.DEFINE_integer("chunk_len", None, "LSH attention's chunk (default 128)", lower_bound=1)
+flags.DEFINE_integer("n_hashes", None, "LSH attention's hashing rounds (default 2)",
+                     lower_bound=1)
 flags.DEFINE_integer("full_max_length", None, "longest length the full path and Trax's "
                      "full attention run at (default 8192)", lower_bound=1)
+flags.DEFINE_integer("trax_max_length", None, "longest length Trax's LSH attention runs "
+                     "at (default 65536)", lower_bound=1)
 flags.DEFINE_string("trax_python", None, "a Python with Trax 1.4.1 installed: also run "
                     "Trax's ReformerLM (full and LSH attention) at each length")
 flags.DEFINE_string("trax_script", str(TRAX_SCRIPT), "the Trax side's script")
@@ -98,7 +108,8 @@ def parse_flags(argv: Sequence[str] | None) -> SimpleNamespace:
     args = harness.parse_flags(argv, steps=2, warmup=1)
     defaults = {**DEFAULTS, **(QUICK if args.quick else {})}
     for name in ("lengths", "n_layers", "block_size", "ff_chunk_size", "full_max_length",
-                 "d_model", "d_ff", "n_heads", "vocab_size"):
+                 "d_model", "d_ff", "n_heads", "vocab_size", "chunk_len", "n_hashes",
+                 "trax_max_length"):
         value = getattr(FLAGS, name)
         explicit = FLAGS[name].present
         setattr(args, name, value if explicit and value is not None else defaults[name])
@@ -113,7 +124,8 @@ def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
     """One config per (length, variant), length-major; Trax's runs beside revtrain's."""
     base = {name: getattr(args, name) for name in (
         "d_model", "d_ff", "n_heads", "n_layers", "vocab_size", "batch_size", "dropout",
-        "block_size", "ff_chunk_size", "steps", "warmup", "seed", "trainer")}
+        "block_size", "ff_chunk_size", "chunk_len", "n_hashes", "steps", "warmup", "seed",
+        "trainer")}
     base |= {"n_devices": 1, "host_allocator": harness.host_heap.host_allocator_choice()}
     configs = []
     for length in args.lengths:
@@ -122,9 +134,10 @@ def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
                 continue
             configs.append(base | {"variant": variant, "seq_len": length})
         if args.trax_python:
-            if length <= args.full_max_length:
+            if length <= args.full_max_length and "full" in args.attention_kinds:
                 configs.append(base | {"variant": "trax_full", "seq_len": length})
-            configs.append(base | {"variant": "trax_lsh", "seq_len": length})
+            if length <= args.trax_max_length:
+                configs.append(base | {"variant": "trax_lsh", "seq_len": length})
     return configs
 
 
@@ -168,9 +181,14 @@ def build(config: dict[str, Any]):
 
     variant = config["variant"]
     implementation = {"full": "xla", "default": None}.get(variant, "blockwise")
-    attention = functools.partial(tl.CausalAttention, implementation=implementation,
-                                  block_size=config["block_size"])
-    chunk = config["ff_chunk_size"] if variant in ("blockwise_chunked", "default") else None
+    if variant == "lsh":
+        attention = functools.partial(tl.LSHCausalAttention, chunk_len=config["chunk_len"],
+                                      n_hashes=config["n_hashes"])
+    else:
+        attention = functools.partial(tl.CausalAttention, implementation=implementation,
+                                      block_size=config["block_size"])
+    chunk = config["ff_chunk_size"] if variant in ("blockwise_chunked", "default", "lsh") else (
+        None)
     model = ReversibleTransformerLM(
         vocab_size=config["vocab_size"], d_model=config["d_model"], d_ff=config["d_ff"],
         n_layers=config["n_layers"], n_heads=config["n_heads"], max_len=config["seq_len"],
@@ -301,6 +319,38 @@ def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     if full and trax_full:
         ratio = full["peak_rss_bytes"] / trax_full["peak_rss_bytes"]
         check("8K full path peak RSS <= Trax full attention's", f"{ratio:.2f}x", ratio <= 1.0)
+    checks += _lsh_targets(results)
+    return checks
+
+
+def _lsh_targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The LSH attention targets: 64K against Trax's LSH step, 512K under 4 GiB, linear."""
+    checks = []
+    lsh, trax = _find(results, "lsh", 65536), _find(results, "trax_lsh", 65536)
+    if lsh:
+        peak = lsh["peak_bytes"] / harness.MIB
+        checks.append({"target": "LSH 64K peak device memory <= 512 MiB",
+                       "value": f"{peak:,.1f} MiB", "met": peak <= 512})
+        if trax:
+            ratio = lsh["step_s"] / trax["step_s"]
+            checks.append({"target": "LSH 64K step <= Trax LSH's step",
+                           "value": f"{lsh['step_s']:.2f} s vs {trax['step_s']:.2f} s "
+                                    f"({ratio:.2f}x)", "met": ratio <= 1.0})
+            rss, limit = (r["peak_rss_bytes"] / harness.MIB for r in (lsh, trax))
+            checks.append({"target": f"LSH 64K peak RSS <= Trax LSH's ({limit:,.0f} MiB)",
+                           "value": f"{rss:,.0f} MiB", "met": rss <= limit})
+        mid = _find(results, "lsh", 16384)
+        if mid:
+            for key, what in (("step_s", "step time"), ("peak_bytes", "peak")):
+                ratio = lsh[key] / mid[key]
+                checks.append({"target": f"LSH linear: 64K {what} <= 4.5x 16K's",
+                               "value": f"{ratio:.2f}x", "met": ratio <= 4.5})
+    half_million = _find(results, "lsh", 524288)
+    if half_million:
+        peak = half_million["peak_bytes"] / 2 ** 30
+        checks.append({"target": "LSH 512K: a step completes, peak device memory <= 4 GiB",
+                       "value": f"{peak:.2f} GiB, step {half_million['step_s']:.1f} s",
+                       "met": peak <= 4})
     return checks
 
 
@@ -317,11 +367,12 @@ def readme_table(payload: dict[str, Any]) -> str:
                   else "")
         return f"{memory}{report.mib(r['peak_rss_bytes'])} / {r['step_s']:.2f} s"
 
-    rows = [[f"{n:,}", cell("full", n), cell("default", n), cell("trax_full", n, False),
-             cell("trax_lsh", n, False)] for n in lengths]
+    rows = [[f"{n:,}", cell("full", n), cell("default", n), cell("lsh", n),
+             cell("trax_full", n, False), cell("trax_lsh", n, False)] for n in lengths]
     return report.markdown_table(
         ["length", "revtrain full: peak MiB / RSS MiB / step", "revtrain default: peak MiB "
-         "/ RSS MiB / step", "Trax full: RSS MiB / step", "Trax LSH: RSS MiB / step"], rows)
+         "/ RSS MiB / step", "revtrain LSH: peak MiB / RSS MiB / step",
+         "Trax full: RSS MiB / step", "Trax LSH: RSS MiB / step"], rows)
 
 
 def markdown(payload: dict[str, Any]) -> str:

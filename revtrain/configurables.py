@@ -13,9 +13,9 @@ Library code is never decorated; importing this module makes the names below usa
   ``warmup_cosine_decay``, ``constant``;
 * layers: the losses/metrics ``CrossEntropyLoss``, ``WeightedCategoryCrossEntropy``,
   ``ProjectedCrossEntropy``, ``Accuracy`` (each with ``n_chunks``), the activations
-  ``Relu``, ``Gelu``, ``Tanh``, ``Sigmoid``, and the attention layer ``CausalAttention``
+  ``Relu``, ``Gelu``, ``Tanh``, ``Sigmoid``, and the attention layers ``CausalAttention``
   (for ``attention_type = @CausalAttention`` with ``CausalAttention.implementation``,
-  ``block_size``);
+  ``block_size``) and ``LSHCausalAttention`` (``chunk_len``, ``n_hashes``, ...);
 * constants ``%jnp.float32`` and ``%jnp.bfloat16`` (for ``compute_dtype``).
 
 `train` is the registered (gin-wrapped) version of `revtrain.training.train_lib.train`;
@@ -45,8 +45,11 @@ REGISTRY = (
                            schedules.warmup_cosine_decay, schedules.constant)),
     ("revtrain.layers", (layers.CrossEntropyLoss, layers.WeightedCategoryCrossEntropy,
                          layers.ProjectedCrossEntropy, layers.Accuracy, layers.Relu,
-                         layers.Gelu, layers.Tanh, layers.Sigmoid, layers.CausalAttention)),
+                         layers.Gelu, layers.Tanh, layers.Sigmoid, layers.CausalAttention,
+                         layers.LSHCausalAttention)),
 )
+# The registered attention layers: an LM's ``attention_type``.
+ATTENTION_LAYERS = ("CausalAttention", "LSHCausalAttention")
 CONSTANTS = {"jnp.float32": jnp.float32, "jnp.bfloat16": jnp.bfloat16}
 
 
@@ -82,16 +85,18 @@ _SET_BY_THE_LM = {"n_heads": "n_heads", "dropout": "dropout", "mode": "mode",
 def check_bindings() -> None:
     """Raises ValueError for a binding the model would silently override.
 
-    ``CausalAttention`` is registered to be an LM's ``attention_type``; the LM passes it
-    ``n_heads``, ``dropout``, ``mode``, ``max_len``, ``mask_bits`` (and ``rotary``), so
-    binding one of those on ``CausalAttention`` would have no effect.
+    The attention layers (`ATTENTION_LAYERS`) are registered to be an LM's
+    ``attention_type``; the LM passes them ``n_heads``, ``dropout``, ``mode``,
+    ``max_len``, ``mask_bits`` (and ``rotary``), so binding one of those on an attention
+    layer would have no effect.
     """
-    bound = gin.get_bindings("CausalAttention")
-    for name, lm_name in _SET_BY_THE_LM.items():
-        if name in bound:
-            raise ValueError(f"CausalAttention.{name} is set by the language model, which "
-                             f"overrides the binding; bind ReversibleTransformerLM."
-                             f"{lm_name} (or TransformerLM.{lm_name}) instead")
+    for layer in ATTENTION_LAYERS:
+        bound = gin.get_bindings(layer)
+        for name, lm_name in _SET_BY_THE_LM.items():
+            if name in bound:
+                raise ValueError(f"{layer}.{name} is set by the language model, which "
+                                 f"overrides the binding; bind ReversibleTransformerLM."
+                                 f"{lm_name} (or TransformerLM.{lm_name}) instead")
 
 
 def run_configs() -> dict[str, object]:
@@ -107,4 +112,4 @@ def run_configs() -> dict[str, object]:
                                                            strict=True)}
 
 
-__all__ = ["CONSTANTS", "REGISTRY", "check_bindings", "run_configs", "train"]
+__all__ = ["ATTENTION_LAYERS", "CONSTANTS", "REGISTRY", "check_bindings", "run_configs", "train"]

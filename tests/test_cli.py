@@ -80,6 +80,10 @@ def test_nan_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path, capsys):
       "--gin_bindings=CausalAttention.mask_bits=4"],
      "CausalAttention.mask_bits is set by the language model, which overrides the binding; "
      "bind ReversibleTransformerLM.dropout_mask_bits"),
+    ([f"--config_file={COPY_TASK}", "--output_dir=X",
+      "--gin_bindings=LSHCausalAttention.n_heads=2"],
+     "LSHCausalAttention.n_heads is set by the language model, which overrides the binding; "
+     "bind ReversibleTransformerLM.n_heads"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, capsys, argv_tail, message):
     argv = [a.replace("=X", f"={tmp_path}") for a in argv_tail]
@@ -240,6 +244,9 @@ def test_every_config_parses_with_model_and_inputs(name):
     # The 64K config at 16 tokens: two attention blocks and four feed-forward chunks.
     ("reversible_lm_64k.gin", "ReversibleTransformerLM",
      ["CausalAttention.block_size=8", "ReversibleTransformerLM.ff_chunk_size=4"]),
+    # The LSH config at 16 tokens: chunks of 4, so hashing, sorting and look-back run.
+    ("reformer_lm_64k.gin", "ReversibleTransformerLM",
+     ["LSHCausalAttention.chunk_len=4", "ReversibleTransformerLM.ff_chunk_size=4"]),
 ])
 def test_text_configs_train_two_tiny_steps(tmp_path, capsys, name, model, extra):
     shrink = [f"{model}.d_model=16", f"{model}.d_ff=32", f"{model}.n_heads=2",

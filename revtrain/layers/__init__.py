@@ -37,6 +37,7 @@ from revtrain.layers.core import (
 )
 from revtrain.layers.fn import Fn, PureLayer
 from revtrain.layers.layer import EMPTY, Layer
+from revtrain.layers.lsh_attention import LSHCausalAttention
 from revtrain.layers.metrics import (
     Accuracy,
     CrossEntropyLoss,
@@ -68,7 +69,7 @@ __all__ = [
     "PositionalEncoding", "Relu", "ShiftRight", "Sigmoid", "Softmax", "Tanh",
     "Accuracy", "CrossEntropyLoss", "L2Loss", "ProjectedCrossEntropy",
     "WeightedCategoryCrossEntropy", "weighted_mean",
-    "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LayerNorm", "MaxPool",
+    "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LSHCausalAttention", "LayerNorm", "MaxPool",
     "dot_product_attention", "einsum_attention", "blockwise_attention", "rotary_embedding",
     "Chunk",
     "Remat",

@@ -51,3 +51,16 @@ def test_the_readme_table_is_generated_from_the_committed_results():
     assert block, "README.md lacks the sequence_length table markers"
     assert block.group(1).strip() == sequence_length.readme_table(payload).strip(), (
         "README's sequence-length table is stale; paste sequence_length.readme_table()")
+
+
+def test_lsh_targets_compare_with_trax_in_the_same_run_and_check_linearity():
+    results = [_row("lsh", 16384, 160, 900, step=4.0), _row("lsh", 65536, 600, 1600, step=13.0),
+               _row("trax_lsh", 65536, 0, 1700, step=20.0),
+               _row("lsh", 524288, 3000, 9000, step=120.0)]
+    checks = {c["target"]: c for c in sequence_length.targets(results)}
+    assert not checks["LSH 64K peak device memory <= 512 MiB"]["met"]
+    assert checks["LSH 64K step <= Trax LSH's step"]["value"] == "13.00 s vs 20.00 s (0.65x)"
+    assert checks["LSH 64K peak RSS <= Trax LSH's (1,700 MiB)"]["met"]
+    assert checks["LSH linear: 64K step time <= 4.5x 16K's"]["value"] == "3.25x"
+    assert checks["LSH linear: 64K peak <= 4.5x 16K's"]["value"] == "3.75x"
+    assert checks["LSH 512K: a step completes, peak device memory <= 4 GiB"]["met"]

@@ -1,7 +1,8 @@
-"""Long-context layers through the trainers: blockwise attention, chunked feed-forward and
-rotary positions give the same steps in all three trainers (dropout included, on 1 and 4
-devices, with FSDP), the same steps as the full path, no recompilation, checkpoints that
-move between implementations, and a memory ledger that counts the attention's residuals."""
+"""Long-context layers through the trainers: blockwise and LSH attention, chunked
+feed-forward and rotary positions give the same steps in all three trainers (dropout
+included, on 1 and 4 devices, with FSDP), the same steps as the full path, no
+recompilation, checkpoints that move between implementations, and a memory ledger that
+counts the attention's residuals."""
 import functools
 
 import jax
@@ -30,9 +31,10 @@ def _adam():
     return optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
 
 
-def _model(implementation, dropout, ff_chunk_size=5, length=LENGTH, n_layers=1):
-    attention = functools.partial(tl.CausalAttention, implementation=implementation,
-                                  block_size=8)
+def _model(implementation, dropout, ff_chunk_size=5, length=LENGTH, n_layers=1,
+           attention=None):
+    attention = attention or functools.partial(tl.CausalAttention,
+                                               implementation=implementation, block_size=8)
     model = ReversibleTransformerLM(vocab_size=VOCAB, d_model=8, d_ff=16,
                                     n_layers=n_layers, n_heads=2, max_len=length, dropout=dropout,
                                     attention_type=attention, ff_chunk_size=ff_chunk_size,
@@ -45,8 +47,9 @@ def _model(implementation, dropout, ff_chunk_size=5, length=LENGTH, n_layers=1):
     return blocks, loss
 
 
-def _build(name, n_devices, implementation="blockwise", dropout=0.3, **kwargs):
-    blocks, loss = _model(implementation, dropout)
+def _build(name, n_devices, implementation="blockwise", dropout=0.3, attention=None,
+           **kwargs):
+    blocks, loss = _model(implementation, dropout, attention=attention)
     if name == "Trainer":
         return Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), _adam, n_devices=n_devices,
                        **kwargs)
@@ -76,6 +79,35 @@ def test_device_count_and_fsdp_do_not_change_the_result_without_dropout():
     for trainer in (_build("ReversibleSerialTrainer", 4, dropout=0.0),
                     _build("MemoryEfficientTrainer", 4, dropout=0.0, fsdp=True),
                     _build("Trainer", 2, dropout=0.0, fsdp=True)):
+        losses, weights = _steps(trainer)
+        np.testing.assert_allclose(losses, one[0], rtol=1e-5)
+        assert_trees_close(weights, one[1], rtol=1e-5, atol=1e-5)
+
+
+def _lsh(**kwargs):
+    """LSH attention with 3 chunks of 4 over the 12 positions, two rounds."""
+    return functools.partial(tl.LSHCausalAttention, chunk_len=4, n_hashes=2, **kwargs)
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_lsh_attention_gives_the_same_steps_in_all_three_trainers_with_dropout(n_devices):
+    """The rotations and dropout masks come from the layer's key, so the reversible
+    trainers' recomputation hashes and drops as the Trainer's one program does."""
+    reference = _steps(_build("Trainer", n_devices, attention=_lsh()))
+    assert reference[0][1] < reference[0][0]
+    for name in ("ReversibleSerialTrainer", "MemoryEfficientTrainer"):
+        losses, weights = _steps(_build(name, n_devices, attention=_lsh()))
+        np.testing.assert_allclose(losses, reference[0], rtol=1e-5, err_msg=name)
+        assert_trees_close(weights, reference[1], rtol=1e-5, atol=1e-5)
+
+
+def test_lsh_with_a_hash_seed_does_not_depend_on_the_device_count_or_fsdp():
+    one = _steps(_build("ReversibleSerialTrainer", 1, dropout=0.0,
+                        attention=_lsh(hash_seed=3)))
+    for trainer in (_build("ReversibleSerialTrainer", 4, dropout=0.0,
+                           attention=_lsh(hash_seed=3)),
+                    _build("MemoryEfficientTrainer", 2, dropout=0.0, fsdp=True,
+                           attention=_lsh(hash_seed=3))):
         losses, weights = _steps(trainer)
         np.testing.assert_allclose(losses, one[0], rtol=1e-5)
         assert_trees_close(weights, one[1], rtol=1e-5, atol=1e-5)
