@@ -145,9 +145,14 @@ def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
 # Worker side.
 
 def model_flops(config: dict[str, Any]) -> float:
-    """Training FLOPs of one step: 6 x (multiply-adds of the forward pass) per token."""
+    """Training FLOPs of one step: 6 x (multiply-adds of the forward pass) per token (for
+    LSH, the products its kernel computes: each query against two chunks per round)."""
     n, d, f = config["seq_len"], config["d_model"], config["d_ff"]
-    per_layer = 4 * d * d + 2 * d * f + 2 * (n + 1) / 2 * d  # attention: causal half
+    if config["variant"] == "lsh":  # shared query/key; 2 chunks of keys per query, per round
+        window = 2 * min(config["chunk_len"], n)
+        per_layer = 3 * d * d + 2 * d * f + 2 * config["n_hashes"] * window * d
+    else:
+        per_layer = 4 * d * d + 2 * d * f + 2 * (n + 1) / 2 * d  # attention: causal half
     macs = config["batch_size"] * n * (config["n_layers"] * per_layer
                                        + 2 * d * config["vocab_size"])
     return 6.0 * macs
@@ -375,6 +380,11 @@ def readme_table(payload: dict[str, Any]) -> str:
          "Trax full: RSS MiB / step", "Trax LSH: RSS MiB / step"], rows)
 
 
+def _measured_on(r: dict[str, Any], info: dict[str, Any]) -> str:
+    """A row's processor and date: rows replaced by ``--update`` carry their own."""
+    return f"{r.get('processor', info['processor'])}, {r.get('measured', info['date'])[:16]}"
+
+
 def markdown(payload: dict[str, Any]) -> str:
     """The results as a Markdown table (one row per length and variant)."""
     c, info = payload["config"], payload["machine"]
@@ -384,7 +394,9 @@ def markdown(payload: dict[str, Any]) -> str:
              f"block_size {c['block_size']}, ff_chunk_size {c['ff_chunk_size']}; host "
              f"allocator {c.get('host_allocator', 'system')}.",
              f"Measured {info['date']} on {info['processor']} ({info['cpu_count']} CPUs), "
-             f"jax {info['jax']}; each row a fresh process, Trax's rows interleaved.", ""]
+             f"jax {info['jax']}, except the rows whose 'measured' column names another "
+             f"machine or date (replaced by --update); each row a fresh process, Trax's "
+             f"rows interleaved with revtrain's of the same run.", ""]
     rows = []
     for r in payload["results"]:
         if "error" in r:
@@ -394,10 +406,10 @@ def markdown(payload: dict[str, Any]) -> str:
         fraction = f"{100 * r['fraction_of_matmul']:.1f}%" if "fraction_of_matmul" in r else "—"
         rows.append([f"{r['seq_len']:,}", _label(r["variant"]), peak,
                      report.mib(r["peak_rss_bytes"]), f"{r['step_s']:.2f}",
-                     f"{r['first_step_s']:.1f}", fraction])
+                     f"{r['first_step_s']:.1f}", fraction, _measured_on(r, info)])
     lines.append(report.markdown_table(
         ["length", "variant", "peak device MiB", "peak RSS MiB", "step s", "first step s",
-         "model FLOP/s vs matmul"], rows))
+         "model FLOP/s vs matmul", "measured"], rows))
     checks = targets(payload["results"])
     if checks:
         lines += ["", report.markdown_table(
@@ -459,7 +471,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         outcome = f"ERROR {result['error']}" if "error" in result else _describe(result)
         print(f"[{k}/{len(configs)}] length {config['seq_len']:,}, "
               f"{_label(config['variant'])}: {outcome}", flush=True)
-        results.append(result | {"measured": harness.machine_info()["date"]})
+        info = harness.machine_info()
+        results.append(result | {"measured": info["date"], "processor": info["processor"]})
     if previous is not None:
         new = {(r["variant"], r["seq_len"]): r for r in results}
         old = previous["results"]
