@@ -27,7 +27,8 @@ for the attention products plus the hash and an ``O(L log L)`` sort per round. H
 one at a time (a ``lax.scan`` under ``jax.checkpoint``, as `CausalAttention`'s blockwise
 path), rounds one at a time within a head, and the chunk kernel loops over groups of
 chunks holding ``float32[B, chunks, c, (1 + b) c]`` logits for about 4,096 sorted rows at a
-time, so the memory beside the layer's input and output is ``O(B x L x d_head)``: no
+time, so the memory beside the layer's input and output is ``O(B x L x d_head)`` (plus
+the hash's ``B x L x n_f / 2`` rotated values per bucket factor): no
 ``L x c`` array over the whole sequence is kept, and the compiled program does not grow
 with the length. The chunk kernel and the sort/unsort gathers have custom vjps: the
 kernel recomputes its probabilities from the saved log-sum-exp (FlashAttention's
@@ -85,6 +86,8 @@ DEFAULT_CHUNK_LEN = 128
 SELF_PENALTY = 1e5
 # Buckets hashed by one rotation at most; above, two factors (Trax's rule).
 MAX_UNFACTORED_BUCKETS = 128
+# The most buckets an int32 bucket id holds.
+MAX_BUCKETS = 2 ** 31 - 1
 # Sorted query rows the chunk kernel handles per loop iteration.
 _GROUP_ROWS = 4096
 _SENTINEL = np.iinfo(np.int32).max  # the position of padding: after every real position
@@ -119,12 +122,19 @@ def check_n_buckets(n_buckets: Any, owner: str) -> tuple[int, ...] | None:
         factors = tuple(factors)
     except TypeError:
         factors = (n_buckets,)
-    if not factors or any(isinstance(f, bool) or not isinstance(f, (int, np.integer))
-                          or f < 2 or f % 2 for f in factors):
+    bad = (isinstance(n_buckets, (dict, set, str)) or not factors
+           or any(isinstance(f, bool) or not isinstance(f, (int, np.integer)) or f < 2
+                  or f % 2 for f in factors))
+    if bad:
         raise ValueError(f"{owner} n_buckets={n_buckets!r} must be an even int >= 2 (or a "
                          f"tuple of even ints, hashed as their product), or None for "
                          f"Reformer's 2 * length // chunk_len; e.g. n_buckets=64")
-    return tuple(int(f) for f in factors)
+    factors = tuple(int(f) for f in factors)
+    if math.prod(factors) > MAX_BUCKETS:
+        raise ValueError(f"{owner} n_buckets={n_buckets!r} makes {math.prod(factors):,} "
+                         f"buckets, more than the {MAX_BUCKETS:,} an int32 bucket id holds; "
+                         f"use fewer (Reformer's default is 2 * length // chunk_len)")
+    return factors
 
 
 def _check_int(value: Any, name: str, minimum: int) -> int:
@@ -358,12 +368,6 @@ def _chunk_attention_bwd(config: _Config, residuals, cts):
 _chunk_attention.defvjp(_chunk_attention_fwd, _chunk_attention_bwd)
 
 
-def _group_chunks(n_chunks: int, chunk: int) -> int:
-    """The largest divisor of ``n_chunks`` whose chunks hold at most `_GROUP_ROWS` rows."""
-    most = max(1, _GROUP_ROWS // chunk)
-    return max(g for g in range(1, min(most, n_chunks) + 1) if n_chunks % g == 0)
-
-
 def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, chunk_len: int,
               n_chunks_before: int, dropout_rate: float = 0.0,
               seed: jax.Array | None = None, mask_bits: int = DEFAULT_MASK_BITS,
@@ -389,10 +393,14 @@ def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, ch
     order, inverse = sort_order(hash_buckets(qk, rotations),
                                 math.prod(2 * r.shape[-1] for r in rotations))
     q = permute(qk, order, inverse)
-    k = q * lax.rsqrt(jnp.sum(jnp.square(q.astype(jnp.float32)), -1, keepdims=True)
-                      + 1e-6).astype(q.dtype)
+    # Keys stay in the accumulation dtype: their cotangent (before the normalisation's
+    # 1 / |q| shrinks it) can exceed float16's range.
+    k = normalised(q, keep_wide=True)
     sv = permute(v, order, inverse)
-    padded = -(-length // chunk_len) * chunk_len
+    n_chunks = -(-length // chunk_len)
+    group = min(max(1, _GROUP_ROWS // chunk_len), n_chunks)
+    chunked = n_chunks * chunk_len  # the dropout mask's rows per round: not the grouping's
+    padded = -(-n_chunks // group) * group * chunk_len
     pad = padded - length
     if pad:
         q, k, sv = (jnp.pad(a, [(0, 0), (0, pad), (0, 0)]) for a in (q, k, sv))
@@ -405,14 +413,23 @@ def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, ch
     seed = jnp.zeros((2,), jnp.uint32) if seed is None or not rate else seed
     seed = jnp.concatenate([seed, jnp.stack([jnp.asarray(head).astype(jnp.uint32),
                                              jnp.asarray(round_index).astype(jnp.uint32)
-                                             * jnp.uint32(padded)])])
-    config = _Config(chunk_len, n_chunks_before, _group_chunks(padded // chunk_len, chunk_len),
-                     rate, mask_bits, n_hashes * padded, total_heads)
+                                             * jnp.uint32(chunked)])])
+    config = _Config(chunk_len, n_chunks_before, group, rate, mask_bits, n_hashes * chunked,
+                     total_heads)
     q, k, sv, order_p, seed = _vary_alike(q, k, sv, order_p, seed)
     out, lse = _chunk_attention(config, q, k, sv, order_p, seed)
     if pad:
         out, lse = out[:, :length], lse[:, :length]
     return permute(out, inverse, order), permute(lse, inverse, order)
+
+
+def normalised(x: jax.Array, keep_wide: bool = False) -> jax.Array:
+    """``x / sqrt(|x|^2 + 1e-6)`` over the last axis, computed in at least float32 (so a
+    float16 ``x`` neither overflows nor loses its gradient), returned in ``x.dtype`` (in
+    that wider dtype with ``keep_wide``)."""
+    wide = x.astype(_accumulation(x))
+    out = wide * lax.rsqrt(jnp.sum(jnp.square(wide), -1, keepdims=True) + 1e-6)
+    return out if keep_wide else out.astype(x.dtype)
 
 
 def shared_qk_attention(qk: jax.Array, v: jax.Array, q_positions: jax.Array,
@@ -422,7 +439,7 @@ def shared_qk_attention(qk: jax.Array, v: jax.Array, q_positions: jax.Array,
     keys ``[batch, n_k, heads, d]``), causal by position, the self penalty; the layer's
     ``chunk_len >= length`` limit and its predict mode."""
     if keys is None:
-        keys = qk * lax.rsqrt(jnp.sum(jnp.square(qk), -1, keepdims=True) + 1e-6)
+        keys = normalised(qk)
     acc = _accumulation(qk)
     s = jnp.einsum("bqhd,bkhd->bhqk", qk, keys.astype(qk.dtype),
                    preferred_element_type=acc) / math.sqrt(qk.shape[-1])
@@ -463,9 +480,10 @@ class LSHCausalAttention(Layer):
         (default) takes `default_n_buckets` of the length (Reformer's ``2 * length //
         chunk_len``, factorised above 128 as Trax).
       hash_seed: None (default) draws the rotations from the layer's rng each call (as
-        Reformer: the hash changes every step); an int fixes them (Trax's ``hash_seed``),
-        so the layer's output no longer depends on the rng -- e.g. the same on any device
-        count.
+        Reformer: the hash changes every step); an int in ``[0, 2**32)`` fixes them
+        (Trax's ``hash_seed``; every layer given the same seed hashes alike), so without
+        attention dropout the output no longer depends on the rng -- e.g. the same on any
+        device count.
       mask_bits: random bits per attention-dropout mask element, 16 or 8.
       rotary: rotate the shared query/key by position (RoFormer) before hashing; the LMs
         set it for ``pos_type='rotary'``.
@@ -473,9 +491,14 @@ class LSHCausalAttention(Layer):
     Raises:
       ValueError: at construction, for ``d_feature``/``n_heads`` that are not positive
         ints or do not divide, ``chunk_len < 1``, ``n_hashes < 1``, ``n_chunks_before <
-        0``, an odd (or non-int) ``n_buckets``, ``hash_seed`` not an int, ``rotary`` with
-        an odd ``d_head``; on the first call, inputs that are not ``[batch, length,
-        d_feature]`` or a call without an rng and without ``hash_seed``.
+        0``, an odd (or non-int) ``n_buckets`` or more than `MAX_BUCKETS` of them,
+        ``hash_seed`` not an int in ``[0, 2**32)``, ``max_len < 1``, a ``dropout`` outside
+        ``[0, 1)``, an unknown ``mode``, ``mask_bits`` not 8 or 16, ``rotary`` with an odd
+        ``d_head``; on a call (wrapped in `LayerError`), inputs that are not ``[batch,
+        length, d_feature]`` or are empty, a call without an rng and without
+        ``hash_seed``, and in ``'predict'`` mode inputs of another batch than the cache's
+        or longer than ``max_len`` (as `CausalAttention`, the cache index itself is not
+        checked: writes past ``max_len`` are clamped).
     """
 
     def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
@@ -499,8 +522,9 @@ class LSHCausalAttention(Layer):
         self._n_chunks_before = _check_int(n_chunks_before, "n_chunks_before", 0)
         self._n_hashes = _check_int(n_hashes, "n_hashes", 1)
         self._n_buckets = check_n_buckets(n_buckets, "LSHCausalAttention")
-        if hash_seed is not None:
-            _check_int(hash_seed, "hash_seed", 0)
+        if hash_seed is not None and not 0 <= _check_int(hash_seed, "hash_seed", 0) < 2 ** 32:
+            raise ValueError(f"LSHCausalAttention hash_seed={hash_seed} must be below 2**32; "
+                             f"use e.g. hash_seed=0")
         self._hash_seed = hash_seed
         self._mask_bits = check_mask_bits(mask_bits, "LSHCausalAttention")
         if rotary:
@@ -511,6 +535,9 @@ class LSHCausalAttention(Layer):
         if len(shape) != 3 or shape[-1] != self._d_feature:
             raise ValueError(f"LSHCausalAttention(d_feature={self._d_feature}) expects inputs "
                              f"[batch, length, {self._d_feature}]; got shape {shape}")
+        if not shape[0] or not shape[1]:
+            raise ValueError(f"LSHCausalAttention got an empty input of shape {shape}; pass "
+                             f"at least one sequence of one position")
 
     def n_buckets_for(self, length: int) -> tuple[int, ...]:
         """The bucket factors the layer hashes a ``length``-long sequence into."""
@@ -604,6 +631,11 @@ class LSHCausalAttention(Layer):
         keys, values, index = state
         batch, length, d = x.shape
         d_head = d // self._n_heads
+        if batch != keys.shape[0] or length > self._cache_len:
+            raise ValueError(f"LSHCausalAttention decodes into a cache of batch "
+                             f"{keys.shape[0]} and {self._cache_len} positions, but got "
+                             f"inputs of shape {x.shape}; init the layer with this batch, or a "
+                             f"larger max_len")
 
         def project(pair, inputs):
             w, b = pair
@@ -614,7 +646,7 @@ class LSHCausalAttention(Layer):
         q_positions = index + jnp.arange(length)
         if self._rotary:
             qk = rotary_embedding(qk, q_positions)
-        k = qk * lax.rsqrt(jnp.sum(jnp.square(qk), -1, keepdims=True) + 1e-6)
+        k = normalised(qk)
         keys = lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, index, 0, 0))
         values = lax.dynamic_update_slice(values, v.astype(values.dtype), (0, index, 0, 0))
         attended = shared_qk_attention(qk, values.astype(v.dtype), q_positions,

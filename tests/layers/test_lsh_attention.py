@@ -237,3 +237,52 @@ def test_bad_calls_fail_with_one_line():
         layer.pure_fn(x, weights, state, None)
     with pytest.raises(tl.LayerError, match=r"expects inputs \[batch, length, 16\]"):
         layer.pure_fn(jnp.zeros((1, 8, 4)), weights, state, jax.random.key(0))
+
+
+def test_float16_gradients_are_finite_and_float64_keeps_its_precision():
+    """The key normalisation runs in at least float32 (float64 for float64 inputs)."""
+    qk = (300 * jax.random.normal(jax.random.key(1), (1, 24, 8))).astype(jnp.float16)
+    v = (300 * jax.random.normal(jax.random.key(2), (1, 24, 8))).astype(jnp.float16)
+    rotations = [jax.random.normal(jax.random.key(4), (8, 2))]
+    f = lambda qk, v: jnp.sum(la.lsh_round(qk, v, rotations, chunk_len=8,
+                                           n_chunks_before=1)[0].astype(jnp.float32))
+    for g in jax.grad(f, argnums=(0, 1))(qk, v):
+        assert bool(jnp.all(jnp.isfinite(g)))
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(1), (1, 20, D), jnp.float64)
+        layer = tl.LSHCausalAttention(D, n_heads=HEADS, chunk_len=32)
+        weights, state = _init(layer, x)
+        y = layer.pure_fn(x, weights, state, jax.random.key(3))[0]
+        np.testing.assert_allclose(y, _dense_reference(x, weights, 20), atol=1e-12)
+
+
+def test_loop_grouping_pads_a_prime_number_of_chunks_to_whole_groups(monkeypatch):
+    monkeypatch.setattr(la, "_GROUP_ROWS", 32)  # 4 chunks of 8 per group; 7 chunks
+    qk = jax.random.normal(jax.random.key(1), (1, 53, 8))
+    v = jax.random.normal(jax.random.key(2), (1, 53, 8))
+    rotations = [jax.random.normal(jax.random.key(4), (8, 2))]
+    out, lse = la.lsh_round(qk, v, rotations, chunk_len=8, n_chunks_before=1)
+    ref_out, ref_lse = _round_reference(qk, v, rotations, 8, 1)
+    np.testing.assert_allclose(out, ref_out, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"n_buckets": (2 ** 16, 2 ** 16)}, "more than the 2,147,483,647 an int32 bucket id"),
+    ({"n_buckets": {4: 1}}, "must be an even int"),
+    ({"hash_seed": 2 ** 63}, "must be below 2"),
+])
+def test_out_of_range_buckets_and_seeds_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tl.LSHCausalAttention(D, **kwargs)
+
+
+def test_empty_inputs_and_a_prompt_longer_than_the_cache_fail_with_one_line():
+    layer = tl.LSHCausalAttention(D, hash_seed=0)
+    weights, state = _init(layer, jnp.zeros((1, 8, D)))
+    with pytest.raises(tl.LayerError, match=r"empty input of shape \(1, 0, 16\)"):
+        layer.pure_fn(jnp.zeros((1, 0, D)), weights, state, None)
+    decode = tl.LSHCausalAttention(D, mode="predict", max_len=4)
+    _, cache = decode.init(jax.ShapeDtypeStruct((1, 1, D), jnp.float32), jax.random.key(0))
+    with pytest.raises(tl.LayerError, match="cache of batch 1 and 4 positions"):
+        decode.pure_fn(jnp.zeros((1, 6, D)), weights, cache, None)
