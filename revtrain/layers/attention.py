@@ -153,6 +153,41 @@ def _drop_probabilities(probs: jax.Array, rate: float, rng: jax.Array | None,
     return apply_keep_mask(probs, keep, rate, mask_bits)
 
 
+def project(pair: tuple[jax.Array, jax.Array], x: jax.Array) -> jax.Array:
+    """``x @ w + b`` for one ``(w, b)`` projection pair, in ``x``'s dtype."""
+    w, b = pair
+    return jnp.dot(x, w.astype(x.dtype)) + b.astype(x.dtype)
+
+
+def by_head(pair: tuple[jax.Array, jax.Array], n_heads: int, dtype) -> tuple[jax.Array,
+                                                                            jax.Array]:
+    """A ``(w: [d, d], b: [d])`` projection as per-head ``([heads, d, d_head], [heads,
+    d_head])`` in ``dtype``, for a ``lax.scan`` over the heads."""
+    w, b = pair
+    d = w.shape[0]
+    return (jnp.moveaxis(w.astype(dtype).reshape(d, n_heads, d // n_heads), 1, 0),
+            b.astype(dtype).reshape(n_heads, d // n_heads))
+
+
+def init_projections(input_signature, rng: jax.Array, d_feature: int, n_projections: int,
+                     n_heads: int, cache_len: int | None) -> tuple[tuple, tuple]:
+    """``n_projections`` ``(w: float32[d, d], b: float32[d])`` pairs (Glorot-uniform
+    kernels, normal biases with stddev 1e-6, as Trax's ``Dense``) and, for ``cache_len``,
+    a predict-mode cache ``(keys, values: float32[batch, cache_len, n_heads, d_head],
+    index: int32[])`` (else ``()``)."""
+    pairs = []
+    for key in jax.random.split(rng, n_projections):
+        rng_w, rng_b = jax.random.split(key)
+        pairs.append((GLOROT_UNIFORM(rng_w, (d_feature, d_feature), jnp.float32),
+                      TINY_NORMAL(rng_b, (d_feature,), jnp.float32)))
+    if cache_len is None:
+        return tuple(pairs), ()
+    shape = (input_signature.shape[0], cache_len, n_heads, d_feature // n_heads)
+    cache = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros((), jnp.int32))
+    return tuple(pairs), cache
+
+
 def choose_implementation(batch: int, n_heads: int, length: int, d_head: int, dtype,
                           dropout: float, backend: str) -> str:
     """The implementation `CausalAttention` runs when given ``implementation=None``.
@@ -277,10 +312,6 @@ class CausalAttention(Layer):
             if implementation == "blockwise" or (implementation == "xla" and large):
                 return self._by_head(x, weights, rng, rate, implementation), state
 
-        def project(pair, inputs):
-            w, b = pair
-            return jnp.dot(inputs, w.astype(x.dtype)) + b.astype(x.dtype)
-
         def heads(a):
             return a.reshape(batch, length, self._n_heads, d_head)
 
@@ -316,12 +347,7 @@ class CausalAttention(Layer):
         n_heads = self._n_heads
         d_head = d // n_heads
 
-        def by_head(pair):  # [d, d], [d] -> [heads, d, d_head], [heads, d_head]
-            w, b = pair
-            return (jnp.moveaxis(w.astype(x.dtype).reshape(d, n_heads, d_head), 1, 0),
-                    b.astype(x.dtype).reshape(n_heads, d_head))
-
-        projections = tuple(by_head(pair) for pair in weights[:3])
+        projections = tuple(by_head(pair, n_heads, x.dtype) for pair in weights[:3])
         w_out = weights[3][0].astype(x.dtype).reshape(n_heads, d_head, d)
         positions = jnp.arange(length)
 
@@ -366,18 +392,8 @@ class CausalAttention(Layer):
 
     def init_weights_and_state(self, input_signature, rng):
         self._check_input(input_signature.shape)
-        d = self._d_feature
-        pairs = []
-        for key in jax.random.split(rng, 4):
-            rng_w, rng_b = jax.random.split(key)
-            pairs.append((GLOROT_UNIFORM(rng_w, (d, d), jnp.float32),
-                          TINY_NORMAL(rng_b, (d,), jnp.float32)))
-        if self._cache_len is None:
-            return tuple(pairs), ()
-        shape = (input_signature.shape[0], self._cache_len, self._n_heads, d // self._n_heads)
-        cache = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
-                 jnp.zeros((), jnp.int32))
-        return tuple(pairs), cache
+        return init_projections(input_signature, rng, self._d_feature, 4, self._n_heads,
+                                self._cache_len)
 
 
 def _check_implementation(implementation: str | None, dropout: float, mode: str) -> str | None:

@@ -67,8 +67,9 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from revtrain.layers.attention import by_head, init_projections, project
 from revtrain.layers.blockwise_attention import _accumulation, _full, _vary_alike
-from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, check_mode, check_rate
+from revtrain.layers.core import check_mode, check_rate
 from revtrain.layers.dropout_masks import (
     DEFAULT_MASK_BITS,
     apply_keep_mask,
@@ -568,12 +569,7 @@ class LSHCausalAttention(Layer):
             jax.random.normal(key, (n_heads, n_hashes, d_head, f // 2), jnp.float32)
             for key, f in zip(jax.random.split(hash_key, len(factors)), factors, strict=True))
 
-        def by_head(pair):  # [d, d], [d] -> [heads, d, d_head], [heads, d_head]
-            w, b = pair
-            return (jnp.moveaxis(w.astype(x.dtype).reshape(d, n_heads, d_head), 1, 0),
-                    b.astype(x.dtype).reshape(n_heads, d_head))
-
-        projections = tuple(by_head(pair) for pair in weights[:2])
+        projections = tuple(by_head(pair, n_heads, x.dtype) for pair in weights[:2])
         w_out = weights[2][0].astype(x.dtype).reshape(n_heads, d_head, d)
         positions = jnp.arange(length)
 
@@ -637,10 +633,6 @@ class LSHCausalAttention(Layer):
                              f"inputs of shape {x.shape}; init the layer with this batch, or a "
                              f"larger max_len")
 
-        def project(pair, inputs):
-            w, b = pair
-            return jnp.dot(inputs, w.astype(x.dtype)) + b.astype(x.dtype)
-
         qk, v = (project(pair, x).reshape(batch, length, self._n_heads, d_head)
                  for pair in weights[:2])
         q_positions = index + jnp.arange(length)
@@ -656,18 +648,8 @@ class LSHCausalAttention(Layer):
 
     def init_weights_and_state(self, input_signature, rng):
         self._check_input(input_signature.shape)
-        d = self._d_feature
-        pairs = []
-        for key in jax.random.split(rng, 3):
-            rng_w, rng_b = jax.random.split(key)
-            pairs.append((GLOROT_UNIFORM(rng_w, (d, d), jnp.float32),
-                          TINY_NORMAL(rng_b, (d,), jnp.float32)))
-        if self._cache_len is None:
-            return tuple(pairs), ()
-        shape = (input_signature.shape[0], self._cache_len, self._n_heads, d // self._n_heads)
-        cache = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
-                 jnp.zeros((), jnp.int32))
-        return tuple(pairs), cache
+        return init_projections(input_signature, rng, self._d_feature, 3, self._n_heads,
+                                self._cache_len)
 
 
 __all__ = ["DEFAULT_CHUNK_LEN", "MAX_UNFACTORED_BUCKETS", "SELF_PENALTY", "LSHCausalAttention",
