@@ -17,10 +17,13 @@ import optax
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
-from revtrain.trainers import devices
-from revtrain.trainers.fbo import has_injectable_learning_rate, learning_rate_of
+from revtrain.trainers import transfers
+from revtrain.trainers.batches import reshape_by_device
 from revtrain.trainers.inflight import InflightLimit
+from revtrain.trainers.placement import Placement
 from revtrain.trainers.protocols import DeviceFootprint, Observer, TrainState
+from revtrain.trainers.structure import check_same_structure, lists_as_tuples
+from revtrain.trainers.updates import has_injectable_learning_rate, learning_rate_of
 
 OptimizerFn = Callable[[], optax.GradientTransformation]
 
@@ -43,11 +46,7 @@ class TrainerBase:
     (after structure checks), and layer objects change only through `sync_to`.
 
     Attributes:
-      n_devices: number of devices (per process) the batch is split over.
-      mesh: the one-axis (``batch``) mesh (from ``mesh`` or ``n_devices``; see
-        `revtrain.trainers.devices.resolve_mesh`).
-      fsdp: whether weights and optimizer slots are sharded over the mesh
-        (`revtrain.trainers.devices.fsdp_spec`) instead of replicated.
+      placement: the mesh and the layout of the values (`revtrain.trainers.placement`).
       learning_rate: the current injectable learning rate (float), or None when the
         optimizer has none.
       observers: `revtrain.trainers.protocols.Observer` objects told of every dispatch of
@@ -55,7 +54,8 @@ class TrainerBase:
     """
 
     def __init__(self, layers: Sequence[Layer], optimizer_fn: OptimizerFn,
-                 n_devices: int | None, mesh: Mesh | None = None, fsdp: bool = False):
+                 n_devices: int | None, mesh: Mesh | None = None, fsdp: bool = False,
+                 placement: Placement | None = None):
         _check_each_layer_once(layers)
         for layer in layers:
             if not layer.initialized:
@@ -66,14 +66,26 @@ class TrainerBase:
         if not callable(optimizer_fn):
             raise TypeError(f"optimizer_fn must be a function returning an optax "
                             f"GradientTransformation; got {optimizer_fn!r}")
-        if not isinstance(fsdp, bool):
-            raise TypeError(f"fsdp={fsdp!r} must be True or False")
-        self.mesh, self.n_devices = devices.resolve_mesh(n_devices, mesh)
-        self.fsdp = fsdp
+        self.placement = resolve_placement(n_devices, mesh, fsdp, placement)
         self._inflight = InflightLimit(self.mesh)  # Avoids a CPU-client hang; see inflight.
         self._optimizer_fn = optimizer_fn
         self.observers: list[Observer] = []
         self._copy_batch = False
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh (``placement.mesh``)."""
+        return self.placement.mesh
+
+    @property
+    def n_devices(self) -> int:
+        """This process's devices the batch is split over (``placement.n_devices``)."""
+        return self.placement.n_devices
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether weights and slots are sharded over the mesh (``placement.fsdp``)."""
+        return self.placement.fsdp
 
     # ----------------------------------------------------------------------------------
     # The training values.
@@ -109,6 +121,19 @@ class TrainerBase:
         device count or ``fsdp`` setting it was saved with. This default: all None.
         """
         return jax.tree.map(lambda _: None, getattr(self._signature, part))
+
+    def value_signature(self, part: str) -> Any:
+        """The ``jax.ShapeDtypeStruct`` of every leaf of `train_state`'s ``part``.
+
+        Shapes and dtypes only (no value is read, nothing moves): with `value_shardings`
+        this is a checkpoint's restore template.
+
+        Raises:
+          ValueError: for a ``part`` that is not a `TrainState` field.
+        """
+        if part not in TrainState._fields:
+            raise ValueError(f"part={part!r} is not one of {TrainState._fields}")
+        return getattr(self._signature, part)
 
     def restore(self, train_state: TrainState) -> None:
         """Replaces the trainer's values by ``train_state``.
@@ -160,9 +185,9 @@ class TrainerBase:
         if not isinstance(train_state, tuple) or len(train_state) != 3:
             raise TypeError(f"restore takes a TrainState(weights, state, slots); got "
                             f"{type(train_state).__name__}")
-        train_state = TrainState(*(devices.lists_as_tuples(t) for t in train_state))
+        train_state = TrainState(*(lists_as_tuples(t) for t in train_state))
         for name in TrainState._fields:
-            devices.check_same_structure(getattr(train_state, name),
+            check_same_structure(getattr(train_state, name),
                                          getattr(self._signature, name), name)
             _check_not_deleted(getattr(train_state, name), name)
         return train_state
@@ -170,7 +195,7 @@ class TrainerBase:
     def _remember_signature(self, train_state: TrainState) -> None:
         """Keeps the shapes and dtypes `restore` checks against: they never change, and
         reading them must not need the device values (which a failed step may poison)."""
-        self._signature = TrainState(*(jax.tree.map(_shape_dtype, devices.lists_as_tuples(t))
+        self._signature = TrainState(*(jax.tree.map(_shape_dtype, lists_as_tuples(t))
                                        for t in train_state))
 
     def sync_to(self, layers: Layer | Sequence[Layer] | None = None) -> None:
@@ -196,8 +221,8 @@ class TrainerBase:
                              f"of the trainer's values; pass the layers the trainer was "
                              f"built from, in order")
         for layer, w, s in zip(layers, weights, state, strict=True):
-            devices.check_same_structure(w, layer.weights, f"weights of {layer.name}")
-            devices.check_same_structure(s, layer.state, f"state of {layer.name}")
+            check_same_structure(w, layer.weights, f"weights of {layer.name}")
+            check_same_structure(s, layer.state, f"state of {layer.name}")
         for layer, w, s in zip(layers, weights, state, strict=True):
             layer.weights, layer.state = w, s
 
@@ -252,8 +277,18 @@ class TrainerBase:
             raise ValueError(f"learning_rate={learning_rate} is not finite")
         return np.float32(learning_rate)
 
+    def _placed_learning_rate(self, lr: np.ndarray | None) -> jax.Array | None:
+        """``lr`` replicated on the mesh; the same rate as the last step's is not sent
+        again (one explicit transfer per change of rate)."""
+        if lr is None:
+            return None
+        cached = getattr(self, "_lr_on_mesh", None)
+        if cached is None or cached[0] != float(lr):
+            cached = self._lr_on_mesh = (float(lr), jax.device_put(lr, self.placement.replicated))
+        return cached[1]
+
     # ----------------------------------------------------------------------------------
-    # Batches and rngs.
+    # Batches.
 
     def _shard_batch(self, batch: Any) -> Any:
         """``[batch, ...]`` leaves -> per-device ``[n_devices, batch // n, ...]`` arrays."""
@@ -262,24 +297,9 @@ class TrainerBase:
                             f"{type(batch).__name__}")
         if self._copy_batch:
             # Host copies first, so every device buffer of the step is the trainer's own.
-            batch = tuple(np.asarray(b) for b in batch)
-        reshaped = devices.reshape_by_device(tuple(batch), self.n_devices)
-        return devices.shard_per_device(reshaped, self.mesh)
-
-    def _weight_totals(self, batch: Any) -> jax.Array:
-        """Per-device totals of the batch weights (``[n_devices]`` float32, on the mesh);
-        the loss functions turn them into each device's share of the global loss."""
-        totals = devices.weight_totals_by_device(batch, self.n_devices)
-        return devices.shard_per_device(totals, self.mesh)
-
-    def _rng_data(self, rng: jax.Array, n_layers: int | None = None) -> np.ndarray:
-        """uint32 key data: ``[n_devices, n_layers, 2]`` (split by device, then by layer),
-        or ``[n_devices, 2]`` device keys when ``n_layers`` is None."""
-        rng = as_key(rng)
-        where = (jax.process_index(), jax.process_count())
-        if n_layers is None:
-            return devices.per_device_keys(rng, self.n_devices, *where)
-        return devices.per_device_rngs(rng, self.n_devices, n_layers, *where)
+            batch = tuple(transfers.on_cpu(b) for b in batch)
+        reshaped = reshape_by_device(tuple(batch), self.n_devices)
+        return transfers.shard_per_device(reshaped, self.mesh)
 
 
 def _shape_dtype(a: Any) -> jax.ShapeDtypeStruct:
@@ -287,20 +307,24 @@ def _shape_dtype(a: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(a), dtype)
 
 
-def as_key(rng: Any) -> jax.Array:
-    """A typed PRNG key from a key or raw uint32 key data (``jax.random.PRNGKey``).
+def resolve_placement(n_devices: int | None, mesh: Mesh | None, fsdp: bool,
+                      placement: Placement | None) -> Placement:
+    """A trainer's `Placement`: ``placement`` itself, or the one its ``n_devices``,
+    ``mesh`` and ``fsdp`` arguments describe.
 
     Raises:
-      TypeError: for anything else (e.g. an int seed), naming ``jax.random.key``.
+      ValueError: when ``placement`` is given with any of the other three.
+      TypeError, ValueError: as `Placement.resolve`.
     """
-    if isinstance(rng, jax.Array) and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        if rng.shape:
-            raise TypeError(f"rng must be one key; got a key array of shape {rng.shape}")
-        return rng
-    data = np.asarray(rng)
-    if data.dtype != np.uint32 or data.shape != (2,):
-        raise TypeError(f"rng={rng!r} is not a PRNG key; pass jax.random.key(seed)")
-    return jax.random.wrap_key_data(data)
+    if placement is None:
+        return Placement.resolve(n_devices, mesh, fsdp)
+    if n_devices is not None or mesh is not None or fsdp:
+        raise ValueError("placement= was given with n_devices=, mesh= or fsdp=; pass either "
+                         "a Placement or those arguments")
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement={placement!r} is not a revtrain Placement; build one "
+                        f"with Placement.resolve(n_devices, mesh, fsdp)")
+    return placement
 
 
 def _check_not_deleted(tree: Any, what: str) -> None:

@@ -1,8 +1,8 @@
 """FSDP inside the block trainers' per-layer functions: gather weights, scatter gradients.
 
 With ``fsdp=True`` (ZeRO-3, Rajbhandari et al. 2020; PyTorch FSDP) a layer's weights and
-optimizer slots are stored sharded by `revtrain.trainers.devices.fsdp_spec`. Each of the
-layer's functions (`revtrain.trainers.fbo`) takes the weights into ``shard_map`` with those
+optimizer slots are stored sharded by `revtrain.trainers.placement.fsdp_spec`. Each of the
+layer's functions (`revtrain.trainers.programs`) takes the weights into ``shard_map`` with those
 per-leaf specs and all-gathers them as its first op (`gather_weights`); the gathered copy
 lives only inside the function. The per-device weight gradient is reduce-scattered
 (``psum_scatter``, the transpose of the gather; `reduce_gradients`) instead of summed, so
@@ -28,21 +28,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from revtrain.trainers.devices import BATCH_AXIS, fsdp_spec
+from revtrain.trainers.placement import BATCH_AXIS, Placement
 
 DEV = P(BATCH_AXIS)
 REP = P()
-
-
-def weight_specs(tree: Any, n_shards: int, fsdp: bool) -> Any:
-    """Per-leaf ``PartitionSpec`` of stored weights or slots (global shapes): `fsdp_spec`
-    when ``fsdp``, else replicated -- the rule of `revtrain.trainers.devices.value_shardings`."""
-    return jax.tree.map(lambda a: fsdp_spec(tuple(np.shape(a)), n_shards) if fsdp else REP,
-                        tree)
 
 
 def _sharded_dim(spec: P) -> int | None:
@@ -79,14 +70,14 @@ def reduce_gradients(per_device_grads: Any, specs: Any) -> Any:
     return jax.tree.map(reduce, per_device_grads, specs)
 
 
-def gathering_shard_map(body: Callable, mesh: Mesh, out_specs: Any, fsdp: bool,
+def gathering_shard_map(body: Callable, placement: Placement, out_specs: Any,
                         with_grads: bool) -> tuple[Callable, Callable]:
-    """``shard_map(body)`` over ``(dev, weights, rep)`` with the weights in their stored
-    specs, gathered before ``body`` sees them.
+    """``shard_map(body)`` over ``(args, weights, index)`` with the weights in their stored
+    specs (`Placement.weight_specs`), gathered before ``body`` sees them.
 
-    ``dev`` is per device (`DEV`), ``rep`` replicated (only ``rep['index']`` is passed
-    in). With ``with_grads`` ``body`` returns ``(outs, per-device weight gradient)`` and
-    the function ``(outs, global gradient)``, the gradient in the weights' stored specs.
+    ``args`` are per device (`DEV`), ``index`` (the flat layer index, int32) replicated.
+    With ``with_grads`` ``body`` returns ``(outs, per-device weight gradient)`` and the
+    function ``(outs, global gradient)``, the gradient in the weights' stored specs.
 
     Returns:
       The (unjitted) function and the trace-counted ``body`` (equinox's counter, so
@@ -94,18 +85,17 @@ def gathering_shard_map(body: Callable, mesh: Mesh, out_specs: Any, fsdp: bool,
       weights' global shapes at trace time, so layers of one structure share a function.
     """
     counted = eqx.debug.assert_max_traces(body, max_traces=None)
-    n_shards = mesh.devices.size
 
-    def run(dev, weights, rep):
-        specs = weight_specs(weights, n_shards, fsdp)
+    def run(args, weights, index):
+        specs = placement.weight_specs(weights)
 
-        def inner(dev_, shards, rep_):
-            result = counted(dev_, gather_weights(shards, specs), rep_)
+        def inner(args_, shards, index_):
+            result = counted(args_, gather_weights(shards, specs), index_)
             if not with_grads:
                 return result
             outs, ct_w = result
             return outs, reduce_gradients(ct_w, specs)
-        mapped = jax.shard_map(inner, mesh=mesh, in_specs=(DEV, specs, REP),
+        mapped = jax.shard_map(inner, mesh=placement.mesh, in_specs=(DEV, specs, REP),
                                out_specs=(out_specs, specs) if with_grads else out_specs)
-        return mapped(dev, weights, {"index": rep["index"]})
+        return mapped(args, weights, index)
     return run, counted

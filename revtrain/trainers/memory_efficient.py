@@ -35,10 +35,11 @@ import psutil
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
-from revtrain.trainers import devices
+from revtrain.layers.blocks import Block
 from revtrain.trainers.base import OptimizerFn
-from revtrain.trainers.block import Block, BlockTrainer
-from revtrain.trainers.stores import HostStore
+from revtrain.trainers.block_trainer import BlockTrainer
+from revtrain.trainers.host_store import HostStore
+from revtrain.trainers.placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class MemoryEfficientTrainer(BlockTrainer):
       mesh: a one-axis ``jax.sharding.Mesh`` instead of ``n_devices``.
       fsdp: move weights and slots to the devices as shards (FSDP / ZeRO-3; see
         `BlockTrainer` and `HostStore`).
+      placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
+        ``mesh`` and ``fsdp``.
 
     Raises:
       ValueError: for ``n_async_layers < 0`` or ``n_steps_per_log < 1`` (before anything
@@ -116,7 +119,8 @@ class MemoryEfficientTrainer(BlockTrainer):
                  n_devices: int | None = None, free_accelerators_on_step: bool = True,
                  n_async_layers: int = 1, n_steps_per_log: int = 100,
                  keep_every: int | None = None, clip_global_norm: float | None = None,
-                 mesh: Mesh | None = None, fsdp: bool = False):
+                 mesh: Mesh | None = None, fsdp: bool = False,
+                 placement: Placement | None = None):
         if n_async_layers < 0:
             raise ValueError(f"n_async_layers={n_async_layers} must be >= 0")
         if n_steps_per_log < 1:
@@ -124,16 +128,15 @@ class MemoryEfficientTrainer(BlockTrainer):
         self.n_async_layers = n_async_layers
         self.n_steps_per_log = n_steps_per_log
 
-        def make_store(mesh_, n, values, schedule):
-            return HostStore(mesh_, n, values, schedule, n_async_layers,
-                             free_accelerators_on_step, fsdp=fsdp)
+        def make_store(placement_, values, schedule):
+            return HostStore(placement_, values, schedule, n_async_layers,
+                             free_accelerators_on_step)
 
         super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
                          free_accelerators_on_step=free_accelerators_on_step,
                          keep_every=keep_every, clip_global_norm=clip_global_norm,
-                         mesh=mesh, fsdp=fsdp)
-        self._memory_log = MemoryLog(devices.first_local_device(self.mesh),
-                                     n_steps_per_log)
+                         mesh=mesh, fsdp=fsdp, placement=placement)
+        self._memory_log = MemoryLog(self.placement.first_local_device, n_steps_per_log)
         self.observers.append(self._memory_log)
 
     @property

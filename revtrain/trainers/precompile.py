@@ -1,16 +1,17 @@
 """Compiling a block trainer's per-layer programs ahead of the first step, concurrently.
 
-A block trainer's first step traces and compiles each distinct per-layer function (one per
-kind and layer structure, `revtrain.trainers.fbo.FnCache`) the first time the schedule
-reaches it, one after another. `BlockTrainer.precompile` instead walks the schedule once
-*abstractly* -- every op on `jax.ShapeDtypeStruct` values carrying the shardings the real
-values have, through `AbstractStore` and ``jax.eval_shape`` -- which traces each function
-once and gives the exact abstract arguments of every call; then it lowers and compiles the
-distinct ``(function, arguments)`` pairs in a thread pool (XLA compiles without holding
-the GIL, so the programs compile side by side on the host's cores). ``jit(...).lower(
-...).compile()`` fills the same in-process caches a call fills, so the step that follows
-calls the already compiled executables: nothing is traced or compiled again (the trainers'
-``trace_counts`` and a "no compile in the first step" test check it).
+A block trainer's first step would trace and compile each distinct per-layer program (one
+per kind and layer structure, `revtrain.trainers.programs.ProgramCache`) the first time the
+plan reaches it, one after another. `BlockTrainer.precompile` instead runs the step once
+*abstractly* -- the same executor (`revtrain.trainers.executor.run_step`) on
+`jax.ShapeDtypeStruct` values carrying the shardings the real values have, with an
+`AbstractStore` and a `RecordingDispatcher` that calls ``jax.eval_shape`` -- which traces
+each program once and gives the exact abstract arguments of every call; then it lowers and
+compiles the distinct ``(program, arguments)`` pairs in a thread pool (XLA compiles
+without holding the GIL, so the programs compile side by side on the host's cores).
+``jit(...).lower(...).compile()`` fills the same in-process caches a call fills, so the
+step that follows calls the already compiled executables: nothing is traced or compiled
+again (the trainers' ``trace_counts`` and a "no compile in the first step" test check it).
 
 JAX's persistent compilation cache serves these compilations too: enable it before
 building the trainer, e.g.::
@@ -32,9 +33,10 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from revtrain.trainers import devices
+from revtrain.trainers.batches import check_split
+from revtrain.trainers.placement import Placement
+from revtrain.trainers.plan import Op
 from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
 
 
@@ -64,27 +66,26 @@ class AbstractStore:
     """A `revtrain.trainers.protocols.ParamStore` of abstract values (no buffers).
 
     Weights and slots are `jax.ShapeDtypeStruct` trees in the stores' sharding
-    (`revtrain.trainers.devices.value_shardings`: replicated, or FSDP-sharded), states
+    (`Placement.weight_shardings`: replicated, or FSDP-sharded), states
     per device (``[devices of the mesh, ...]``), as the real stores hand them to the
     compiled functions; new states are kept so that reverse ops see them; updates are
     dropped (their shapes do not change). Stashing is the identity.
 
     Args:
-      mesh: the trainer's mesh.
+      placement: the trainer's placement.
       signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
-      fsdp: whether the trainer shards weights and slots (its ``fsdp``).
     """
 
-    def __init__(self, mesh: Mesh, signature: TrainState, fsdp: bool = False):
+    def __init__(self, placement: Placement, signature: TrainState):
         def placed(tree):
-            shardings = devices.value_shardings(tree, mesh, fsdp)
             return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(
-                np.shape(a), a.dtype, sharding=sharding), tree, shardings)
+                np.shape(a), a.dtype, sharding=sharding), tree,
+                placement.weight_shardings(tree))
 
         self._weights = [placed(w) for w in signature.weights]
         self._slots = [placed(s) for s in signature.slots]
-        rows = (mesh.devices.size,)
-        self._states = [_sds(s, devices.per_device(mesh), rows) for s in signature.state]
+        rows = (placement.n_global_devices,)
+        self._states = [_sds(s, placement.per_device, rows) for s in signature.state]
         self._new_states: list[Any] = [None] * len(self._states)
 
     def begin_step(self) -> None:
@@ -133,67 +134,50 @@ class AbstractStore:
         return DeviceFootprint(0, 0, 0)
 
 
-def abstract_batch(batch_signature: Sequence[Any], mesh: Mesh, n_devices: int) -> tuple:
+def abstract_batch(batch_signature: Sequence[Any], placement: Placement) -> tuple:
     """The abstract per-device batch ``[devices of the mesh, batch // n_devices, ...]``
     (``batch`` is this process's; ``n_devices`` its devices).
 
     Raises:
-      ValueError: when the batch size is not divisible by ``n_devices``.
+      ValueError: when the batch size is not divisible by ``n_devices``
+        (`revtrain.trainers.batches.check_split`).
     """
-    per_device = devices.per_device(mesh)
-    out = []
+    n_devices, out = placement.n_devices, []
     for item in batch_signature:
         shape = tuple(np.shape(item))
-        if not shape or shape[0] % n_devices:
-            raise ValueError(f"batch item of shape {shape} cannot be split over n_devices="
-                             f"{n_devices}; use a global batch that is a multiple of "
-                             f"{n_devices}")
-        out.append(jax.ShapeDtypeStruct((mesh.devices.size, shape[0] // n_devices) + shape[1:],
-                                        np.dtype(item.dtype), sharding=per_device))
+        check_split(shape[0] if shape else None, n_devices)
+        out.append(jax.ShapeDtypeStruct((placement.n_global_devices, shape[0] // n_devices)
+                                        + shape[1:], np.dtype(item.dtype),
+                                        sharding=placement.per_device))
     return tuple(out)
 
 
-def abstract_step_inputs(mesh: Mesh, n_devices: int, batch_signature: Sequence[Any],
-                         rng_data: np.ndarray, learning_rate: np.ndarray | None
-                         ) -> tuple[tuple, dict, Any]:
-    """Abstract ``(stack, common, learning rate)`` of a block trainer's step.
-
-    Args:
-      mesh, n_devices: the trainer's.
-      batch_signature: the global batch's arrays or `jax.ShapeDtypeStruct`s.
-      rng_data: any step's per-device, per-layer key data of this process (its shape
-        and dtype are used).
-      learning_rate: the step's learning-rate argument (a float32 scalar) or None.
-    """
-    per_device, rows = devices.per_device(mesh), mesh.devices.size
-    common = {"rngs": jax.ShapeDtypeStruct((rows,) + rng_data.shape[1:], rng_data.dtype,
-                                           sharding=per_device),
-              "weight_total": jax.ShapeDtypeStruct((rows,), np.float32,
-                                                   sharding=per_device)}
-    lr = None if learning_rate is None else jax.ShapeDtypeStruct(
-        (), np.float32, sharding=devices.replicated(mesh))
-    return abstract_batch(batch_signature, mesh, n_devices), common, lr
+def abstract_learning_rate(placement: Placement, lr: Any) -> jax.ShapeDtypeStruct | None:
+    """The abstract learning-rate argument (float32 scalar, replicated) or None."""
+    if lr is None:
+        return None
+    return jax.ShapeDtypeStruct((), np.float32, sharding=placement.replicated)
 
 
-class CallRecorder:
-    """Stands in for dispatching: records each call and returns ``jax.eval_shape`` of it.
+class RecordingDispatcher:
+    """A `revtrain.trainers.executor.Dispatcher` that runs nothing: it records each call
+    and returns ``jax.eval_shape`` of it.
 
-    ``jax.eval_shape`` gives outputs without shardings; the real outputs of the per-layer
-    functions have those of their ``out_specs``, so each abstract argument without one
-    gets the sharding of its argument group, as `revtrain.trainers.fbo`'s functions
-    declare them: per device for the first group (``dev``), replicated for the others.
+    ``jax.eval_shape`` gives outputs without shardings; the real outputs of the programs
+    have those of their ``out_specs``, so each abstract argument without one gets the
+    sharding its position has: per device for an op's first argument (its per-device
+    arguments), replicated for the others and for every argument of `call`.
 
-    Args:
-      mesh: the trainer's mesh.
+    Attributes:
+      calls: ``{key: (program, abstract args)}``, one entry per distinct call.
     """
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, placement: Placement):
         self.calls: dict[Any, tuple[Callable, tuple]] = {}
-        self._per_device = devices.per_device(mesh)
-        self._replicated = devices.replicated(mesh)
+        self._per_device = placement.per_device
+        self._replicated = placement.replicated
 
-    def __call__(self, fn: Callable, *args: Any, grouped: bool = True) -> Any:
-        """Records ``fn(*args)``; ``grouped`` False: every argument is replicated."""
+    def _record(self, fn: Callable, args: tuple, grouped: bool) -> Any:
         args = tuple(_with_sharding(arg, self._per_device if grouped and k == 0
                                     else self._replicated) for k, arg in enumerate(args))
         leaves, treedef = jax.tree.flatten(args)
@@ -201,6 +185,19 @@ class CallRecorder:
                     if isinstance(a, jax.Array) else a for a in leaves)
         self.calls.setdefault((id(fn), treedef, key), (fn, args))
         return jax.eval_shape(fn, *args)
+
+    def dispatch(self, op: Op, program: Callable, *args: Any) -> Any:
+        del op
+        return self._record(program, args, grouped=True)
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        return self._record(fn, args, grouped=False)
+
+    def phase(self, label: str) -> None:
+        del label
+
+    def release(self, tree: Any) -> None:
+        del tree
 
 
 def _with_sharding(tree: Any, sharding: Any) -> Any:
@@ -234,5 +231,5 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-__all__ = ["AbstractStore", "CallRecorder", "CompileTimes", "abstract_batch",
-           "abstract_step_inputs", "compile_all"]
+__all__ = ["AbstractStore", "CompileTimes", "RecordingDispatcher", "abstract_batch",
+           "abstract_learning_rate", "compile_all", "timed"]

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
+from revtrain.layers.blocks import Block
 from revtrain.trainers.base import OptimizerFn
-from revtrain.trainers.block import Block, BlockTrainer
-from revtrain.trainers.stores import DeviceStore
+from revtrain.trainers.block_trainer import BlockTrainer
+from revtrain.trainers.device_store import DeviceStore
+from revtrain.trainers.placement import Placement
 
 
 class ReversibleSerialTrainer(BlockTrainer):
@@ -42,6 +44,8 @@ class ReversibleSerialTrainer(BlockTrainer):
       mesh: a one-axis ``jax.sharding.Mesh`` instead of ``n_devices``.
       fsdp: keep weights and slots sharded over the mesh (FSDP / ZeRO-3; see
         `BlockTrainer`): per-device weight and slot bytes drop to about ``1 / n_devices``.
+      placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
+        ``mesh`` and ``fsdp``.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
@@ -51,11 +55,13 @@ class ReversibleSerialTrainer(BlockTrainer):
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
                  n_devices: int | None = None, free_accelerators_on_step: bool = False,
                  keep_every: int | None = None, clip_global_norm: float | None = None,
-                 mesh: Mesh | None = None, fsdp: bool = False):
-        def make_store(mesh_, n, values, schedule):
-            return DeviceStore(mesh_, n, values, fsdp=fsdp)
+                 mesh: Mesh | None = None, fsdp: bool = False,
+                 placement: Placement | None = None):
+        def make_store(placement_, values, schedule):
+            del schedule
+            return DeviceStore(placement_, values)
 
         super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
                          free_accelerators_on_step=free_accelerators_on_step,
                          keep_every=keep_every, clip_global_norm=clip_global_norm,
-                         mesh=mesh, fsdp=fsdp)
+                         mesh=mesh, fsdp=fsdp, placement=placement)

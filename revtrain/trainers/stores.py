@@ -1,391 +1,121 @@
-"""`ParamStore` implementations: where a block trainer's values live during a step.
+"""`ParamStore`: where a block trainer's values live, and the contract of a custom store.
 
-* `DeviceStore` -- every layer's weights and slots on the mesh (replicated, or with
-  ``fsdp`` sharded by `revtrain.trainers.devices.fsdp_spec`: each device holds
-  ``1/n_devices`` of every large leaf), layer states per device, block inputs kept on the
-  devices (`ReversibleSerialTrainer`).
-* `HostStore` -- weights, slots and states in host memory (numpy) between uses; a layer's
-  values are put on the devices just before its op, the next ``n_async_layers`` layers'
-  are prefetched (``jax.device_put`` is asynchronous), new values are copied back with
-  ``copy_to_host_async`` into the same host buffers (allocated once, updated in place) and
-  their device buffers released before the next op, and block inputs wait on the host
-  (`MemoryEfficientTrainer`, after Trax's ``trainer.MemoryEfficientTrainer``). With
-  ``fsdp`` a put sends each device only its shard and a copy-back brings only the shards
-  home.
+A store has two roles. `StepValues` is what one step needs: the executor
+(`revtrain.trainers.executor.run_step`) reads each op's values from it and hands the new
+ones back. `HeldValues` is what the trainer needs between steps: copies for checkpoints and
+``train_state``, restoring, waiting, and the device account. A `ParamStore` is both.
 
-See `revtrain.trainers.protocols.ParamStore` for the contract.
+Implementations: `revtrain.trainers.device_store.DeviceStore` (every value on the
+devices: `ReversibleSerialTrainer`), `revtrain.trainers.host_store.HostStore` (host
+memory, a prefetch window: `MemoryEfficientTrainer`) and, for precompilation,
+`revtrain.trainers.precompile.AbstractStore` (shapes only). A custom store plugs into
+`revtrain.trainers.BlockTrainer` through a `StoreFactory`.
+
+Donation: values given by `StepValues.params` are donated to the layer's fbo and must not
+be used again, so a layer's update cannot be taken back. A step that raises before its
+first `StepValues.keep_params` leaves every stored value as it was; one that raises later
+(in the backward pass) leaves the layers already updated with their new values, and
+`HeldValues.restore` -- which must work whatever state a failed step left -- undoes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-import jax
-import numpy as np
-from jax.sharding import Mesh
-
-from revtrain.trainers import devices
-from revtrain.trainers.fbo import FORWARD
-from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
-from revtrain.trainers.schedule import Op
-
-
-def delete_arrays(tree: Any) -> None:
-    """Frees the device buffers of the jax arrays in ``tree`` (trainer-owned ones only)."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            leaf.delete()
+from revtrain.trainers.placement import Placement
+from revtrain.trainers.plan import Op
+from revtrain.trainers.protocols import (
+    DeviceFootprint,
+    Params,
+    Stack,
+    State,
+    TrainState,
+    Weights,
+)
 
 
-def _host_values(tree: Any) -> Any:
-    return jax.tree.map(devices.host_value, tree)
-
-
-def put_values(tree: Any, shardings: Any) -> Any:
-    """New device buffers holding ``tree`` with one ``NamedSharding`` per leaf.
-
-    ``tree``'s leaves are host arrays or ``jax.Array`` s in any sharding; only each
-    device's slice is transferred (`revtrain.trainers.devices.put_sharded`), and an array
-    that spans other processes is resharded on the devices.
-    """
-    def put(a, sharding):
-        if (isinstance(a, jax.Array) and not a.is_fully_addressable
-                and a.sharding != sharding):
-            return jax.device_put(a, sharding)
-        return devices.put_sharded(a, sharding)
-    return jax.tree.map(put, tree, shardings)
-
-
-def _host_buffers(tree: Any) -> Any:
-    """Writeable C-contiguous numpy copies the store owns (a caller's array is never
-    aliased): its host buffers, allocated once and updated in place by every step."""
-    return jax.tree.map(lambda a: np.array(a, order="C"), tree)
-
-
-def _host_copy(tree: Any) -> Any:
-    """Read-only numpy copies (values a store keeps whole and replaces each step)."""
-    def copy(a):
-        a = np.array(devices.host_value(a))
-        a.flags.writeable = False
-        return a
-    return jax.tree.map(copy, tree)
-
-
-def _copy_into(host: Any, result: Any) -> None:
-    """Copies the jax arrays of ``result`` into the host buffers of ``host`` (the same
-    leaves in the same order), then frees their device buffers.
-
-    A replicated leaf is read from this process's first copy; an FSDP-sharded one shard by
-    shard into its slice of the buffer (all-gathered over processes when some shards live
-    elsewhere: a collective every process reaches, in the same order). On the CPU backend
-    ``np.asarray`` of a shard is a view of its buffer, so this is the only copy; elsewhere
-    it is the host copy ``copy_to_host_async`` started, freed once its values are in place.
-    """
-    for buffer, leaf in zip(jax.tree.leaves(host), jax.tree.leaves(result), strict=True):
-        if leaf.sharding.is_fully_replicated:
-            np.copyto(buffer, np.asarray(leaf.addressable_shards[0].data))
-        elif leaf.is_fully_addressable:
-            for shard in leaf.addressable_shards:
-                np.copyto(buffer[shard.index], np.asarray(shard.data))
-        else:
-            np.copyto(buffer, devices.host_value(leaf))
-        leaf.delete()
-
-
-def _delete_quietly(tree: Any) -> None:
-    """Deletes device buffers that may hold the error of a failed computation."""
-    for leaf in jax.tree.leaves(tree):
-        try:
-            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-                leaf.delete()
-        except Exception:  # noqa: BLE001 -- a failed buffer is gone either way.
-            pass
-
-
-class DeviceStore:
-    """All values on the devices: weights and slots replicated (or sharded), states per
-    device.
-
-    Args:
-      mesh: the trainer's one-axis ``batch`` mesh.
-      n_devices: devices per process.
-      train_state: the initial values (one entry per flat layer): host arrays or
-        ``jax.Array`` s in any sharding.
-      fsdp: store weights and slots sharded (`revtrain.trainers.devices.value_shardings`)
-        instead of replicated.
-    """
-
-    def __init__(self, mesh: Mesh, n_devices: int, train_state: TrainState,
-                 fsdp: bool = False):
-        self._mesh, self._n_devices, self._fsdp = mesh, n_devices, fsdp
-        self.restore(train_state)
-
-    def restore(self, train_state: TrainState) -> None:
-        self._shardings = {"weights": [], "slots": []}
-        self._weights, self._slots = [], []
-        # One pass, one layer at a time: ``slots`` may be made as they are read.
-        for weights, slots in zip(train_state.weights, train_state.slots, strict=True):
-            for part, values, kept in (("weights", weights, self._weights),
-                                       ("slots", slots, self._slots)):
-                sharding = devices.value_shardings(values, self._mesh, self._fsdp)
-                self._shardings[part].append(sharding)
-                kept.append(put_values(values, sharding))
-        self._states = [self._per_device(_host_values(s)) for s in train_state.state]
-        self._new_states: list[Any] = [None] * len(self._states)
-        self._kept_ids: set[int] = set()
-        self._kept_bytes = 0
-
-    def _per_device(self, state: Any) -> Any:
-        return devices.shard_per_device(devices.for_n_devices(state, self._n_devices),
-                                        self._mesh)
+class StepValues(Protocol):
+    """The values of one step, in the order the executor asks for them."""
 
     def begin_step(self) -> None:
-        self._new_states = [None] * len(self._states)
-        self._kept_ids, self._kept_bytes = set(), 0
+        """Called once before the first op: forget last step's new states and stashes."""
 
     def prepare(self, position: int) -> None:
-        del position
+        """Called before op ``position`` of the schedule (the store may look ahead in it:
+        `HostStore` prefetches the next ops' weights here)."""
 
-    def weights(self, i: int) -> Any:
-        return self._weights[i]
+    def weights(self, i: int) -> Weights:
+        """Layer ``i``'s weights, on the devices in the stored sharding; not donated."""
 
     def params(self, i: int) -> Params:
-        return Params(self._weights[i], self._slots[i])
+        """Layer ``i``'s weights and slots for its fbo, which donates them."""
 
     def keep_params(self, i: int, params: Params) -> None:
-        self._weights[i], self._slots[i] = params
+        """Takes layer ``i``'s updated weights and slots (the fbo's outputs)."""
 
-    def state(self, i: int) -> Any:
-        return self._states[i]
+    def state(self, i: int) -> State:
+        """Layer ``i``'s state before this step, per device (``[devices, ...]``)."""
 
-    def new_state(self, i: int) -> Any:
-        return self._new_states[i]
+    def new_state(self, i: int) -> State:
+        """Layer ``i``'s state after this step's forward op (kept by `keep_state`)."""
 
-    def keep_state(self, i: int, new_state: Any) -> None:
-        self._new_states[i] = new_state
+    def keep_state(self, i: int, new_state: State) -> None:
+        """Takes layer ``i``'s state after its forward op; it becomes current at
+        `finish_step`."""
 
-    def stash(self, stack: Any) -> Any:
-        device = devices.first_local_device(self._mesh)
-        for leaf in jax.tree.leaves(stack):
-            if id(leaf) not in self._kept_ids:
-                self._kept_ids.add(id(leaf))
-                self._kept_bytes += devices.device_bytes(leaf, device)
-        return stack
+    def stash(self, stack: Stack) -> Any:
+        """Keeps a block input (or ``keep_every`` copy) for the backward pass; returns the
+        handle `unstash` takes (the stack itself on the devices, a host copy in memory)."""
 
-    def unstash(self, kept: Any) -> Any:
-        return kept
+    def unstash(self, kept: Any) -> Stack:
+        """The stack `stash` kept, on the devices again."""
 
-    def end_forward(self, stack: Any) -> Any:
-        return stack
+    def end_forward(self, stack: Stack) -> Any:
+        """Called with the final activations after the forward pass: lets them leave the
+        devices (the loss op `unstash` es the result)."""
 
     def finish_step(self) -> None:
-        self._states = self._new_states
+        """Called after the last op: new states become current, transfers settle."""
 
-    def block_until_ready(self) -> None:
-        devices.block_until_ready_live((self._weights, self._slots, self._states))
+
+class HeldValues(Protocol):
+    """The values between steps: copies, checkpoints, restore and the device account."""
 
     def host_values(self, part: str) -> tuple:
-        if part == "state":
-            return tuple(devices.first_device_slice(s) for s in self._states)
-        values = {"weights": self._weights, "slots": self._slots}[part]
-        return tuple(_host_values(v) for v in values)
+        """Host copies of ``'weights'``, ``'state'`` (device 0's) or ``'slots'``, one
+        entry per flat layer."""
 
     def saved_values(self, part: str) -> tuple:
-        if part == "state":
-            return self.host_values(part)
-        return tuple({"weights": self._weights, "slots": self._slots}[part])
+        """The same values as they live, without a host copy, for a sharded checkpoint:
+        global ``jax.Array`` s in their own sharding (each process then writes only its
+        shards), or host arrays where the store keeps values in host memory."""
 
     def value_shardings(self, part: str) -> tuple:
-        if part == "state":  # Host values: no sharding (the tree alone, nothing copied).
-            return tuple(jax.tree.map(lambda _: None, s) for s in self._states)
-        return tuple(self._shardings[part])
-
-    def device_footprint(self) -> DeviceFootprint:
-        device = devices.first_local_device(self._mesh)
-        return DeviceFootprint(devices.device_bytes(self._weights, device),
-                               devices.device_bytes(self._slots, device),
-                               sum(1 for w in self._weights if jax.tree.leaves(w)),
-                               self._kept_bytes)
-
-
-class HostStore:
-    """Values in host memory; a window of ``1 + n_async_layers`` layers on the devices.
-
-    Args:
-      mesh: the trainer's mesh.
-      n_devices: devices per process.
-      train_state: the initial values (host trees, one entry per flat layer).
-      schedule: the trainer's ops; `prepare` looks ahead in it.
-      n_async_layers: how many upcoming layers' weights (and, for backward ops that
-        update, slots) to prefetch.
-      free_accelerators_on_step: after the forward pass and at the end of the step,
-        delete every device buffer this store holds; the final activations wait on the
-        host for the loss op.
-      fsdp: put weights and slots on the devices sharded
-        (`revtrain.trainers.devices.value_shardings`): each device receives only its shard
-        of the host value and the all-gather runs on the devices, inside the layer's
-        function; new values come back as shards. With several processes each process's
-        host still holds whole values (a copy-back all-gathers the other processes' shards).
-
-    Attributes:
-      max_resident_layers: the most layers whose weights were on the devices at once
-        during the last step (current + prefetched + results not yet copied back).
-    """
-
-    def __init__(self, mesh: Mesh, n_devices: int, train_state: TrainState,
-                 schedule: Sequence[Op], n_async_layers: int,
-                 free_accelerators_on_step: bool, fsdp: bool = False):
-        self._mesh, self._n_devices, self._fsdp = mesh, n_devices, fsdp
-        self._schedule = tuple(schedule)
-        self._n_async = n_async_layers
-        self._free = free_accelerators_on_step
-        self._resident: dict[int, list] = {}
-        self._pending: list[tuple[int, Params]] = []
-        self.max_resident_layers = 0
-        self.restore(train_state)
+        """Per leaf, the ``NamedSharding`` a checkpoint should be restored into (None for
+        a leaf held in host memory)."""
 
     def restore(self, train_state: TrainState) -> None:
-        self._free_resident()
-        for _, params in self._pending:  # Results of a step that failed: dropped.
-            _delete_quietly(params)
-        self._pending = []
-        self._weights = [_host_buffers(_host_values(w)) for w in train_state.weights]
-        self._slots = [_host_buffers(_host_values(s)) for s in train_state.slots]
-        self._shardings = [tuple(devices.value_shardings(v, self._mesh, self._fsdp)
-                                 for v in values)
-                           for values in zip(self._weights, self._slots, strict=True)]
-        self._states = [_host_copy(devices.for_n_devices(_host_values(s), self._n_devices))
-                        for s in train_state.state]
-        self._new_states: list[Any] = [None] * len(self._states)
-
-    # ----------------------------------------------------------------------------------
-    # The prefetch window.
-
-    def _put(self, host: Any, shardings: Any) -> Any:
-        """Device arrays of host buffers, one sharding per leaf. A replicated leaf goes
-        through ``device_put``, which on the CPU backend lets the arrays share the buffers'
-        memory, so nothing is copied (the fbos donate them, which frees the arrays and
-        leaves the memory, the store's, untouched); an FSDP-sharded leaf sends each device
-        only its slice (`revtrain.trainers.devices.put_sharded`), likewise without a
-        further device copy (``owned=False``)."""
-        def put(a, sharding):
-            if sharding.is_fully_replicated:
-                return jax.device_put(a, sharding)
-            return devices.put_sharded(a, sharding, owned=False)
-        return jax.tree.map(put, host, shardings)
-
-    def _fetch(self, i: int, with_slots: bool) -> list:
-        entry = self._resident.get(i)
-        if entry is None:
-            entry = self._resident[i] = [self._put(self._weights[i], self._shardings[i][0]),
-                                         None]
-        if with_slots and entry[1] is None:
-            entry[1] = self._put(self._slots[i], self._shardings[i][1])
-        return entry
-
-    def _resolve_pending(self) -> None:
-        """Lands the new weights and slots in the host buffers. A layer's buffers are
-        written only after its fbo finished (``np.asarray`` waits for it), and no device
-        array sharing them is live then: its fbo took them (donated)."""
-        for i, params in self._pending:
-            _copy_into((self._weights[i], self._slots[i]), tuple(params))
-        self._pending = []
-
-    def _free_resident(self) -> None:
-        for entry in self._resident.values():
-            delete_arrays(entry)
-        self._resident = {}
-
-    def begin_step(self) -> None:
-        self._new_states = [None] * len(self._states)
-        self.max_resident_layers = 0
-
-    def prepare(self, position: int) -> None:
-        self._resolve_pending()
-        window = self._schedule[position:position + 1 + self._n_async]
-        wanted = {op.layer for op in window}
-        for i in [i for i in self._resident if i not in wanted]:
-            delete_arrays(self._resident.pop(i))
-        for op in window:
-            self._fetch(op.layer, with_slots=op.kind != FORWARD and not op.norm_only)
-        self.max_resident_layers = max(self.max_resident_layers, len(self._resident))
-
-    # ----------------------------------------------------------------------------------
-    # Values of one op.
-
-    def weights(self, i: int) -> Any:
-        return self._fetch(i, with_slots=False)[0]
-
-    def params(self, i: int) -> Params:
-        weights, slots = self._fetch(i, with_slots=True)
-        return Params(weights, slots)
-
-    def keep_params(self, i: int, params: Params) -> None:
-        self._resident.pop(i, None)  # Donated: the old buffers are gone.
-        for leaf in jax.tree.leaves(params):
-            leaf.copy_to_host_async()
-        self._pending.append((i, params))
-
-    def state(self, i: int) -> Any:
-        return devices.shard_per_device(self._states[i], self._mesh)
-
-    def new_state(self, i: int) -> Any:
-        return devices.shard_per_device(self._new_states[i], self._mesh)
-
-    def keep_state(self, i: int, new_state: Any) -> None:
-        self._new_states[i] = devices.local_rows(new_state)
-        delete_arrays(new_state)
-
-    def stash(self, stack: Any) -> Any:
-        return devices.local_rows(stack)
-
-    def unstash(self, kept: Any) -> Any:
-        if all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(kept)):
-            return devices.shard_per_device(kept, self._mesh)
-        return kept
-
-    def end_forward(self, stack: Any) -> Any:
-        if not self._free:
-            return stack
-        host = devices.local_rows(stack)
-        delete_arrays(stack)
-        self._free_resident()
-        return host
-
-    def finish_step(self) -> None:
-        self._resolve_pending()
-        if self._free:
-            self._free_resident()
-        self._states = self._new_states
+        """Replaces every value: host arrays or ``jax.Array`` s in any sharding (resharded
+        as the store keeps them, never aliased). Works after any failed step."""
 
     def block_until_ready(self) -> None:
-        self._resolve_pending()  # Lands the copies back to host memory.
-        devices.block_until_ready_live(list(self._resident.values()))
-
-    # ----------------------------------------------------------------------------------
-    # Host values and the device account.
-
-    def host_values(self, part: str) -> tuple:
-        self._resolve_pending()
-        if part == "state":
-            return tuple(jax.tree.map(lambda a: np.asarray(a)[0], s) for s in self._states)
-        # Copies: the host buffers change in place with every step.
-        return tuple(_host_copy(v) for v in {"weights": self._weights,
-                                               "slots": self._slots}[part])
-
-    def saved_values(self, part: str) -> tuple:
-        return self.host_values(part)
-
-    def value_shardings(self, part: str) -> tuple:
-        values = {"weights": self._weights, "slots": self._slots, "state": self._states}[part]
-        return tuple(jax.tree.map(lambda _: None, v) for v in values)  # Nothing copied.
+        """Waits until every value is computed and every transfer the store started has
+        landed, without copying to the host anything that stays on the devices."""
 
     def device_footprint(self) -> DeviceFootprint:
-        device = devices.first_local_device(self._mesh)
-        weights = [e[0] for e in self._resident.values()] + [p.weights for _, p in
-                                                             self._pending]
-        slots = [e[1] for e in self._resident.values()] + [p.slots for _, p in self._pending]
-        layers = set(self._resident) | {i for i, _ in self._pending}
-        return DeviceFootprint(devices.device_bytes(weights, device),
-                               devices.device_bytes(slots, device), len(layers))
+        """Bytes of weights and slots on the mesh's first local device now."""
+
+
+class ParamStore(StepValues, HeldValues, Protocol):
+    """A block trainer's store: both roles (see the module docstring)."""
+
+
+StoreFactory = Callable[[Placement, TrainState, Sequence[Op]], ParamStore]
+"""``(placement, initial values, schedule) -> ParamStore``: how `BlockTrainer` makes its
+store. The initial `TrainState` has one entry per flat layer (host arrays or ``jax.Array`` s;
+its ``slots`` may be made as they are read, one layer at a time); with ``placement.fsdp``
+the store must keep weights and slots in `Placement.weight_shardings` layout."""
+
+
+__all__ = ["HeldValues", "ParamStore", "StepValues", "StoreFactory"]

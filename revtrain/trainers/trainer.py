@@ -11,18 +11,15 @@ import optax
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
-from revtrain.trainers import devices
+from revtrain.trainers import transfers
 from revtrain.trainers.base import OptimizerFn, TrainerBase
-from revtrain.trainers.fbo import (
-    DEV,
-    REP,
-    apply_optimizer,
-    check_scalar_loss,
-    global_loss,
-    loss_share,
-)
-from revtrain.trainers.fsdp import gather_weights, reduce_gradients
+from revtrain.trainers.batches import device_weight_total, for_n_devices
+from revtrain.trainers.fsdp import DEV, REP, gather_weights, reduce_gradients
+from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
+from revtrain.trainers.placement import Placement
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
+from revtrain.trainers.rngs import StepKeys
+from revtrain.trainers.updates import apply_optimizer
 
 
 class Trainer(TrainerBase):
@@ -37,7 +34,7 @@ class Trainer(TrainerBase):
 
     FSDP (``fsdp=True``, ZeRO-3 layout): weights and optimizer slots are stored sharded
     over the ``batch`` axis, each leaf along its largest dimension the axis size divides
-    (`revtrain.trainers.devices.fsdp_spec`: leaves under 1024 elements or with no such
+    (`revtrain.trainers.placement.fsdp_spec`: leaves under 1024 elements or with no such
     dimension stay replicated). Inside the step each device all-gathers the sharded
     weights (``lax.all_gather(tiled=True)``), computes its gradient of the full weights,
     and the per-device gradients are summed *and* scattered in one reduce-scatter
@@ -53,7 +50,7 @@ class Trainer(TrainerBase):
 
     Invariance: the loss is the weighted mean over the *global* batch, ``sum(w * loss) /
     sum(w)`` with ``w`` the batch's third item (each device's mean loss weighted by its
-    share of the total weight, `revtrain.trainers.fbo.loss_share`), and the gradient is
+    share of the total weight, `revtrain.trainers.global_loss.loss_share`), and the gradient is
     the sum over devices of the gradients of those shares -- so losses, gradients and
     updated weights do not depend on how many devices or processes the batch is split
     over, nor on ``fsdp`` (the same per-device gradients are summed; only the order of
@@ -69,8 +66,10 @@ class Trainer(TrainerBase):
         ``optax.inject_hyperparams`` to set the learning rate per step.
       n_devices: devices to use (default: all local devices).
       mesh: a one-axis ``jax.sharding.Mesh`` to use instead of ``n_devices`` (any axis
-        name; may span processes), see `revtrain.trainers.devices.resolve_mesh`.
+        name; may span processes), see `revtrain.trainers.placement.resolve_mesh`.
       fsdp: shard weights and optimizer slots over the mesh (see above).
+      placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
+        ``mesh`` and ``fsdp``.
 
     Raises:
       ValueError: for an uninitialised model, an impossible ``n_devices`` or a mesh that
@@ -79,31 +78,33 @@ class Trainer(TrainerBase):
     """
 
     def __init__(self, model_with_loss: Layer, optimizer_fn: OptimizerFn,
-                 n_devices: int | None = None, mesh: Mesh | None = None, fsdp: bool = False):
-        super().__init__([model_with_loss], optimizer_fn, n_devices, mesh, fsdp)
+                 n_devices: int | None = None, mesh: Mesh | None = None, fsdp: bool = False,
+                 placement: Placement | None = None):
+        super().__init__([model_with_loss], optimizer_fn, n_devices, mesh, fsdp, placement)
         self._model = model_with_loss
         self._optimizer = optimizer_fn()
         weights = model_with_loss.weights
         slots = jax.eval_shape(self._optimizer.init, weights)
         self._remember_signature(TrainState(weights, model_with_loss.state, slots))
-        self._shardings = {part: devices.value_shardings(tree, self.mesh, fsdp)
+        self._shardings = {part: self.placement.weight_shardings(tree)
                            for part, tree in (("weights", weights), ("slots", slots))}
-        self._weights = devices.put_sharded(weights, self._shardings["weights"])
+        self._weights = transfers.put_sharded(weights, self._shardings["weights"])
         # Initialised in place: no device ever holds the whole slots when they are sharded.
         self._slots = jax.jit(self._optimizer.init,
                               out_shardings=self._shardings["slots"])(self._weights)
         self._put_state(model_with_loss.state)
         self._init_learning_rate(self._slots)
         self._update, self._counted = self._make_update()
+        self._keys = StepKeys(self.placement, None)
 
     def _put_state(self, state: Any) -> None:
-        self._state = devices.shard_per_device(
-            devices.for_n_devices(state, self.n_devices), self.mesh)
+        self._state = transfers.shard_per_device(for_n_devices(state, self.n_devices),
+                                                 self.mesh)
 
     def _put(self, values: TrainState) -> None:
-        self._weights = devices.put_sharded(values.weights, self._shardings["weights"])
+        self._weights = transfers.put_sharded(values.weights, self._shardings["weights"])
         self._put_state(values.state)
-        self._slots = devices.put_sharded(values.slots, self._shardings["slots"])
+        self._slots = transfers.put_sharded(values.slots, self._shardings["slots"])
         self._init_learning_rate(self._slots)
 
     def _make_update(self):
@@ -111,10 +112,12 @@ class Trainer(TrainerBase):
         shardings = self._shardings
         specs = jax.tree.map(lambda s: s.spec, shardings["weights"])
 
-        def gradients(batch, weights, state, rng, weight_total):
+        def gradients(batch, weights, state, rng):
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
             rng = jax.random.wrap_key_data(rng[0])
-            share = loss_share(weight_total[0])
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            share = loss_share(device_weight_total(rows, batch[2] if len(batch) >= 3
+                                                   else None))
 
             def loss_fn(w):
                 loss, new_state = model.pure_fn(batch, w, state, rng)
@@ -128,11 +131,11 @@ class Trainer(TrainerBase):
             return grads, global_loss(share, loss), new_state
 
         mapped = jax.shard_map(gradients, mesh=self.mesh,
-                               in_specs=(DEV, specs, DEV, DEV, DEV),
+                               in_specs=(DEV, specs, DEV, DEV),
                                out_specs=(specs, REP, DEV))
 
-        def update(batch, weights, state, rng, weight_total, slots, lr):
-            grads, loss, new_state = mapped(batch, weights, state, rng, weight_total)
+        def update(batch, weights, state, rng, slots, lr):
+            grads, loss, new_state = mapped(batch, weights, state, rng)
             new_weights, new_slots = apply_optimizer(optimizer, grads, weights, slots, lr)
             new_weights = jax.lax.with_sharding_constraint(new_weights, shardings["weights"])
             new_slots = jax.lax.with_sharding_constraint(new_slots, shardings["slots"])
@@ -168,10 +171,8 @@ class Trainer(TrainerBase):
         del step
         lr = self._learning_rate_arg(learning_rate)
         sharded = self._shard_batch(batch)
-        totals = self._weight_totals(batch)
-        # This process's rows of the device keys, as a global array (several processes).
-        rng_data = devices.shard_per_device(self._rng_data(rng), self.mesh)
-        args = (sharded, self._weights, self._state, rng_data, totals, self._slots, lr)
+        args = (sharded, self._weights, self._state, self._keys(rng), self._slots,
+                self._placed_learning_rate(lr))
         self._notify_phase("step_start")
         if self.observers:
             self._notify_dispatch("train_step", self._update, args)
@@ -190,9 +191,9 @@ class Trainer(TrainerBase):
         state of the whole model. With several processes and ``fsdp=True`` every process
         must call this (the shards of other processes are gathered)."""
         if part == "state":
-            return devices.first_device_slice(self._state)
+            return transfers.first_device_slice(self._state)
         values = {"weights": self._weights, "slots": self._slots}[part]
-        return jax.tree.map(devices.host_value, values)
+        return jax.tree.map(transfers.host_value, values)
 
     def saved_values(self, part: str) -> Any:
         """Weights and slots as the sharded (or replicated) ``jax.Array`` s they are; the
@@ -212,13 +213,13 @@ class Trainer(TrainerBase):
     def device_footprint(self) -> DeviceFootprint:
         """Bytes of weights and slots on the mesh's first device of this process (sharded
         leaves count their shard)."""
-        device = devices.first_local_device(self.mesh)
-        return DeviceFootprint(devices.device_bytes(self._weights, device),
-                               devices.device_bytes(self._slots, device),
+        device = self.placement.first_local_device
+        return DeviceFootprint(transfers.device_bytes(self._weights, device),
+                               transfers.device_bytes(self._slots, device),
                                len(self._model.sublayers) or 1)
 
     def block_until_ready(self) -> None:
-        devices.block_until_ready_live((self._weights, self._state, self._slots))
+        transfers.block_until_ready_live((self._weights, self._state, self._slots))
 
     def trace_counts(self) -> dict[str, int]:
         return {"train_step": eqx.debug.get_num_traces(self._counted)}

@@ -1,4 +1,4 @@
-"""Tests for revtrain.trainers.block: exact global-norm clipping (``clip_global_norm``)
+"""Tests for revtrain.trainers.block_trainer: exact global-norm clipping (``clip_global_norm``)
 and kept stack copies (``keep_every``) in both block trainers."""
 import jax
 import numpy as np

@@ -15,7 +15,8 @@ from revtrain.trainers import (
     ReversibleSerialTrainer,
     Trainer,
     TrainState,
-    devices,
+    placement,
+    transfers,
 )
 from revtrain.training import optimizer_fn
 from tests.trainers.conftest import LR_OVERRIDE, adam, flat_weights, initialised_blocks
@@ -155,7 +156,7 @@ def test_saved_values_are_the_stored_shards(batch):
         for a, sharding, h in zip(jax.tree.leaves(saved), jax.tree.leaves(shardings),
                                   jax.tree.leaves(host), strict=True):
             assert a.shape == h.shape and a.sharding == sharding
-            assert sharding.spec == devices.fsdp_spec(h.shape, 4)
+            assert sharding.spec == placement.fsdp_spec(h.shape, 4)
             np.testing.assert_array_equal(np.asarray(a), h)
     assert len(_sharded_leaves(rev)) > 0
     state = rev.saved_values("state")
@@ -173,7 +174,8 @@ def test_saved_values_are_the_stored_shards(batch):
 
 def _sharded_arrays(values, mesh, fsdp):
     """``values`` (host) as jax.Arrays in the fsdp layout (weights, slots) of ``mesh``."""
-    put = lambda tree: devices.put_sharded(tree, devices.value_shardings(tree, mesh, fsdp))
+    layout = placement.Placement(mesh, mesh.devices.size, fsdp)
+    put = lambda tree: transfers.put_sharded(tree, layout.weight_shardings(tree))
     return TrainState(put(values.weights), values.state, put(values.slots))
 
 
@@ -190,7 +192,7 @@ def test_restore_reshards_values(name, batch):
                                rtol=1e-6)
     assert_trees_close(sharded.weights, plain.weights, rtol=1e-6, atol=1e-6)
     # And back: a replicated trainer restored from sharded arrays (4 devices, fsdp layout).
-    mesh = devices.make_mesh(4)
+    mesh = placement.make_mesh(4)
     plain.restore(_sharded_arrays(after_one, mesh, fsdp=True))
     np.testing.assert_allclose(_steps(plain, batch, steps=1, first=1)[0], expected,
                                rtol=1e-6)

@@ -1,4 +1,5 @@
-"""Tests for revtrain.trainers.stores through the trainers' public API: where values live."""
+"""Tests for revtrain.trainers.device_store and host_store through the trainers' public
+API: where values live."""
 import jax
 import numpy as np
 import pytest

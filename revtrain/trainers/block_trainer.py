@@ -10,7 +10,7 @@ known (Trax's ``ReversibleSerialTrainer`` design). Where values live is a `Param
 
 With ``fsdp=True`` (ZeRO-3 / FSDP) the store keeps each layer's weights and slots sharded
 over the mesh; each of the layer's functions all-gathers its weights first, reduce-scatters
-its gradient and updates only the local shard (see `revtrain.trainers.fbo`), so a device
+its gradient and updates only the local shard (see `revtrain.trainers.programs`), so a device
 holds ``(weights + slots) / n_devices`` plus one layer's gathered weights.
 """
 
@@ -18,39 +18,40 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from revtrain import host_heap
-from revtrain.layers.base import Layer, inputs_from_stack, outputs_onto_stack
-from revtrain.layers.blocks import blocks_to_layers
-from revtrain.layers.reversible import ReversibleLayer, ReversibleSelect
-from revtrain.trainers import devices
+from revtrain.layers.base import Layer
+from revtrain.layers.blocks import Block, blocks_to_layers
+from revtrain.layers.reversible import ReversibleLayer
 from revtrain.trainers.base import OptimizerFn, TrainerBase
-from revtrain.trainers.fbo import FBO, FORWARD, LOSS, FnCache
+from revtrain.trainers.executor import (
+    BlockStep,
+    LiveDispatcher,
+    StepInputs,
+    global_norm_program,
+    run_step,
+)
+from revtrain.trainers.placement import Placement
+from revtrain.trainers.plan import build_plan, build_schedule
 from revtrain.trainers.precompile import (
     AbstractStore,
-    CallRecorder,
     CompileTimes,
-    abstract_step_inputs,
+    RecordingDispatcher,
+    abstract_batch,
+    abstract_learning_rate,
     compile_all,
     timed,
 )
-from revtrain.trainers.protocols import DeviceFootprint, ParamStore, TrainState
-from revtrain.trainers.schedule import Op, build_schedule
-from revtrain.trainers.stores import delete_arrays
-
-Block = tuple[Layer, Sequence[ReversibleLayer]]
-StoreFactory = Callable[[jax.sharding.Mesh, int, TrainState, tuple[Op, ...]], ParamStore]
-
-
-def _as_items(stack: Any) -> tuple:
-    return tuple(stack) if isinstance(stack, tuple) else (stack,)
+from revtrain.trainers.programs import ProgramCache
+from revtrain.trainers.protocols import DeviceFootprint, TrainState
+from revtrain.trainers.rngs import StepKeys
+from revtrain.trainers.stores import ParamStore, StoreFactory
 
 
 class BlockTrainer(TrainerBase):
@@ -62,7 +63,8 @@ class BlockTrainer(TrainerBase):
     n_layers)[i]`` for one device), exactly what ``Serial(*layers)`` does with the device
     key, so this trainer and `Trainer` on ``Serial(*layers)`` agree, dropout included.
 
-    One step runs the schedule (`revtrain.trainers.schedule`): forward through each block,
+    One step runs the plan (`revtrain.trainers.plan`, run by
+    `revtrain.trainers.executor.run_step`): forward through each block,
     keeping only the block's input stack and the layers' states; the loss layer's fbo; then
     backward through the blocks in reverse: each reversible layer's reverse-and-fbo
     reconstructs its input from its output, each standard layer's fbo recomputes it from the
@@ -86,12 +88,13 @@ class BlockTrainer(TrainerBase):
         layers initialised (e.g. with `init_reversible_blocks`).
       loss_layer: maps the final stack to a scalar loss; consumes every stack item.
       optimizer_fn: returns an optax ``GradientTransformation``.
-      make_store: ``(mesh, n_devices, initial TrainState, schedule) -> ParamStore``; with
-        ``fsdp`` the store must keep weights and slots in `devices.value_shardings` layout.
+      make_store: a `revtrain.trainers.stores.StoreFactory`, ``(placement, initial
+        TrainState, schedule) -> ParamStore``.
       n_devices: devices to use (default: all local devices).
       mesh: a one-axis ``jax.sharding.Mesh`` to use instead of ``n_devices`` (see
-        `revtrain.trainers.devices.resolve_mesh`).
-      fsdp: shard weights and optimizer slots over the mesh (`devices.fsdp_spec`). Results
+        `revtrain.trainers.placement.resolve_mesh`).
+      fsdp: shard weights and optimizer slots over the mesh
+        (`revtrain.trainers.placement.fsdp_spec`). Results
         do not change (the invariance); any optax transformation works, the non-elementwise
         ones (e.g. ``clip_by_global_norm`` inside ``optimizer_fn``) see the global gradient.
       free_accelerators_on_step: delete this trainer's transient device buffers (the
@@ -116,8 +119,10 @@ class BlockTrainer(TrainerBase):
         work doubles: measured 1.6-1.8x the step time with `DeviceStore` and 1.45-1.6x
         with `HostStore` (ReversibleTransformerLM d_model 64, 8 layers, sequence 64,
         batch 8, Adam, one device of a 2-core CPU; median of 7 steps). The final
-        activations are held through that pass (one stack). Its stats add
-        ``gradients_l2``, the global norm. None (the default) does not clip.
+        activations are held through that pass (one stack). None (the default) does
+        not clip.
+      placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
+        ``mesh`` and ``fsdp``.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
@@ -129,7 +134,7 @@ class BlockTrainer(TrainerBase):
                  make_store: StoreFactory, n_devices: int | None = None,
                  free_accelerators_on_step: bool = False, keep_every: int | None = None,
                  clip_global_norm: float | None = None, mesh: jax.sharding.Mesh | None = None,
-                 fsdp: bool = False):
+                 fsdp: bool = False, placement: Placement | None = None):
         if clip_global_norm is not None and not clip_global_norm > 0:
             raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
         blocks = [(std, list(revs)) for std, revs in blocks]
@@ -140,12 +145,13 @@ class BlockTrainer(TrainerBase):
                                     f"is not a ReversibleLayer; put it in the block's "
                                     f"standard layer")
         self.layers = blocks_to_layers(blocks, loss_layer)
-        super().__init__(self.layers, optimizer_fn, n_devices, mesh=mesh, fsdp=fsdp)
+        super().__init__(self.layers, optimizer_fn, n_devices, mesh=mesh, fsdp=fsdp,
+                         placement=placement)
         self.free_accelerators_on_step = free_accelerators_on_step
         self._copy_batch = free_accelerators_on_step
         self.keep_every, self.clip_global_norm = keep_every, clip_global_norm
-        self._schedule = build_schedule([len(revs) for _, revs in blocks], keep_every,
-                                        clip_global_norm is not None)
+        schedule = build_schedule([len(revs) for _, revs in blocks], keep_every,
+                                  clip_global_norm is not None)
         optimizers = [optimizer_fn() for _ in self.layers]
         weights = tuple(layer.weights for layer in self.layers)
         initial = TrainState(weights, tuple(layer.state for layer in self.layers),
@@ -153,21 +159,19 @@ class BlockTrainer(TrainerBase):
         self._init_learning_rate(initial.slots[-1])
         self._remember_signature(initial._replace(slots=tuple(
             jax.eval_shape(opt.init, w) for opt, w in zip(optimizers, weights, strict=True))))
-        self._store = make_store(self.mesh, self.n_devices, initial, self._schedule)
-        self._cache = FnCache(self.mesh, optimizers[0], fsdp=self.fsdp)
-        self._fns = tuple(None if _reorders_only(op, self.layers[op.layer]) else
-                          self._cache.get(op.kind, self.layers[op.layer], op.norm_only)
-                          for op in self._schedule)
-        loss_at = next(k for k, op in enumerate(self._schedule) if op.kind == LOSS)
-        self._phase_starts = {loss_at: "loss_start", loss_at + 1: "backward_start"}
-        replicated = devices.replicated(self.mesh)
-        self._indices = tuple(jax.device_put(np.int32(i), replicated)
-                              for i in range(len(self.layers)))
-        self._max_norm = (None if clip_global_norm is None else
-                          jax.device_put(np.float32(clip_global_norm), replicated))
-        self._norm_counted = eqx.debug.assert_max_traces(_global_norm, max_traces=None)
-        self._global_norm = jax.jit(self._norm_counted)
-        self._recorder: CallRecorder | None = None
+        self._store: ParamStore = make_store(self.placement, initial, schedule)
+        self._programs = ProgramCache(self.placement, optimizers[0])
+        replicated = self.placement.replicated
+        global_norm, self._norm_counted = global_norm_program()
+        self._step = BlockStep(
+            plan=build_plan(self.layers, schedule, self._programs.get),
+            indices=tuple(jax.device_put(np.int32(i), replicated)
+                          for i in range(len(self.layers))),
+            max_norm=(None if clip_global_norm is None else
+                      jax.device_put(np.float32(clip_global_norm), replicated)),
+            free_transients=free_accelerators_on_step, global_norm=global_norm)
+        self._keys = StepKeys(self.placement, len(self.layers))
+        self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self.compile_times: CompileTimes | None = None
 
     # ----------------------------------------------------------------------------------
@@ -200,10 +204,8 @@ class BlockTrainer(TrainerBase):
         self._store.block_until_ready()
 
     def trace_counts(self) -> dict[str, int]:
-        counts = self._cache.trace_counts()
-        if self.clip_global_norm is not None:
-            counts["global_norm"] = eqx.debug.get_num_traces(self._norm_counted)
-        return counts
+        return {**self._programs.trace_counts(),
+                "global_norm": eqx.debug.get_num_traces(self._norm_counted)}
 
     def _own_layers(self) -> list[Layer]:
         return list(self.layers)
@@ -224,9 +226,11 @@ class BlockTrainer(TrainerBase):
         Returns:
           ``(loss, stats)``: the float32 scalar loss, the weighted mean over the global
           batch (as `Trainer`: independent of the device count); stats ``loss``,
-          ``learning_rate`` and ``layer{i}/gradients_l2`` (of the global gradient, before
-          clipping), ``layer{i}/weights_l2`` for every flat layer ``i``; with
-          ``clip_global_norm`` also ``gradients_l2``, the whole model's gradient norm.
+          ``learning_rate``, ``gradients_l2`` (the whole model's global gradient norm,
+          before clipping) and ``layer{i}/gradients_l2`` (of the layer's global gradient,
+          before clipping), ``layer{i}/weights_l2`` for every flat layer ``i``. Device
+          values: nothing is read to the host, and the call returns once the step is
+          dispatched.
 
         Raises:
           ValueError: for a batch not divisible by ``n_devices``, a learning rate the
@@ -245,28 +249,30 @@ class BlockTrainer(TrainerBase):
         if self.compile_times is None:
             self.precompile(batch, learning_rate)
         start = time.perf_counter()
-        common = {"rngs": devices.shard_per_device(self._rng_data(rng, len(self.layers)),
-                                                   self.mesh),
-                  "weight_total": self._weight_totals(batch)}
-        lr_rep = None if lr is None else jax.device_put(lr, devices.replicated(self.mesh))
-        loss, stats = self._run_schedule(stack, common, lr_rep)
+        inputs = StepInputs(stack, self._keys(rng), self._placed_learning_rate(lr))
+        result = run_step(self._step, self._store, self._dispatcher, inputs)
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
         self._notify_phase("step_end")
-        stats = {"loss": loss, **stats}
+        stats = {"loss": result.loss, "gradients_l2": result.gradients_l2}
         if lr is not None:
-            stats["learning_rate"] = np.float32(lr)
+            stats["learning_rate"] = inputs.lr
+        for i, layer_stats in enumerate(result.layer_stats):
+            if layer_stats is not None:
+                stats.update({f"layer{i}/{name}": value
+                              for name, value in layer_stats._asdict().items()})
         if first:  # One wait, in the first step only, to tell running from compiling.
-            jax.block_until_ready(loss)
+            jax.block_until_ready(result.loss)
             self.compile_times = self.compile_times._replace(
                 run_s=time.perf_counter() - start)
-        return loss, stats
+        return result.loss, stats
 
     def precompile(self, batch_signature: Sequence[Any],
                    learning_rate: float | None = None) -> CompileTimes:
         """Traces and compiles every per-layer program of a step before the first step.
 
-        Walks the schedule once on abstract values, then compiles the distinct programs
+        Runs the step once on abstract values (`revtrain.trainers.precompile`: an
+        `AbstractStore` and a `RecordingDispatcher`), then compiles the distinct programs
         side by side in a thread pool; the steps then compile nothing (details, and how
         to enable JAX's persistent compilation cache, in `revtrain.trainers.precompile`).
         The first `one_step` calls this when it was not called.
@@ -284,20 +290,16 @@ class BlockTrainer(TrainerBase):
           ValueError: for a batch not divisible by ``n_devices``; any error tracing or
             compiling a layer's functions.
         """
-        stack, common, lr_rep = abstract_step_inputs(
-            self.mesh, self.n_devices, batch_signature,
-            self._rng_data(jax.random.key(0), len(self.layers)),
-            self._learning_rate_arg(learning_rate))
-        saved = self._store, self.observers
-        self._recorder, self.observers = CallRecorder(self.mesh), []
-        self._store = AbstractStore(self.mesh, self._signature, self.fsdp)
-        try:
-            start = time.perf_counter()
-            self._run_schedule(stack, common, lr_rep)
-            trace_s = time.perf_counter() - start
-            calls = list(self._recorder.calls.values())
-        finally:
-            self._recorder, (self._store, self.observers) = None, saved
+        placement = self.placement
+        inputs = StepInputs(
+            abstract_batch(batch_signature, placement),
+            self._keys.signature(),
+            abstract_learning_rate(placement, self._learning_rate_arg(learning_rate)))
+        recorder = RecordingDispatcher(placement)
+        start = time.perf_counter()
+        run_step(self._step, AbstractStore(placement, self._signature), recorder, inputs)
+        trace_s = time.perf_counter() - start
+        calls = [*recorder.calls.values(), self._keys.abstract_call()]
         _, compile_s = timed(compile_all, calls)
         # The compiler's freed host memory goes back to the system (`host_heap`): the
         # first step's peak RSS is then the larger, not the sum, of compiling and running
@@ -306,136 +308,6 @@ class BlockTrainer(TrainerBase):
         host_heap.release_free_host_memory()
         self.compile_times = CompileTimes(trace_s, compile_s, math.nan, len(calls))
         return self.compile_times
-
-    def _run_schedule(self, stack: Any, common: dict, lr_rep: Any) -> tuple:
-        """Runs the schedule's ops; returns ``(loss, per-layer stats)``."""
-        store = self._store
-        store.begin_step()
-        self._notify_phase("step_start")
-        kept: dict[int, Any] = {}
-        stats: dict[str, Any] = {}
-        ct = loss = final = None
-        squared_norms: list[jax.Array] = []
-        clip = None
-        for position, op in enumerate(self._schedule):
-            if op.kind == LOSS:
-                final = store.end_forward(stack) if final is None else final
-                stack = final
-                if not op.norm_only and squared_norms:
-                    clip = (self._call(self._global_norm, tuple(squared_norms)),
-                            self._max_norm)
-                    stats["gradients_l2"] = clip[0]
-            if position in self._phase_starts:
-                self._notify_phase(self._phase_starts[position])
-            store.prepare(position)
-            fn, layer = self._fns[position], self.layers[op.layer]
-            rep = {"index": self._indices[op.layer], "lr": lr_rep, "clip": clip}
-            if op.kind == FORWARD:
-                if op.starts_block or op.keep_point:
-                    kept[op.layer] = store.stash(stack)
-                stack = self._forward(op, fn, layer, stack, common, rep)
-                continue
-            if op.kind == FBO:
-                stack = store.unstash(kept[op.layer] if op.norm_only else kept.pop(op.layer))
-            if op.norm_only:
-                stack, ct, squared_norm = self._norm(op, fn, layer, stack, ct, common, rep)
-                squared_norms.append(squared_norm)
-            elif op.kind == LOSS:
-                loss, stack, ct = self._loss(op, fn, layer, stack, common, rep, stats)
-            elif op.kind == FBO:
-                ct = self._std_backward(op, fn, layer, stack, ct, common, rep, stats)
-            else:
-                stack, ct = self._reverse(op, fn, layer, stack, ct, common, rep, stats)
-        if self.free_accelerators_on_step and self._recorder is None:
-            delete_arrays((stack, ct, kept, final))
-        store.finish_step()
-        return loss, stats
-
-    def _call(self, fn: Callable, *args: Any) -> Any:
-        """Calls ``fn``, or records the call while `precompile` walks the schedule."""
-        return fn(*args) if self._recorder is None else self._recorder(fn, *args,
-                                                                       grouped=False)
-
-    def _dispatch(self, op: Op, fn: Callable, *args: Any) -> Any:
-        if self._recorder is not None:
-            return self._recorder(fn, *args)
-        if self.observers:
-            self._notify_dispatch(op.label, fn, args)
-        outputs = fn(*args)
-        self._inflight.note(outputs)
-        return outputs
-
-    def _forward(self, op, fn, layer, stack, common, rep) -> Any:
-        if fn is None:  # `_reorders_only`: no program, the same arrays in another order.
-            y, _ = layer.pure_fn(inputs_from_stack(stack, layer.n_in), (), (), None)
-            self._store.keep_state(op.layer, self._store.state(op.layer))
-            return outputs_onto_stack(y, stack, layer.n_in)
-        dev = {"x": inputs_from_stack(stack, layer.n_in),
-               "state": self._store.state(op.layer), "rngs": common["rngs"]}
-        y, new_state = self._dispatch(op, fn, dev, self._store.weights(op.layer), rep)
-        self._store.keep_state(op.layer, new_state)
-        return outputs_onto_stack(y, stack, layer.n_in)
-
-    def _loss_input(self, layer, stack) -> Any:
-        stack = self._store.unstash(stack)
-        n_items = len(_as_items(stack))
-        if n_items != layer.n_in:
-            raise ValueError(f"the loss layer {layer.name} takes {layer.n_in} stack items but "
-                             f"the model leaves {n_items}; make the loss layer consume the "
-                             f"whole stack")
-        return stack
-
-    def _norm(self, op, fn, layer, stack, ct, common, rep) -> tuple[Any, Any, jax.Array]:
-        """A ``norm_only`` op: moves ``stack`` and ``ct`` down one layer as the update
-        pass will, and returns the layer's squared gradient norm; updates nothing."""
-        store = self._store
-        if op.kind == LOSS:
-            stack = self._loss_input(layer, stack)
-            dev = {"x": stack, "state": store.state(op.layer), **common}
-            ct_x, squared_norm = self._dispatch(op, fn, dev, store.weights(op.layer), rep)
-            return stack, ct_x, squared_norm
-        ct_y = inputs_from_stack(ct, layer.n_out)
-        if op.kind == FBO:
-            dev = {"x": inputs_from_stack(stack, layer.n_in), "state": store.state(op.layer),
-                   "rngs": common["rngs"], "ct_y": ct_y}
-            ct_x, squared_norm = self._dispatch(op, fn, dev, store.weights(op.layer), rep)
-            return stack, outputs_onto_stack(ct_x, ct, layer.n_out), squared_norm
-        dev = {"y": inputs_from_stack(stack, layer.n_out), "ct_y": ct_y,
-               "state": store.state(op.layer), "new_state": store.new_state(op.layer),
-               "rngs": common["rngs"]}
-        x, ct_x, squared_norm = self._dispatch(op, fn, dev, store.weights(op.layer), rep)
-        return (outputs_onto_stack(x, stack, layer.n_out),
-                outputs_onto_stack(ct_x, ct, layer.n_out), squared_norm)
-
-    def _loss(self, op, fn, layer, stack, common, rep, stats) -> tuple:
-        stack = self._loss_input(layer, stack)
-        dev = {"x": stack, "state": self._store.state(op.layer), **common}
-        loss, ct, params, new_state, layer_stats = self._dispatch(
-            op, fn, dev, self._store.params(op.layer), rep)
-        self._store.keep_params(op.layer, params)
-        self._store.keep_state(op.layer, new_state)
-        _add_layer_stats(stats, op.layer, layer_stats)
-        return loss, stack, ct
-
-    def _reverse(self, op, fn, layer, stack, ct, common, rep, stats) -> tuple[Any, Any]:
-        store = self._store
-        dev = {"y": inputs_from_stack(stack, layer.n_out),
-               "ct_y": inputs_from_stack(ct, layer.n_out), "state": store.state(op.layer),
-               "new_state": store.new_state(op.layer), "rngs": common["rngs"]}
-        x, ct_x, params, layer_stats = self._dispatch(op, fn, dev, store.params(op.layer), rep)
-        store.keep_params(op.layer, params)
-        _add_layer_stats(stats, op.layer, layer_stats)
-        return (outputs_onto_stack(x, stack, layer.n_out),
-                outputs_onto_stack(ct_x, ct, layer.n_out))
-
-    def _std_backward(self, op, fn, layer, stack, ct, common, rep, stats) -> Any:
-        store = self._store
-        dev = {"x": inputs_from_stack(stack, layer.n_in), "state": store.state(op.layer),
-               "rngs": common["rngs"], "ct_y": inputs_from_stack(ct, layer.n_out)}
-        ct_x, params, layer_stats = self._dispatch(op, fn, dev, store.params(op.layer), rep)
-        store.keep_params(op.layer, params)
-        _add_layer_stats(stats, op.layer, layer_stats)
-        return outputs_onto_stack(ct_x, ct, layer.n_out)
 
 
 class _InitialSlots(Sequence):
@@ -451,19 +323,3 @@ class _InitialSlots(Sequence):
 
     def __getitem__(self, i: int) -> Any:
         return self._optimizers[i].init(self._weights[i])
-
-
-def _global_norm(squared_norms: tuple[jax.Array, ...]) -> jax.Array:
-    """``sqrt(sum of the layers' squared gradient norms)``: the whole model's gradient norm."""
-    return jnp.sqrt(jnp.sum(jnp.stack(squared_norms)))
-
-
-def _add_layer_stats(stats: dict, i: int, layer_stats: dict) -> None:
-    for name, value in layer_stats.items():
-        stats[f"layer{i}/{name}"] = value
-
-
-def _reorders_only(op: Op, layer: Layer) -> bool:
-    """A forward op that only permutes stack items (a `ReversibleSelect`: no weights, no
-    state, no rng), run on the host without a program."""
-    return op.kind == FORWARD and isinstance(layer, ReversibleSelect)

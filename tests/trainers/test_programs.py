@@ -1,4 +1,5 @@
-"""Tests for revtrain.trainers.fbo: sharing compiled functions, and the loss share."""
+"""Tests for revtrain.trainers.programs (sharing compiled programs) and
+revtrain.trainers.global_loss (the loss share)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,19 +70,23 @@ def test_identical_layers_share_one_program_per_kind(batch):
     rev.one_step(batch, jax.random.key(0))
     counts = rev.trace_counts()
     # embedding: forward + fbo; the two half-residuals share forward + reverse; the swaps
-    # share reverse (their forward only reorders the stack, on the host); the loss: loss_fbo.
-    assert len(counts) == 6 and set(counts.values()) == {1}, counts
+    # share reverse (their forward only reorders the stack, on the host); the loss: loss_fbo;
+    # and the whole model's gradient norm.
+    assert len(counts) == 7 and set(counts.values()) == {1}, counts
+    assert "global_norm" in counts
     assert not any(name.startswith("forward/ReversibleSwap") for name in counts), counts
 
 
 def test_loss_share_is_each_devices_fraction_of_the_total_weight():
-    from revtrain.trainers import devices
-    from revtrain.trainers.fbo import DEV, loss_share
-    mesh = devices.make_mesh(4)
+    from revtrain.trainers import transfers
+    from revtrain.trainers.fsdp import DEV
+    from revtrain.trainers.global_loss import loss_share
+    from revtrain.trainers.placement import make_mesh
+    mesh = make_mesh(4)
     shares = jax.jit(jax.shard_map(lambda w: loss_share(w[0])[None], mesh=mesh,
                                    in_specs=DEV, out_specs=DEV))
-    totals = devices.shard_per_device(np.array([3.0, 1.0, 0.0, 4.0], np.float32), mesh)
+    totals = transfers.shard_per_device(np.array([3.0, 1.0, 0.0, 4.0], np.float32), mesh)
     np.testing.assert_allclose(shares(totals), [3 / 8, 1 / 8, 0, 4 / 8])
-    zeros = devices.shard_per_device(np.zeros(4, np.float32), mesh)
+    zeros = transfers.shard_per_device(np.zeros(4, np.float32), mesh)
     np.testing.assert_array_equal(shares(zeros), np.zeros(4))
     assert jnp.asarray(shares(totals)).dtype == jnp.float32

@@ -1,4 +1,4 @@
-"""Tests for revtrain.trainers.schedule: the ops of one step."""
+"""Tests for revtrain.trainers.plan: the ops of one step."""
 import pytest
 
 from revtrain.trainers import build_schedule

@@ -1,0 +1,102 @@
+"""Splitting a global batch over devices: the device reshape and each device's share of the
+batch weights.
+
+A batch is a tuple ``(inputs, targets, weights, ...)`` of arrays with a leading batch axis;
+device ``d`` of ``n`` gets rows ``[d * batch // n, (d + 1) * batch // n)``. Every trainer
+splits batches with these functions, so they cannot disagree about which rows a device gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_split(batch: int | None, n_devices: int) -> None:
+    """Raises the one error for a batch of ``batch`` rows that ``n_devices`` cannot split.
+
+    Raises:
+      ValueError: when ``batch`` is None (no leading axis), 0, or not a multiple of
+        ``n_devices``; names both numbers.
+    """
+    if batch is None or batch == 0 or batch % n_devices:
+        raise ValueError(f"batch size {batch} is not divisible by n_devices={n_devices}; "
+                         f"use a non-empty global batch that is a multiple of {n_devices}")
+
+
+def reshape_by_device(x: Any, n_devices: int) -> Any:
+    """Reshapes each leaf ``[batch, ...]`` to ``[n_devices, batch // n_devices, ...]``.
+
+    Args:
+      x: a pytree of arrays (numpy or jax) with a leading batch axis.
+      n_devices: number of devices.
+
+    Raises:
+      ValueError: when the batch is empty, when leaves disagree on the batch size, or when
+        it is not divisible by ``n_devices`` (names both numbers).
+    """
+    leaves = [a if hasattr(a, "reshape") else np.asarray(a) for a in jax.tree.leaves(x)]
+    sizes = sorted({a.shape[0] if a.ndim else None for a in leaves}, key=str)
+    if len(sizes) > 1:
+        raise ValueError(f"batch items have different batch sizes {sizes}; give every item "
+                         f"(inputs, targets, weights) the same leading batch axis")
+    batch = sizes[0] if sizes else None
+    check_split(batch, n_devices)
+
+    def reshape(a):
+        a = a if hasattr(a, "reshape") else np.asarray(a)
+        return a.reshape((n_devices, batch // n_devices) + tuple(a.shape[1:]))
+    return jax.tree.map(reshape, x)
+
+
+def weight_totals_by_device(batch: Any, n_devices: int) -> np.ndarray:
+    """The total of each device's batch weights: float32 ``[n_devices]``, on the host.
+
+    A batch ``(inputs, targets, weights, ...)`` carries per-position loss weights (a 0/1
+    padding mask, Trax's convention) as its third item; device ``d`` gets rows
+    ``[d * batch // n_devices, (d + 1) * batch // n_devices)`` and its total is the sum of
+    those rows' weights. A batch of fewer than three items has no weights: each device's
+    total is its row count. The trainers weight each device's loss by its total over the
+    global sum (`revtrain.trainers.global_loss.loss_share`), so the loss is the weighted mean over
+    the global batch however it is split: ``sum(w * loss) / sum(w)``, the same number as
+    on one device. A weights item broadcast to the targets' shape counts each weight the
+    same number of times on every device, so its ratio of totals is unchanged.
+
+    Args:
+      batch: a tuple of arrays with a leading batch axis divisible by ``n_devices``.
+      n_devices: number of devices (this process's, under ``jax.distributed``).
+
+    Raises:
+      ValueError: as `reshape_by_device`, for a batch that does not split.
+    """
+    items = tuple(batch)
+    if len(items) < 3:
+        rows = np.shape(jax.tree.leaves(reshape_by_device(items, n_devices))[0])[1]
+        return np.full((n_devices,), rows, np.float32)
+    weights = reshape_by_device(np.asarray(items[2]), n_devices)
+    return weights.reshape(n_devices, -1).sum(axis=1, dtype=np.float64).astype(np.float32)
+
+
+def for_n_devices(x: Any, n_devices: int) -> Any:
+    """Broadcasts each leaf to a leading device axis: ``[...] -> [n_devices, ...]``."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n_devices,) + np.shape(a)), x)
+
+
+
+def device_weight_total(rows: Any, weights: Any | None) -> jax.Array:
+    """Inside ``shard_map``: the total of this device's batch weights, float32 scalar.
+
+    The on-device form of `weight_totals_by_device` (the same number, summed in float32):
+    ``weights`` is the device's slice of the batch's third item, or None for a batch
+    without weights, when the total is the device's row count ``rows``.
+    """
+    if weights is None:
+        return jnp.float32(rows)
+    return jnp.sum(weights, dtype=jnp.float32)
+
+
+__all__ = ["check_split", "device_weight_total", "for_n_devices", "reshape_by_device",
+           "weight_totals_by_device"]

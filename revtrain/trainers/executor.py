@@ -1,0 +1,262 @@
+"""Running a block trainer's step: one function, `run_step`, walks the plan.
+
+Read this module with `revtrain.trainers.plan` (what the ops are) and
+`revtrain.trainers.programs` (what each op's program computes): together they are the
+whole step. `run_step` asks a `revtrain.trainers.protocols.ParamStore` for each op's values
+and hands the new ones back, and sends every call through a `Dispatcher`: the
+`LiveDispatcher` runs the programs and tells the observers; precompilation passes a
+recording one (`revtrain.trainers.precompile.RecordingDispatcher`) and an abstract store,
+and the same walk traces every program without running anything.
+
+The step: forward ops move the stack up (stashing block inputs and ``keep_every`` copies);
+the loss op gives the final stack's cotangent; backward ops move the stack and its
+cotangent down, each reconstructing (``REVERSE``) or recomputing (``FBO``) its layer's
+input and updating the layer at once. With exact global-norm clipping a norm-only pass
+first walks the backward ops without updating, and its global norm scales every update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from revtrain.layers.base import inputs_from_stack, outputs_onto_stack
+from revtrain.trainers.inflight import InflightLimit
+from revtrain.trainers.plan import Op, OpKind, PlannedOp
+from revtrain.trainers.programs import (
+    FboArgs,
+    ForwardArgs,
+    LayerStats,
+    LossArgs,
+    ReverseArgs,
+    Shared,
+)
+from revtrain.trainers.protocols import Observer
+from revtrain.trainers.stores import ParamStore
+from revtrain.trainers.transfers import delete_arrays
+
+
+class Dispatcher(Protocol):
+    """How `run_step` calls programs.
+
+    ``dispatch(op, program, *args)`` calls one op's program and returns its outputs;
+    ``call(fn, *args)`` a small helper program of the step (the global norm), replicated
+    arguments only; ``phase(label)`` marks a phase boundary (``'step_start'``,
+    ``'loss_start'``, ``'backward_start'``); ``release(tree)`` frees the step's transient
+    buffers when the trainer frees accelerators on every step.
+    """
+
+    def dispatch(self, op: Op, program: Callable, *args: Any) -> Any: ...
+
+    def call(self, fn: Callable, *args: Any) -> Any: ...
+
+    def phase(self, label: str) -> None: ...
+
+    def release(self, tree: Any) -> None: ...
+
+
+class LiveDispatcher:
+    """Runs the programs: tells observers of each dispatch and phase, and bounds the
+    programs in flight on a multi-device CPU mesh (`InflightLimit`).
+
+    Args:
+      observers: returns the trainer's current observers.
+      inflight: the trainer's `InflightLimit`.
+    """
+
+    def __init__(self, observers: Callable[[], Sequence[Observer]], inflight: InflightLimit):
+        self._observers, self._inflight = observers, inflight
+
+    def dispatch(self, op: Op, program: Callable, *args: Any) -> Any:
+        for observer in self._observers():
+            on_dispatch = getattr(observer, "on_dispatch", None)
+            if on_dispatch is not None:
+                on_dispatch(op.label, program, args)
+        outputs = program(*args)
+        self._inflight.note(outputs)
+        return outputs
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        return fn(*args)
+
+    def phase(self, label: str) -> None:
+        for observer in self._observers():
+            on_phase = getattr(observer, "on_phase", None)
+            if on_phase is not None:
+                on_phase(label)
+
+    def release(self, tree: Any) -> None:
+        delete_arrays(tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStep:
+    """A block trainer's step as a value, built once per trainer.
+
+    Attributes:
+      plan: the ops with their layers and programs (`revtrain.trainers.plan.build_plan`).
+      indices: per flat layer, its index as a replicated int32 device scalar.
+      max_norm: the replicated float32 ``clip_global_norm``, or None (no clipping).
+      free_transients: release the batch, stashes, final activations and cotangents at
+        the end of the step (``free_accelerators_on_step``).
+      global_norm: the whole model's gradient norm, ``(per-layer squared norms) ->
+        sqrt(sum)``, or, without clipping, ``(per-layer norms) -> sqrt(sum of squares)``;
+        jitted, one per trainer (`global_norm_programs`).
+    """
+
+    plan: tuple[PlannedOp, ...]
+    indices: tuple[jax.Array, ...]
+    max_norm: jax.Array | None
+    free_transients: bool
+    global_norm: Callable[[tuple[jax.Array, ...]], jax.Array]
+
+
+class StepInputs(NamedTuple):
+    """What one step is given, on the devices.
+
+    Attributes:
+      stack: the per-device batch ``(inputs, targets, weights, ...)``.
+      rngs: uint32 key data ``[devices, n_layers, *key]``.
+      lr: the replicated float32 learning rate to inject, or None.
+    """
+
+    stack: Any
+    rngs: jax.Array
+    lr: jax.Array | None
+
+
+class StepResult(NamedTuple):
+    """What a step gives back (device values; nothing is read to the host).
+
+    Attributes:
+      loss: float32 scalar, the weighted mean loss over the global batch.
+      layer_stats: per flat layer its `LayerStats` (None for a layer not updated).
+      gradients_l2: float32 scalar, the L2 norm of the whole model's gradient (before
+        clipping).
+    """
+
+    loss: jax.Array
+    layer_stats: tuple[LayerStats | None, ...]
+    gradients_l2: jax.Array
+
+
+def _global_norm(norms: tuple[jax.Array, ...], squared: bool) -> jax.Array:
+    values = jnp.stack(norms)
+    return jnp.sqrt(jnp.sum(values if squared else values ** 2))
+
+
+def global_norm_program() -> tuple[Callable, Callable]:
+    """A jitted `BlockStep.global_norm` and its trace-counted body: ``(norms, squared)``
+    with ``squared`` static (True: the norm pass's squared norms)."""
+    counted = eqx.debug.assert_max_traces(_global_norm, max_traces=None)
+    return jax.jit(counted, static_argnames=("squared",)), counted
+
+
+def _as_items(stack: Any) -> tuple:
+    return tuple(stack) if isinstance(stack, tuple) else (stack,)
+
+
+def _loss_input(p: PlannedOp, store: ParamStore, stack: Any) -> Any:
+    stack = store.unstash(stack)
+    n_items = len(_as_items(stack))
+    if n_items != p.layer.n_in:
+        raise ValueError(f"the loss layer {p.layer.name} takes {p.layer.n_in} stack items but "
+                         f"the model leaves {n_items}; make the loss layer consume the "
+                         f"whole stack")
+    return stack
+
+
+def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
+             inputs: StepInputs) -> StepResult:
+    """Runs ``step``'s plan once against ``store``; returns the loss and stats.
+
+    Raises:
+      ValueError: for a final stack that does not match the loss layer's inputs (before any
+        update), or whatever a program or the store raises.
+    """
+    store.begin_step()
+    dispatcher.phase("step_start")
+    stack, ct, final, clip = inputs.stack, None, None, None
+    kept: dict[int, Any] = {}
+    # The batch weights wait like a block input (the loss op turns them into each device's
+    # share of the global loss; a store may send the stack's arrays away meanwhile).
+    has_weights = isinstance(stack, tuple) and len(stack) >= 3
+    kept_weights = store.stash(stack[2]) if has_weights else None
+    stats: list[LayerStats | None] = [None] * len(step.indices)
+    squared_norms: list[jax.Array] = []
+    loss = global_norm = None
+    for position, p in enumerate(step.plan):
+        op, layer, i = p.op, p.layer, p.op.layer
+        if op.kind == OpKind.LOSS:
+            final = store.end_forward(stack) if final is None else final
+            stack = final
+            if not op.norm_only and squared_norms:
+                global_norm = dispatcher.call(step.global_norm, tuple(squared_norms), True)
+                clip = (global_norm, step.max_norm)
+        if p.phase is not None:
+            dispatcher.phase(p.phase)
+        store.prepare(position)
+        shared = Shared(step.indices[i], inputs.lr, clip)
+        if op.kind == OpKind.FORWARD:
+            if op.starts_block or op.keep_point:
+                kept[i] = store.stash(stack)
+            if p.program is None:  # Reorders stack items only: no program.
+                y, _ = layer.pure_fn(inputs_from_stack(stack, layer.n_in), (), (), None)
+                store.keep_state(i, store.state(i))
+            else:
+                args = ForwardArgs(inputs_from_stack(stack, layer.n_in), store.state(i),
+                                   inputs.rngs)
+                y, new_state = dispatcher.dispatch(op, p.program, args, store.weights(i),
+                                                   shared)
+                store.keep_state(i, new_state)
+            stack = outputs_onto_stack(y, stack, layer.n_in)
+            continue
+        if op.kind == OpKind.FBO:
+            stack = store.unstash(kept[i] if op.norm_only else kept.pop(i))
+        if op.kind == OpKind.LOSS:
+            stack = _loss_input(p, store, stack)
+            args = LossArgs(stack, store.state(i), inputs.rngs,
+                            store.unstash(kept_weights) if has_weights else None)
+        elif op.kind == OpKind.FBO:
+            args = FboArgs(inputs_from_stack(stack, layer.n_in), store.state(i), inputs.rngs,
+                           inputs_from_stack(ct, layer.n_out))
+        else:
+            args = ReverseArgs(inputs_from_stack(stack, layer.n_out),
+                               inputs_from_stack(ct, layer.n_out), store.state(i),
+                               store.new_state(i), inputs.rngs)
+        if op.norm_only:
+            *outs, squared_norm = dispatcher.dispatch(op, p.program, args, store.weights(i),
+                                                      shared)
+            squared_norms.append(squared_norm)
+        else:
+            outs = list(dispatcher.dispatch(op, p.program, args, store.params(i), shared))
+            stats[i] = outs.pop()
+            store.keep_params(i, outs.pop(2 if op.kind != OpKind.FBO else 1))
+        if op.kind == OpKind.LOSS:
+            if op.norm_only:
+                (ct,) = outs
+            else:
+                loss, ct, new_state = outs
+                store.keep_state(i, new_state)
+        elif op.kind == OpKind.FBO:
+            ct = outputs_onto_stack(outs[0], ct, layer.n_out)
+        else:
+            x, ct_x = outs
+            stack = outputs_onto_stack(x, stack, layer.n_out)
+            ct = outputs_onto_stack(ct_x, ct, layer.n_out)
+    if global_norm is None:
+        global_norm = dispatcher.call(
+            step.global_norm, tuple(s.gradients_l2 for s in stats if s is not None), False)
+    if step.free_transients:
+        dispatcher.release((stack, ct, kept, final, kept_weights))
+    store.finish_step()
+    return StepResult(loss, tuple(stats), global_norm)
+
+
+__all__ = ["BlockStep", "Dispatcher", "LiveDispatcher", "StepInputs", "StepResult",
+           "global_norm_program", "run_step"]

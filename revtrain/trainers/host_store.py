@@ -1,0 +1,252 @@
+"""`HostStore`: a block trainer's values in host memory, a window of layers on the devices
+(`MemoryEfficientTrainer`, after Trax's ``trainer.MemoryEfficientTrainer``).
+
+Weights, slots and states live in host memory (numpy) between uses; a layer's values are
+put on the devices just before its op, the next ``n_async_layers`` layers' are prefetched
+(``jax.device_put`` is asynchronous), new values are copied back with
+``copy_to_host_async`` into the same host buffers (allocated once, updated in place) and
+their device buffers released before the next op, and block inputs wait on the host. With
+``fsdp`` a put sends each device only its shard and a copy-back brings only the shards
+home. See `revtrain.trainers.stores` for the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from revtrain.trainers import transfers
+from revtrain.trainers.batches import for_n_devices
+from revtrain.trainers.placement import Placement
+from revtrain.trainers.plan import Op, OpKind
+from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
+from revtrain.trainers.transfers import delete_arrays
+
+
+def _host_values(tree: Any) -> Any:
+    return jax.tree.map(transfers.host_value, tree)
+
+
+def _host_buffers(tree: Any) -> Any:
+    """Writeable C-contiguous numpy copies the store owns (a caller's array is never
+    aliased): its host buffers, allocated once and updated in place by every step."""
+    return jax.tree.map(lambda a: np.array(a, order="C"), tree)
+
+
+def _host_copy(tree: Any) -> Any:
+    """Read-only numpy copies (values a store keeps whole and replaces each step)."""
+    def copy(a):
+        a = np.array(transfers.host_value(a))
+        a.flags.writeable = False
+        return a
+    return jax.tree.map(copy, tree)
+
+
+def _copy_into(host: Any, result: Any) -> None:
+    """Copies the jax arrays of ``result`` into the host buffers of ``host`` (the same
+    leaves in the same order), then frees their device buffers.
+
+    A replicated leaf is read from this process's first copy; an FSDP-sharded one shard by
+    shard into its slice of the buffer (all-gathered over processes when some shards live
+    elsewhere: a collective every process reaches, in the same order). On the CPU backend
+    ``np.asarray`` of a shard is a view of its buffer, so this is the only copy; elsewhere
+    it is the host copy ``copy_to_host_async`` started, freed once its values are in place.
+    """
+    for buffer, leaf in zip(jax.tree.leaves(host), jax.tree.leaves(result), strict=True):
+        if leaf.sharding.is_fully_replicated:
+            np.copyto(buffer, jax.device_get(leaf.addressable_shards[0].data))
+        elif leaf.is_fully_addressable:
+            for shard in leaf.addressable_shards:
+                np.copyto(buffer[shard.index], jax.device_get(shard.data))
+        else:
+            np.copyto(buffer, transfers.host_value(leaf))
+        leaf.delete()
+
+
+
+class HostStore:
+    """Values in host memory; a window of ``1 + n_async_layers`` layers on the devices.
+
+    Args:
+      placement: the trainer's placement (with ``placement.fsdp``, see below).
+      train_state: the initial values (host trees, one entry per flat layer).
+      schedule: the trainer's ops; `prepare` looks ahead in it.
+      n_async_layers: how many upcoming layers' weights (and, for backward ops that
+        update, slots) to prefetch.
+      free_accelerators_on_step: after the forward pass and at the end of the step,
+        delete every device buffer this store holds; the final activations wait on the
+        host for the loss op.
+
+    With ``placement.fsdp`` weights and slots go to the devices sharded
+    (`Placement.weight_shardings`): each device receives only its shard of the host value
+    and the all-gather runs on the devices, inside the layer's program; new values come
+    back as shards. With several processes each process's host still holds whole values
+    (a copy-back all-gathers the other processes' shards).
+
+    Attributes:
+      max_resident_layers: the most layers whose weights were on the devices at once
+        during the last step (current + prefetched + results not yet copied back).
+    """
+
+    def __init__(self, placement: Placement, train_state: TrainState,
+                 schedule: Sequence[Op], n_async_layers: int,
+                 free_accelerators_on_step: bool):
+        self._placement = placement
+        self._schedule = tuple(schedule)
+        self._n_async = n_async_layers
+        self._free = free_accelerators_on_step
+        self._resident: dict[int, list] = {}
+        self._pending: list[tuple[int, Params]] = []
+        self.max_resident_layers = 0
+        self.restore(train_state)
+
+    def restore(self, train_state: TrainState) -> None:
+        self._free_resident()
+        for _, params in self._pending:  # Not landed (last or failed step): replaced.
+            transfers.delete_quietly(params)
+        self._pending = []
+        self._weights = [_host_buffers(_host_values(w)) for w in train_state.weights]
+        self._slots = [_host_buffers(_host_values(s)) for s in train_state.slots]
+        self._shardings = [tuple(self._placement.weight_shardings(v)
+                                 for v in values)
+                           for values in zip(self._weights, self._slots, strict=True)]
+        self._states = [_host_copy(for_n_devices(_host_values(s), self._placement.n_devices))
+                        for s in train_state.state]
+        self._new_states: list[Any] = [None] * len(self._states)
+
+    # ----------------------------------------------------------------------------------
+    # The prefetch window.
+
+    def _put(self, host: Any, shardings: Any) -> Any:
+        """Device arrays of host buffers, one sharding per leaf. A replicated leaf goes
+        through ``device_put``, which on the CPU backend lets the arrays share the buffers'
+        memory, so nothing is copied (the fbos donate them, which frees the arrays and
+        leaves the memory, the store's, untouched); an FSDP-sharded leaf sends each device
+        only its slice (`revtrain.trainers.transfers.put_sharded`), likewise without a
+        further device copy (``owned=False``)."""
+        def put(a, sharding):
+            if sharding.is_fully_replicated:
+                return jax.device_put(a, sharding)
+            return transfers.put_sharded(a, sharding, owned=False)
+        return jax.tree.map(put, host, shardings)
+
+    def _fetch(self, i: int, with_slots: bool) -> list:
+        entry = self._resident.get(i)
+        if entry is None:
+            entry = self._resident[i] = [self._put(self._weights[i], self._shardings[i][0]),
+                                         None]
+        if with_slots and entry[1] is None:
+            entry[1] = self._put(self._slots[i], self._shardings[i][1])
+        return entry
+
+    def _resolve_pending(self) -> None:
+        """Lands the new weights and slots in the host buffers. A layer's buffers are
+        written only after its fbo finished (``np.asarray`` waits for it), and no device
+        array sharing them is live then: its fbo took them (donated)."""
+        for i, params in self._pending:
+            _copy_into((self._weights[i], self._slots[i]), tuple(params))
+        self._pending = []
+
+    def _free_resident(self) -> None:
+        for entry in self._resident.values():
+            delete_arrays(entry)
+        self._resident = {}
+
+    def begin_step(self) -> None:
+        self._resolve_pending()  # The last step's final updates, left in flight.
+        self._new_states = [None] * len(self._states)
+        self.max_resident_layers = 0
+
+    def prepare(self, position: int) -> None:
+        self._resolve_pending()
+        window = self._schedule[position:position + 1 + self._n_async]
+        wanted = {op.layer for op in window}
+        for i in [i for i in self._resident if i not in wanted]:
+            delete_arrays(self._resident.pop(i))
+        for op in window:
+            self._fetch(op.layer, with_slots=op.kind != OpKind.FORWARD and not op.norm_only)
+        self.max_resident_layers = max(self.max_resident_layers, len(self._resident))
+
+    # ----------------------------------------------------------------------------------
+    # Values of one op.
+
+    def weights(self, i: int) -> Any:
+        return self._fetch(i, with_slots=False)[0]
+
+    def params(self, i: int) -> Params:
+        weights, slots = self._fetch(i, with_slots=True)
+        return Params(weights, slots)
+
+    def keep_params(self, i: int, params: Params) -> None:
+        self._resident.pop(i, None)  # Donated: the old buffers are gone.
+        for leaf in jax.tree.leaves(params):
+            leaf.copy_to_host_async()
+        self._pending.append((i, params))
+
+    def state(self, i: int) -> Any:
+        return transfers.shard_per_device(self._states[i], self._placement.mesh)
+
+    def new_state(self, i: int) -> Any:
+        return transfers.shard_per_device(self._new_states[i], self._placement.mesh)
+
+    def keep_state(self, i: int, new_state: Any) -> None:
+        self._new_states[i] = transfers.local_rows(new_state)
+        delete_arrays(new_state)
+
+    def stash(self, stack: Any) -> Any:
+        return transfers.local_rows(stack)
+
+    def unstash(self, kept: Any) -> Any:
+        if all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(kept)):
+            return transfers.shard_per_device(kept, self._placement.mesh)
+        return kept
+
+    def end_forward(self, stack: Any) -> Any:
+        if not self._free:
+            return stack
+        host = transfers.local_rows(stack)
+        delete_arrays(stack)
+        self._free_resident()
+        return host
+
+    def finish_step(self) -> None:
+        # The last op's new weights and slots stay pending (their copies back are under
+        # way) so that the step returns while its final update runs; the next step, a
+        # read of the values or `block_until_ready` lands them.
+        if self._free:
+            self._free_resident()
+        self._states = self._new_states
+
+    def block_until_ready(self) -> None:
+        self._resolve_pending()  # Lands the copies back to host memory.
+        transfers.block_until_ready_live(list(self._resident.values()))
+
+    # ----------------------------------------------------------------------------------
+    # Host values and the device account.
+
+    def host_values(self, part: str) -> tuple:
+        self._resolve_pending()
+        if part == "state":
+            return tuple(jax.tree.map(lambda a: np.asarray(a)[0], s) for s in self._states)
+        # Copies: the host buffers change in place with every step.
+        return tuple(_host_copy(v) for v in {"weights": self._weights,
+                                               "slots": self._slots}[part])
+
+    def saved_values(self, part: str) -> tuple:
+        return self.host_values(part)
+
+    def value_shardings(self, part: str) -> tuple:
+        values = {"weights": self._weights, "slots": self._slots, "state": self._states}[part]
+        return tuple(jax.tree.map(lambda _: None, v) for v in values)  # Nothing copied.
+
+    def device_footprint(self) -> DeviceFootprint:
+        device = self._placement.first_local_device
+        weights = [e[0] for e in self._resident.values()] + [p.weights for _, p in
+                                                             self._pending]
+        slots = [e[1] for e in self._resident.values()] + [p.slots for _, p in self._pending]
+        layers = set(self._resident) | {i for i, _ in self._pending}
+        return DeviceFootprint(transfers.device_bytes(weights, device),
+                               transfers.device_bytes(slots, device), len(layers))

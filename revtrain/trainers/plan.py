@@ -1,0 +1,153 @@
+"""The plan of a block trainer's step: its ops, in order, each with the program it runs.
+
+For the flat layers ``[std_0, *rev_0, std_1, *rev_1, ..., loss]`` one step is: a
+``FORWARD`` op for every layer but the loss, in order (the first op of each block stashes
+the block's input stack, and so does every ``keep_every``-th reversible layer's); one
+``LOSS`` op (the loss layer's fbo); then, block by block in reverse, a ``REVERSE`` op
+(reverse-and-fbo) for each reversible layer from the last to the first -- an ``FBO`` op
+instead for a reversible layer whose input was stashed -- and an ``FBO`` op for the block's
+standard layer (which unstashes the block input).
+
+With exact global-norm clipping the loss and backward ops run twice: first as
+``norm_only`` ops that compute each layer's squared gradient norm and update nothing, then
+as the usual ops, which scale each layer's gradient by the global clipping factor.
+
+`build_schedule` gives the ops alone (stores look ahead in them to prefetch:
+`revtrain.trainers.host_store.HostStore`); `build_plan` pairs each op with its layer, its
+compiled program (`revtrain.trainers.programs.ProgramCache`) and the phase it starts. The
+plan is built once per trainer; `revtrain.trainers.executor.run_step` runs it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from revtrain.layers.base import Layer
+from revtrain.layers.reversible import ReversibleSelect
+
+
+class OpKind(enum.StrEnum):
+    """What an op runs (a string enum: ``OpKind.FORWARD == 'forward'``)."""
+
+    FORWARD = "forward"  # The layer's forward pass.
+    LOSS = "loss"  # The loss layer's fbo.
+    REVERSE = "reverse"  # A reversible layer's reverse-and-fbo (input reconstructed).
+    FBO = "fbo"  # A layer's fbo, recomputed from its stashed input.
+
+
+class Op(NamedTuple):
+    """One op of a step.
+
+    Attributes:
+      kind: an `OpKind`.
+      layer: the flat layer index.
+      block: the block index (``-1`` for the loss).
+      label: what observers see, e.g. ``'forward/layer3'``, ``'backward/layer3'``,
+        ``'norm/backward/layer3'``.
+      starts_block: True for the forward op of a block's standard layer (stash first).
+      keep_point: True for the forward op of a reversible layer whose input is stashed
+        (every ``keep_every``-th of a block) and for its ``FBO`` op, which recomputes the
+        layer from that exact copy instead of reversing it.
+      norm_only: True for the ops of the gradient-norm pass (exact global-norm clipping):
+        they compute the layer's squared gradient norm and update nothing.
+    """
+
+    kind: OpKind
+    layer: int
+    block: int
+    label: str
+    starts_block: bool = False
+    keep_point: bool = False
+    norm_only: bool = False
+
+
+def _is_keep_point(position: int, keep_every: int | None) -> bool:
+    return keep_every is not None and position > 0 and position % keep_every == 0
+
+
+def build_schedule(block_sizes: Sequence[int], keep_every: int | None = None,
+                   clip_global_norm: bool = False) -> tuple[Op, ...]:
+    """The ops of one step for blocks of ``block_sizes[b]`` reversible layers each.
+
+    Args:
+      block_sizes: the number of reversible layers of each block; the flat layers are
+        ``sum(1 + n for n in block_sizes) + 1`` (the last is the loss layer).
+      keep_every: stash the input of reversible layer ``p`` of a block (counting from 0)
+        when ``p > 0`` and ``p % keep_every == 0``; None keeps only block inputs.
+      clip_global_norm: prepend the ``norm_only`` pass (loss and backward ops) to the
+        update pass.
+
+    Returns:
+      A tuple of `Op`: forward ops, the loss op, then the backward ops (twice, the first
+      time ``norm_only``, when ``clip_global_norm``).
+
+    Raises:
+      ValueError: for ``keep_every < 1``.
+    """
+    if keep_every is not None and keep_every < 1:
+        raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
+    forward, backward, i = [], [], 0
+    for b, n_rev in enumerate(block_sizes):
+        forward.append(Op(OpKind.FORWARD, i, b, f"forward/layer{i}", starts_block=True))
+        block_backward = []
+        for p in range(n_rev):
+            j, keep = i + 1 + p, _is_keep_point(p, keep_every)
+            forward.append(Op(OpKind.FORWARD, j, b, f"forward/layer{j}", keep_point=keep))
+            kind = OpKind.FBO if keep else OpKind.REVERSE
+            block_backward.insert(0, Op(kind, j, b, f"backward/layer{j}", keep_point=keep))
+        backward = block_backward + [Op(OpKind.FBO, i, b, f"backward/layer{i}")] + backward
+        i += 1 + n_rev
+    update = [Op(OpKind.LOSS, i, -1, f"loss/layer{i}")] + backward
+    norm = [op._replace(norm_only=True, label=f"norm/{op.label}") for op in update]
+    return tuple(forward + (norm if clip_global_norm else []) + update)
+
+
+class PlannedOp(NamedTuple):
+    """An op of the plan: what runs, on which layer, and where a phase begins.
+
+    Attributes:
+      op: the `Op`.
+      layer: the flat layer it runs (``layers[op.layer]``).
+      program: its compiled function, or None for a forward op that only reorders stack
+        items (a `ReversibleSelect`: no weights, no state, no rng), which the executor
+        does on the arrays without dispatching anything.
+      phase: the observer phase that begins with this op (``'loss_start'``,
+        ``'backward_start'``) or None.
+    """
+
+    op: Op
+    layer: Layer
+    program: Callable[..., Any] | None
+    phase: str | None
+
+
+def reorders_only(op: Op, layer: Layer) -> bool:
+    """A forward op that only permutes stack items: run on the host, no program."""
+    return op.kind == OpKind.FORWARD and isinstance(layer, ReversibleSelect)
+
+
+def build_plan(layers: Sequence[Layer], schedule: Sequence[Op],
+               program: Callable[[Op, Layer], Callable[..., Any]]) -> tuple[PlannedOp, ...]:
+    """Pairs every op of ``schedule`` with its layer, program and phase.
+
+    Args:
+      layers: the flat layers.
+      schedule: from `build_schedule`.
+      program: ``(op, layer) -> compiled function`` (e.g. ``ProgramCache.get``).
+
+    Returns:
+      One `PlannedOp` per op, in order; the first ``LOSS`` op starts ``'loss_start'``
+      and the op after it ``'backward_start'``.
+    """
+    loss_at = next(k for k, op in enumerate(schedule) if op.kind == OpKind.LOSS)
+    phases = {loss_at: "loss_start", loss_at + 1: "backward_start"}
+    return tuple(
+        PlannedOp(op, layers[op.layer],
+                  None if reorders_only(op, layers[op.layer]) else program(op, layers[op.layer]),
+                  phases.get(k))
+        for k, op in enumerate(schedule))
+
+
+__all__ = ["Op", "OpKind", "PlannedOp", "build_plan", "build_schedule", "reorders_only"]
