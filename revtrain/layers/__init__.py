@@ -36,6 +36,7 @@ from revtrain.layers.core import (
     ShiftRight,
 )
 from revtrain.layers.fn import Fn, PureLayer
+from revtrain.layers.fused_head import FusedSerial, fuse_loss_heads
 from revtrain.layers.layer import EMPTY, Layer
 from revtrain.layers.lsh_attention import LSHCausalAttention
 from revtrain.layers.metrics import (
@@ -64,7 +65,7 @@ __all__ = [
     "EMPTY", "Fn", "Layer", "LayerError", "PureLayer", "ShapeDtype", "inputs_from_stack",
     "outputs_onto_stack", "signature_of",
     "Add", "Branch", "Concatenate", "Drop", "Dup", "Parallel", "Residual", "Select", "Serial",
-    "Split", "Swap", "split_rng",
+    "Split", "Swap", "split_rng", "FusedSerial", "fuse_loss_heads",
     "Dense", "Dropout", "Embedding", "Flatten", "Gelu", "LogSoftmax", "Mean",
     "PositionalEncoding", "Relu", "ShiftRight", "Sigmoid", "Softmax", "Tanh",
     "Accuracy", "CrossEntropyLoss", "L2Loss", "ProjectedCrossEntropy",

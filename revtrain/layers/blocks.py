@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from revtrain.layers.combinators import Select, Serial, split_rng
+from revtrain.layers.fused_head import fuse_loss_heads
 from revtrain.layers.layer import Layer, State, Weights
 from revtrain.layers.reversible import ReversibleLayer, ReversibleSerial
 from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
@@ -58,9 +59,12 @@ def extract_reversible_blocks(layers: Layer | Sequence[Layer]
     and anything else a standard layer. Consecutive standard layers become one block's
     ``Serial(*std_layers)`` (an empty ``Serial()`` when a block starts with reversible
     layers); the standard layers after the last reversible layer become the loss layer
-    ``Serial(*trailing)``. A model without reversible layers gives one block with no
-    reversible layers, ``(Serial(*layers[:-1]), [])``, and ``Serial(layers[-1])`` as loss
-    layer (Trax crashes with an IndexError on such models).
+    ``fuse_loss_heads(Serial(*trailing))``: a `FusedSerial` when it holds the LM head and
+    a cross-entropy loss, so the loss step never holds full logits
+    (`revtrain.layers.fused_head`; the same sublayers and weights layout as the `Serial`).
+    A model without reversible layers gives one block with no reversible layers,
+    ``(Serial(*layers[:-1]), [])``, and ``Serial(layers[-1])`` as loss layer (Trax crashes
+    with an IndexError on such models).
 
     The layer objects are shared with the model, so weights set on them are the model's.
 
@@ -94,7 +98,7 @@ def extract_reversible_blocks(layers: Layer | Sequence[Layer]
             blocks.append((Serial(*std), rev))
             std, rev = [], []
         std.append(layer)
-    return blocks, Serial(*std)
+    return blocks, fuse_loss_heads(Serial(*std))
 
 
 def blocks_to_layers(blocks: Sequence[Block], loss_layer: Layer) -> list[Layer]:

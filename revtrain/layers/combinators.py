@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from revtrain.layers.fused_head import fuse_heads
 from revtrain.layers.layer import Layer
 from revtrain.layers.scan import run_in_series, serial_arity
 from revtrain.layers.stack import (
@@ -66,10 +65,11 @@ class Serial(Layer):
     depth; results, keys and the weights/state layout are those of running them one by one
     (the rules are in `revtrain.layers.scan`).
 
-    Consecutive sublayers ``Dense, LogSoftmax`` and a cross-entropy loss (also across
-    nested Serials) are computed together in chunks of positions, so the full logits never
-    exist; values and gradients are the same to float rounding, the weights layout is
-    unchanged (the rules and the opt-out are in `revtrain.layers.fused_head`).
+    A `Serial` runs every sublayer as it is; `revtrain.layers.fuse_loss_heads` turns one
+    whose sublayers end in ``Dense, LogSoftmax`` and a cross-entropy loss (also across
+    nested Serials) into a `revtrain.layers.FusedSerial` that computes those in chunks of
+    positions, so the full logits never exist (same weights layout; the rules and the
+    opt-out are in `revtrain.layers.fused_head`).
 
     Args:
       *layers: the sublayers (nested lists/tuples flattened, None skipped).
@@ -85,11 +85,15 @@ class Serial(Layer):
         self._initialized = not sublayers  # an empty combinator has nothing to initialise
         self._scan = scan
 
+    @property
+    def scan(self) -> bool:
+        """Whether repeated groups of sublayers run as one ``jax.lax.scan``."""
+        return self._scan
+
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
-        layers, weights = fuse_heads(self.sublayers, weights)  # no full logits for a loss
-        return run_in_series(layers, x, weights, state, rng, scan=self._scan)
+        return run_in_series(self.sublayers, x, weights, state, rng, scan=self._scan)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)
