@@ -20,23 +20,23 @@ import jax.numpy as jnp
 from revtrain.layers.layer import Layer
 from revtrain.layers.scan import run_in_series, serial_arity
 from revtrain.layers.stack import (
-    _as_tuple,
-    _bare,
     check_n_items,
     check_per_sublayer,
     inputs_from_stack,
     outputs_onto_stack,
+    stack_items,
+    stack_of,
 )
 
 
-def _flatten_layers(layers: Sequence[Any]) -> list[Layer]:
+def flatten_layers(layers: Sequence[Any]) -> list[Layer]:
     """Flattens nested lists/tuples of layers and drops None (Trax's convention)."""
     flat = []
     for layer in layers:
         if layer is None:
             continue
         if isinstance(layer, (list, tuple)):
-            flat.extend(_flatten_layers(layer))
+            flat.extend(flatten_layers(layer))
         elif isinstance(layer, Layer):
             flat.append(layer)
         else:
@@ -79,7 +79,7 @@ class Serial(Layer):
     """
 
     def __init__(self, *layers: Any, name: str | None = None, scan: bool = True):
-        sublayers = _flatten_layers(layers)
+        sublayers = flatten_layers(layers)
         n_in, n_out = serial_arity(sublayers)
         super().__init__(n_in=n_in, n_out=n_out, name=name, sublayers=sublayers)
         self._initialized = not sublayers  # an empty combinator has nothing to initialise
@@ -145,7 +145,7 @@ class _SideBySide(Layer):
             y, new_s = layer.pure_fn(xs, w, s, r)
             outputs.extend(y if isinstance(y, tuple) else (y,))
             new_states.append(new_s)
-        return _bare(outputs), tuple(new_states)
+        return stack_of(outputs), tuple(new_states)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)
@@ -170,7 +170,7 @@ class Parallel(_SideBySide):
         super().__init__(layers, sum, name)
 
     def _inputs_per_sublayer(self, x: Any) -> list[Any]:
-        items = _as_tuple(x)
+        items = stack_items(x)
         sections, start = [], 0
         for layer in self.sublayers:
             section = items[start:start + layer.n_in]
@@ -231,8 +231,8 @@ class Select(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        items = _as_tuple(x)
-        return _bare([items[i] for i in self._indices]), state
+        items = stack_items(x)
+        return stack_of([items[i] for i in self._indices]), state
 
 
 class _StackOp(Layer):
@@ -249,7 +249,7 @@ class _StackOp(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        return self.op(_as_tuple(x)), state
+        return self.op(stack_items(x)), state
 
 
 class Dup(_StackOp):
@@ -299,7 +299,7 @@ class Concatenate(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        return jnp.concatenate(_as_tuple(x), axis=self._axis), state
+        return jnp.concatenate(stack_items(x), axis=self._axis), state
 
 
 class Split(Layer):
@@ -321,8 +321,8 @@ class Split(Layer):
             raise ValueError(f"axis {self._axis} of size {size} cannot be split into "
                              f"{self._n_items} equal parts; use a size divisible by "
                              f"{self._n_items}")
-        return _bare(jnp.split(x, self._n_items, axis=self._axis)), state
+        return stack_of(jnp.split(x, self._n_items, axis=self._axis)), state
 
 
 __all__ = ["Serial", "Parallel", "Branch", "Residual", "Select", "Dup", "Swap", "Drop", "Add",
-           "Concatenate", "Split", "split_rng"]
+           "Concatenate", "Split", "flatten_layers", "split_rng"]
