@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 
-from revtrain.layers.identity import structure_key_of
 from revtrain.layers.signatures import (
     LayerError,
     creation_site,
@@ -31,6 +30,7 @@ from revtrain.layers.signatures import (
     signature_of,
 )
 from revtrain.layers.stack import check_n_items, check_per_sublayer
+from revtrain.layers.structure_keys import structure_key_of
 
 Weights = Any
 State = Any
@@ -150,7 +150,7 @@ class Layer:
         constructor's signature with defaults filled in, so ``Concatenate()`` and
         ``Concatenate(axis=-1)`` have the same key. Computed on first access and cached
         (constructor arguments never change). The full rule is in
-        `revtrain.layers.identity`.
+        `revtrain.layers.structure_keys`.
 
         Returns:
           ``(module, qualname, args, kwargs)`` with every argument frozen, or None.

@@ -1,4 +1,4 @@
-"""Structure identity: when two layer objects are known to compute the same function.
+"""Structure keys: when two layer objects are known to compute the same function.
 
 Trainers compile one function per *layer structure* and share it between layers whose
 `Layer.structure_key` values are equal and not None (a deep model of identical blocks then
