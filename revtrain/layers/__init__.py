@@ -3,6 +3,7 @@
 from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh
 from revtrain.layers.attention import CausalAttention, dot_product_attention, einsum_attention
 from revtrain.layers.blocks import (
+    Block,
     blocks_to_layers,
     extract_reversible_blocks,
     init_reversible_blocks,
@@ -75,6 +76,6 @@ __all__ = [
     "Chunk",
     "Remat",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
-    "ReversibleSerial", "ReversibleSwap", "blocks_to_layers", "extract_reversible_blocks",
+    "ReversibleSerial", "ReversibleSwap", "Block", "blocks_to_layers", "extract_reversible_blocks",
     "init_reversible_blocks", "nest_flat_values", "reconstruction_error",
 ]

@@ -1,5 +1,8 @@
 """Splitting a model into reversible blocks, initialising them, and checking drift.
 
+This module is the home of the block vocabulary: `Block`, `extract_reversible_blocks`,
+`blocks_to_layers`, `init_reversible_blocks` and `nest_flat_values`.
+
 Reversible trainers run a model as ``[(std_layer, [rev_layers]), ..., loss_layer]``: each
 block's standard layer stores its input, its reversible layers store nothing (their inputs
 are recomputed backwards from the block's output), and the loss layer ends the model. The
@@ -28,7 +31,10 @@ from revtrain.layers.layer import Layer, State, Weights
 from revtrain.layers.reversible import ReversibleLayer, ReversibleSerial
 from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
 
-Block = tuple[Layer, list[ReversibleLayer]]
+Block = tuple[Layer, Sequence[ReversibleLayer]]
+"""One reversible block, ``(std_layer, rev_layers)``: a standard layer that stores its input,
+then reversible layers whose inputs are recomputed from the block's output. The one
+definition; trainers take ``Sequence[Block]``."""
 
 _TINY = 1e-30
 
@@ -285,5 +291,5 @@ def _reverse_block(records: list, stack: Any, keep_every: int | None) -> list[fl
     return errors[::-1]
 
 
-__all__ = ["extract_reversible_blocks", "blocks_to_layers", "init_reversible_blocks",
+__all__ = ["Block", "extract_reversible_blocks", "blocks_to_layers", "init_reversible_blocks",
            "reconstruction_error"]
