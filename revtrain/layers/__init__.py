@@ -1,7 +1,8 @@
 """revtrain.layers: Trax-style layers and combinators that pass data on a stack."""
 
 from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh
-from revtrain.layers.attention import CausalAttention, dot_product_attention, einsum_attention
+from revtrain.layers.attention import CausalAttention
+from revtrain.layers.attention_ops import dot_product_attention, einsum_attention
 from revtrain.layers.blocks import (
     Block,
     blocks_to_layers,

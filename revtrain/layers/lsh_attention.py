@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revtrain.layers.attention import by_head, init_projections, project
+from revtrain.layers.attention_ops import by_head, init_projections, project
 from revtrain.layers.blockwise_attention import accumulation_dtype, mesh_full
 from revtrain.layers.core import check_mode, check_rate
 from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, check_mask_bits, mask_seed
