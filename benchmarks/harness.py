@@ -368,11 +368,13 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
     fsdp = {"fsdp": True} if kind in FSDP_KINDS else {}
     kind = FSDP_KINDS.get(kind, kind)
     if kind == "trainer":
-        return Trainer(tl.Serial(flat), optimizer_fn, n_devices=n_devices, **fsdp), batch
+        whole = tl.fuse_loss_heads(tl.Serial(flat))
+        return Trainer(whole, optimizer_fn, n_devices=n_devices, **fsdp), batch
     if kind == "trainer_remat":
         remat = [tl.Remat(layer) if isinstance(layer, tl.ReversibleHalfResidual) else layer
                  for layer in flat]
-        return Trainer(tl.Serial(remat), optimizer_fn, n_devices=n_devices), batch
+        whole = tl.fuse_loss_heads(tl.Serial(remat))
+        return Trainer(whole, optimizer_fn, n_devices=n_devices), batch
     keep_every = config.get("keep_every")
     if kind == "reversible":
         return ReversibleSerialTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,

@@ -147,9 +147,10 @@ def measure_depth(config: dict[str, Any], depth: int, dtype: str,
         return trainer.slots
 
     model_blocks = blocks()
-    reference = (trained_gradients(Trainer(tl.Serial(tl.blocks_to_layers(*blocks())),
-                                           _gradient_recorder, n_devices=1))
-                 if gradients else None)
+    reference = None
+    if gradients:
+        whole = tl.fuse_loss_heads(tl.Serial(tl.blocks_to_layers(*blocks())))
+        reference = trained_gradients(Trainer(whole, _gradient_recorder, n_devices=1))
     results = []
     for keep_every in keep_every_values:
         start = time.perf_counter()

@@ -210,7 +210,8 @@ def build(config: dict[str, Any]):
         return optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
 
     if config["trainer"] == "trainer":
-        return Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), optimizer_fn), batch
+        return Trainer(tl.fuse_loss_heads(tl.Serial(tl.blocks_to_layers(blocks, loss))),
+                       optimizer_fn), batch
     cls = {"reversible": ReversibleSerialTrainer,
            "memory_efficient": MemoryEfficientTrainer}[config["trainer"]]
     return cls(blocks, loss, optimizer_fn), batch

@@ -1,8 +1,10 @@
 """revtrain.layers: Trax-style layers and combinators that pass data on a stack."""
 
 from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh
-from revtrain.layers.attention import CausalAttention, dot_product_attention, einsum_attention
+from revtrain.layers.attention import CausalAttention
+from revtrain.layers.attention_ops import dot_product_attention, einsum_attention
 from revtrain.layers.blocks import (
+    Block,
     blocks_to_layers,
     extract_reversible_blocks,
     init_reversible_blocks,
@@ -36,6 +38,7 @@ from revtrain.layers.core import (
     ShiftRight,
 )
 from revtrain.layers.fn import Fn, PureLayer
+from revtrain.layers.fused_head import FusedSerial, fuse_loss_heads
 from revtrain.layers.layer import EMPTY, Layer
 from revtrain.layers.lsh_attention import LSHCausalAttention
 from revtrain.layers.metrics import (
@@ -64,7 +67,7 @@ __all__ = [
     "EMPTY", "Fn", "Layer", "LayerError", "PureLayer", "ShapeDtype", "inputs_from_stack",
     "outputs_onto_stack", "signature_of",
     "Add", "Branch", "Concatenate", "Drop", "Dup", "Parallel", "Residual", "Select", "Serial",
-    "Split", "Swap", "split_rng",
+    "Split", "Swap", "split_rng", "FusedSerial", "fuse_loss_heads",
     "Dense", "Dropout", "Embedding", "Flatten", "Gelu", "LogSoftmax", "Mean",
     "PositionalEncoding", "Relu", "ShiftRight", "Sigmoid", "Softmax", "Tanh",
     "Accuracy", "CrossEntropyLoss", "L2Loss", "ProjectedCrossEntropy",
@@ -74,6 +77,6 @@ __all__ = [
     "Chunk",
     "Remat",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
-    "ReversibleSerial", "ReversibleSwap", "blocks_to_layers", "extract_reversible_blocks",
+    "ReversibleSerial", "ReversibleSwap", "Block", "blocks_to_layers", "extract_reversible_blocks",
     "init_reversible_blocks", "nest_flat_values", "reconstruction_error",
 ]

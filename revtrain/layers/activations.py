@@ -78,6 +78,11 @@ class LogSoftmax(_Activation):
         super().__init__()
         self._axis = axis
 
+    @property
+    def axis(self) -> int:
+        """The axis normalised over."""
+        return self._axis
+
     def apply(self, x):
         return jax.nn.log_softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
                                   axis=self._axis).astype(float_dtype(x))

@@ -22,7 +22,7 @@ Where each concept lives:
 * `revtrain.layers.fn` -- `PureLayer` and `Fn`: weightless layers from functions.
 * `revtrain.layers.stack` -- the stack helpers and `check_n_items`, the one arity check.
 * `revtrain.layers.signatures` -- `ShapeDtype` signatures, dtypes, `LayerError`.
-* `revtrain.layers.identity` -- `Layer.structure_key`: when layers may share compiled code.
+* `revtrain.layers.structure_keys` -- `Layer.structure_key`: when layers may share compiled code.
 
 This module re-exports them, so ``from revtrain.layers.base import Layer`` keeps working.
 

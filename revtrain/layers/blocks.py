@@ -1,5 +1,8 @@
 """Splitting a model into reversible blocks, initialising them, and checking drift.
 
+This module is the home of the block vocabulary: `Block`, `extract_reversible_blocks`,
+`blocks_to_layers`, `init_reversible_blocks` and `nest_flat_values`.
+
 Reversible trainers run a model as ``[(std_layer, [rev_layers]), ..., loss_layer]``: each
 block's standard layer stores its input, its reversible layers store nothing (their inputs
 are recomputed backwards from the block's output), and the loss layer ends the model. The
@@ -23,11 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from revtrain.layers.combinators import Select, Serial, split_rng
+from revtrain.layers.fused_head import fuse_loss_heads
 from revtrain.layers.layer import Layer, State, Weights
 from revtrain.layers.reversible import ReversibleLayer, ReversibleSerial
 from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
 
-Block = tuple[Layer, list[ReversibleLayer]]
+Block = tuple[Layer, Sequence[ReversibleLayer]]
+"""One reversible block, ``(std_layer, rev_layers)``: a standard layer that stores its input,
+then reversible layers whose inputs are recomputed from the block's output. The one
+definition; trainers take ``Sequence[Block]``."""
 
 _TINY = 1e-30
 
@@ -58,9 +65,12 @@ def extract_reversible_blocks(layers: Layer | Sequence[Layer]
     and anything else a standard layer. Consecutive standard layers become one block's
     ``Serial(*std_layers)`` (an empty ``Serial()`` when a block starts with reversible
     layers); the standard layers after the last reversible layer become the loss layer
-    ``Serial(*trailing)``. A model without reversible layers gives one block with no
-    reversible layers, ``(Serial(*layers[:-1]), [])``, and ``Serial(layers[-1])`` as loss
-    layer (Trax crashes with an IndexError on such models).
+    ``fuse_loss_heads(Serial(*trailing))``: a `FusedSerial` when it holds the LM head and
+    a cross-entropy loss, so the loss step never holds full logits
+    (`revtrain.layers.fused_head`; the same sublayers and weights layout as the `Serial`).
+    A model without reversible layers gives one block with no reversible layers,
+    ``(Serial(*layers[:-1]), [])``, and ``Serial(layers[-1])`` as loss layer (Trax crashes
+    with an IndexError on such models).
 
     The layer objects are shared with the model, so weights set on them are the model's.
 
@@ -94,7 +104,7 @@ def extract_reversible_blocks(layers: Layer | Sequence[Layer]
             blocks.append((Serial(*std), rev))
             std, rev = [], []
         std.append(layer)
-    return blocks, Serial(*std)
+    return blocks, fuse_loss_heads(Serial(*std))
 
 
 def blocks_to_layers(blocks: Sequence[Block], loss_layer: Layer) -> list[Layer]:
@@ -281,5 +291,5 @@ def _reverse_block(records: list, stack: Any, keep_every: int | None) -> list[fl
     return errors[::-1]
 
 
-__all__ = ["extract_reversible_blocks", "blocks_to_layers", "init_reversible_blocks",
+__all__ = ["Block", "extract_reversible_blocks", "blocks_to_layers", "init_reversible_blocks",
            "reconstruction_error"]

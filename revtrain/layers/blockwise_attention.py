@@ -140,7 +140,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     # Inside shard_map every operand must vary over the mesh axes any of them varies over,
     # so that the custom vjp's cotangents have their primals' types; autodiff turns the
     # cast of a replicated operand into a sum over the axis outside the kernel.
-    q, k, v, seed = _vary_alike(q, k, v, seed)
+    q, k, v, seed = vary_alike(q, k, v, seed)
     return _attention(config, q, k, v, seed)
 
 
@@ -153,7 +153,7 @@ def _varying_axes(x: jax.Array) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def _vary_alike(*xs: jax.Array) -> tuple[jax.Array, ...]:
+def vary_alike(*xs: jax.Array) -> tuple[jax.Array, ...]:
     """``xs``, each cast to vary over the union of the axes any of them varies over."""
     axes = frozenset().union(*(_varying_axes(x) for x in xs))
     out = []
@@ -186,7 +186,7 @@ def _logits(q_blk: jax.Array, k_blk: jax.Array, i: jax.Array, j: jax.Array,
     """float32 ``[batch, heads, block, block]`` scaled logits, -inf where causally hidden."""
     scale = 1.0 / math.sqrt(q_blk.shape[-1])
     s = jnp.einsum("bqhd,bkhd->bhqk", q_blk, k_blk,
-                   preferred_element_type=_accumulation(q_blk)) * scale
+                   preferred_element_type=accumulation_dtype(q_blk)) * scale
     rows = i * config.block + jnp.arange(config.block)
     cols = j * config.block + jnp.arange(config.block)
     return jnp.where(cols[None, :] <= rows[:, None], s, -jnp.inf)
@@ -203,7 +203,7 @@ def _dropped(x: jax.Array, seed: jax.Array, i: jax.Array, j: jax.Array,
     return apply_keep_mask(x, keep, config.rate, config.mask_bits)
 
 
-def _full(shape: tuple[int, ...], value: float, *like: jax.Array, dtype=jnp.float32
+def mesh_full(shape: tuple[int, ...], value: float, *like: jax.Array, dtype=jnp.float32
           ) -> jax.Array:
     """``dtype`` ``shape`` filled with ``value``, varying over every mesh axis any of
     ``like`` varies over (inside ``shard_map`` a loop carry must keep its axes' type)."""
@@ -211,7 +211,7 @@ def _full(shape: tuple[int, ...], value: float, *like: jax.Array, dtype=jnp.floa
     return jnp.full(shape, value, dtype) + base
 
 
-def _accumulation(x: jax.Array):
+def accumulation_dtype(x: jax.Array):
     """The dtype of logits and sums for inputs like ``x``: at least float32."""
     return jnp.promote_types(x.dtype, jnp.float32)
 
@@ -234,7 +234,7 @@ def _forward(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array,
     batch, padded, heads, _ = qp.shape
     rows = (batch, heads, config.block)
     like = (qp, kp, vp, seed)
-    acc_dtype = _accumulation(qp)
+    acc_dtype = accumulation_dtype(qp)
 
     def query_block(i, outputs):
         out, lse = outputs
@@ -252,15 +252,15 @@ def _forward(config: _Config, q: jax.Array, k: jax.Array, v: jax.Array,
                             preferred_element_type=acc_dtype)
             return m_new, total, acc * _heads_last(correction) + pv
 
-        init = (_full(rows, -jnp.inf, *like, dtype=acc_dtype),
-                _full(rows, 0.0, *like, dtype=acc_dtype),
-                _full(q_blk.shape[:3] + (vp.shape[-1],), 0.0, *like, dtype=acc_dtype))
+        init = (mesh_full(rows, -jnp.inf, *like, dtype=acc_dtype),
+                mesh_full(rows, 0.0, *like, dtype=acc_dtype),
+                mesh_full(q_blk.shape[:3] + (vp.shape[-1],), 0.0, *like, dtype=acc_dtype))
         m, total, acc = lax.fori_loop(0, i + 1, key_block, init)
         out = _put(out, acc / _heads_last(total), i, config)
         return out, _put(lse, m + jnp.log(total), i, config, axis=2)
 
-    out = _full((batch, padded, heads, vp.shape[-1]), 0.0, *like).astype(vp.dtype)
-    lse = _full((batch, heads, padded), 0.0, *like, dtype=acc_dtype)
+    out = mesh_full((batch, padded, heads, vp.shape[-1]), 0.0, *like).astype(vp.dtype)
+    lse = mesh_full((batch, heads, padded), 0.0, *like, dtype=acc_dtype)
     return lax.fori_loop(0, padded // config.block, query_block, (out, lse))
 
 
@@ -280,7 +280,7 @@ def _attention_bwd(config: _Config, residuals, d_out):
     q, k, v, out, lse, seed = residuals
     qp, kp, vp, dop = (_pad(x, config) for x in (q, k, v, d_out))
     # D_r = sum_c A_rc (do_r . v_c) = do_r . out_r  (A: the dropped probabilities).
-    acc_dtype = _accumulation(qp)
+    acc_dtype = accumulation_dtype(qp)
     delta = jnp.einsum("bqhd,bqhd->bhq", dop, _pad(out, config),
                        preferred_element_type=acc_dtype)
     n_blocks = qp.shape[1] // config.block
@@ -310,18 +310,19 @@ def _attention_bwd(config: _Config, residuals, d_out):
                                  preferred_element_type=acc_dtype) * scale
             return dk, dv, dq
 
-        init = (_full(k_blk.shape, 0.0, *like, dtype=acc_dtype),
-                _full(v_blk.shape, 0.0, *like, dtype=acc_dtype), dq)
+        init = (mesh_full(k_blk.shape, 0.0, *like, dtype=acc_dtype),
+                mesh_full(v_blk.shape, 0.0, *like, dtype=acc_dtype), dq)
         dk, dv, dq = lax.fori_loop(j, n_blocks, query_block, init)
         return dq, _put(dk_all, dk, j, config), _put(dv_all, dv, j, config)
 
-    zeros = [_full(x.shape, 0.0, *like).astype(x.dtype) for x in (kp, vp)]
+    zeros = [mesh_full(x.shape, 0.0, *like).astype(x.dtype) for x in (kp, vp)]
     dq, dk, dv = lax.fori_loop(0, n_blocks, key_block,
-                               (_full(qp.shape, 0.0, *like, dtype=acc_dtype), *zeros))
+                               (mesh_full(qp.shape, 0.0, *like, dtype=acc_dtype), *zeros))
     n = config.length
     return dq[:, :n].astype(q.dtype), dk[:, :n], dv[:, :n], None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "blockwise_attention", "check_block_size"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "accumulation_dtype", "blockwise_attention", "check_block_size",
+           "mesh_full", "vary_alike"]

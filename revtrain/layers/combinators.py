@@ -17,27 +17,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from revtrain.layers.fused_head import fuse_heads
 from revtrain.layers.layer import Layer
 from revtrain.layers.scan import run_in_series, serial_arity
 from revtrain.layers.stack import (
-    _as_tuple,
-    _bare,
     check_n_items,
     check_per_sublayer,
     inputs_from_stack,
     outputs_onto_stack,
+    stack_items,
+    stack_of,
 )
 
 
-def _flatten_layers(layers: Sequence[Any]) -> list[Layer]:
+def flatten_layers(layers: Sequence[Any]) -> list[Layer]:
     """Flattens nested lists/tuples of layers and drops None (Trax's convention)."""
     flat = []
     for layer in layers:
         if layer is None:
             continue
         if isinstance(layer, (list, tuple)):
-            flat.extend(_flatten_layers(layer))
+            flat.extend(flatten_layers(layer))
         elif isinstance(layer, Layer):
             flat.append(layer)
         else:
@@ -66,10 +65,11 @@ class Serial(Layer):
     depth; results, keys and the weights/state layout are those of running them one by one
     (the rules are in `revtrain.layers.scan`).
 
-    Consecutive sublayers ``Dense, LogSoftmax`` and a cross-entropy loss (also across
-    nested Serials) are computed together in chunks of positions, so the full logits never
-    exist; values and gradients are the same to float rounding, the weights layout is
-    unchanged (the rules and the opt-out are in `revtrain.layers.fused_head`).
+    A `Serial` runs every sublayer as it is; `revtrain.layers.fuse_loss_heads` turns one
+    whose sublayers end in ``Dense, LogSoftmax`` and a cross-entropy loss (also across
+    nested Serials) into a `revtrain.layers.FusedSerial` that computes those in chunks of
+    positions, so the full logits never exist (same weights layout; the rules and the
+    opt-out are in `revtrain.layers.fused_head`).
 
     Args:
       *layers: the sublayers (nested lists/tuples flattened, None skipped).
@@ -79,17 +79,21 @@ class Serial(Layer):
     """
 
     def __init__(self, *layers: Any, name: str | None = None, scan: bool = True):
-        sublayers = _flatten_layers(layers)
+        sublayers = flatten_layers(layers)
         n_in, n_out = serial_arity(sublayers)
         super().__init__(n_in=n_in, n_out=n_out, name=name, sublayers=sublayers)
         self._initialized = not sublayers  # an empty combinator has nothing to initialise
         self._scan = scan
 
+    @property
+    def scan(self) -> bool:
+        """Whether repeated groups of sublayers run as one ``jax.lax.scan``."""
+        return self._scan
+
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
-        layers, weights = fuse_heads(self.sublayers, weights)  # no full logits for a loss
-        return run_in_series(layers, x, weights, state, rng, scan=self._scan)
+        return run_in_series(self.sublayers, x, weights, state, rng, scan=self._scan)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)
@@ -141,7 +145,7 @@ class _SideBySide(Layer):
             y, new_s = layer.pure_fn(xs, w, s, r)
             outputs.extend(y if isinstance(y, tuple) else (y,))
             new_states.append(new_s)
-        return _bare(outputs), tuple(new_states)
+        return stack_of(outputs), tuple(new_states)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)
@@ -166,7 +170,7 @@ class Parallel(_SideBySide):
         super().__init__(layers, sum, name)
 
     def _inputs_per_sublayer(self, x: Any) -> list[Any]:
-        items = _as_tuple(x)
+        items = stack_items(x)
         sections, start = [], 0
         for layer in self.sublayers:
             section = items[start:start + layer.n_in]
@@ -227,8 +231,8 @@ class Select(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        items = _as_tuple(x)
-        return _bare([items[i] for i in self._indices]), state
+        items = stack_items(x)
+        return stack_of([items[i] for i in self._indices]), state
 
 
 class _StackOp(Layer):
@@ -245,7 +249,7 @@ class _StackOp(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        return self.op(_as_tuple(x)), state
+        return self.op(stack_items(x)), state
 
 
 class Dup(_StackOp):
@@ -295,7 +299,7 @@ class Concatenate(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        return jnp.concatenate(_as_tuple(x), axis=self._axis), state
+        return jnp.concatenate(stack_items(x), axis=self._axis), state
 
 
 class Split(Layer):
@@ -317,8 +321,8 @@ class Split(Layer):
             raise ValueError(f"axis {self._axis} of size {size} cannot be split into "
                              f"{self._n_items} equal parts; use a size divisible by "
                              f"{self._n_items}")
-        return _bare(jnp.split(x, self._n_items, axis=self._axis)), state
+        return stack_of(jnp.split(x, self._n_items, axis=self._axis)), state
 
 
 __all__ = ["Serial", "Parallel", "Branch", "Residual", "Select", "Dup", "Swap", "Drop", "Add",
-           "Concatenate", "Split", "split_rng"]
+           "Concatenate", "Split", "flatten_layers", "split_rng"]

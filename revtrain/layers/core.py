@@ -45,7 +45,7 @@ _EMBEDDING_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_out", "uniform"
 
 # The default initialisers (as Trax's) are module-level named functions, not the closures
 # jax.nn.initializers returns: a layer's structure key can then name them, so default-built
-# layers share compiled programs (revtrain.layers.identity keys a closure argument as None).
+# layers share compiled programs (revtrain.layers.structure_keys keys a closure argument as None).
 def glorot_uniform_init(key: jax.Array, shape: Sequence[int],
                         dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """Glorot (Xavier) uniform ``[..., fan_in, fan_out]`` weights; `Dense`/`Conv` kernels."""

@@ -2,7 +2,7 @@
 
 A function given to these layers becomes part of the layer's identity: a module-level
 named function (``jax.nn.relu``) lets layers built from it share compiled programs, a
-lambda or closure does not (see `revtrain.layers.identity`).
+lambda or closure does not (see `revtrain.layers.structure_keys`).
 
 Reference: Trax's ``trax.layers.base.Fn`` (arity from the function's positional arguments).
 """

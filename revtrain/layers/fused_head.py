@@ -4,8 +4,11 @@ A language model ends in ``Dense(vocab_size), LogSoftmax()`` and trains with a
 cross-entropy loss after it. Run one after another, the loss step (forward and backward)
 holds several ``[batch, length, vocab_size]`` float buffers at once: the logits, the
 log-probabilities and their gradients (about 4 logits buffers for the reversible LM's
-loss layer at vocab 32,000; 0.4 fused). `fuse_heads` finds these three layers where a
-`Serial` runs them consecutively and computes them together, one chunk of positions at a time (a
+loss layer at vocab 32,000; 0.4 fused). `fuse_loss_heads`, applied once where a model and
+its loss are put together for training (`revtrain.layers.extract_reversible_blocks` does it
+for the loss layer it returns; ``Serial(model, loss)`` for `revtrain.trainers.Trainer` is
+passed through it), finds these three layers where a `Serial` runs them consecutively and
+returns a `FusedSerial` that computes them together, one chunk of positions at a time (a
 ``jax.lax.scan`` with each chunk under ``jax.checkpoint``,
 `revtrain.layers.chunked_loss.chunked_weighted_sums`): each chunk applies the ``Dense``,
 the ``LogSoftmax`` and the loss's own per-position function to its features, so the full
@@ -31,9 +34,10 @@ loss's: ``chunk_count(positions, vocab_size, loss n_chunks)``, so with the defau
 Features whose leading shape is not the targets' shape, or non-integer targets, run the
 three layers unfused (their own errors then apply).
 
-Nothing outside the traced computation changes: the layers, their weights and state trees
-(one entry per sublayer), rng keys (one per sublayer, as `Serial` splits them) and the
-model without its loss (e.g. for decoding) are untouched.
+Nothing outside the traced computation changes: the `FusedSerial` has the `Serial`'s
+sublayers (the same objects), so its weights and state trees (one entry per sublayer), rng
+keys (one per sublayer, as `Serial` splits them), checkpoints and the model without its
+loss (e.g. for decoding) are those of the `Serial`. A plain `Serial` never fuses.
 
 Opt-out: ``n_chunks=1`` on the loss layer (never chunk) also never fuses.
 
@@ -56,10 +60,12 @@ from revtrain.layers.chunked_loss import (
     flatten_positions,
     mean_from_sums,
 )
+from revtrain.layers.combinators import Serial
 from revtrain.layers.core import Dense
 from revtrain.layers.layer import Layer
 from revtrain.layers.metrics import CrossEntropyLoss, WeightedCategoryCrossEntropy
-from revtrain.layers.stack import check_n_items
+from revtrain.layers.scan import run_in_series
+from revtrain.layers.stack import check_n_items, check_per_sublayer
 
 _LOSSES = (WeightedCategoryCrossEntropy, CrossEntropyLoss)
 
@@ -106,21 +112,16 @@ class _FusedLoss(Layer):
 
         rows = flatten_positions(features, targets, mask)
         vocab_size = dense_weights[0].shape[-1]
-        n_chunks = chunk_count(targets.size, vocab_size, loss._n_chunks)
+        n_chunks = chunk_count(targets.size, vocab_size, loss.n_chunks)
         sums = chunked_weighted_sums(per_position, rows[:2], rows[2], n_chunks)
         return mean_from_sums(*sums), state
-
-
-def _is_plain_serial(layer: Layer) -> bool:
-    from revtrain.layers.combinators import Serial  # combinators imports this module
-    return type(layer) is Serial
 
 
 def _leaves(layers: Sequence[Layer], prefix: Path = ()) -> list[tuple[Path, Layer]]:
     """``(path, layer)`` of the layers run in order, opening nested plain Serials."""
     out = []
     for i, layer in enumerate(layers):
-        if _is_plain_serial(layer):
+        if type(layer) is Serial:
             out += _leaves(layer.sublayers, prefix + (i,))
         else:
             out.append((prefix + (i,), layer))
@@ -129,8 +130,8 @@ def _leaves(layers: Sequence[Layer], prefix: Path = ()) -> list[tuple[Path, Laye
 
 def _fusable(dense: Layer, log_softmax: Layer, loss: Layer) -> bool:
     return (type(dense) is Dense and type(log_softmax) is LogSoftmax
-            and log_softmax._axis == -1 and type(loss) in _LOSSES
-            and loss._n_chunks != 1)
+            and log_softmax.axis == -1 and type(loss) in _LOSSES
+            and loss.n_chunks != 1)
 
 
 def find_heads(layers: Sequence[Layer]) -> list[tuple[Path, Path, Path]]:
@@ -172,9 +173,8 @@ def _replace(items: Sequence, new: dict[Path, Any], rebuild: Callable[[Any, list
 
 
 def _replace_layers(layers: Sequence[Layer], new: dict[Path, Layer]) -> list[Layer]:
-    from revtrain.layers.combinators import Serial
     return _replace(layers, new, lambda layer, subs: Serial(*subs, name=layer.name,
-                                                            scan=layer._scan),
+                                                            scan=layer.scan),
                     lambda layer: layer.sublayers)
 
 
@@ -182,8 +182,31 @@ def _replace_tree(tree: Sequence, new: dict[Path, Any]) -> list:
     return _replace(tree, new, lambda _, values: tuple(values), lambda value: value)
 
 
+def _fused_layers(layers: Sequence[Layer], heads: Sequence[tuple[Path, Path, Path]]
+                  ) -> list[Layer]:
+    new: dict[Path, Layer] = {}
+    for dense_path, softmax_path, loss_path in heads:
+        dense, log_softmax, loss = (_get_layer(layers, p)
+                                    for p in (dense_path, softmax_path, loss_path))
+        new[dense_path] = _PassThrough()
+        new[softmax_path] = _PassThrough()
+        new[loss_path] = _FusedLoss(dense, log_softmax, loss)
+    return _replace_layers(layers, new)
+
+
+def _fused_weights(weights: Sequence, heads: Sequence[tuple[Path, Path, Path]]) -> list:
+    new: dict[Path, Any] = {}
+    for dense_path, softmax_path, loss_path in heads:
+        new[dense_path] = ()
+        new[softmax_path] = _get(weights, softmax_path)
+        new[loss_path] = (_get(weights, dense_path), _get(weights, loss_path))
+    return _replace_tree(weights, new)
+
+
 def fuse_heads(layers: Sequence[Layer], weights: Sequence) -> tuple[Sequence[Layer], Sequence]:
     """``Serial(*layers)``'s sublayers and weights with each fusable head fused.
+
+    The rewrite `FusedSerial` runs (with its heads found once, at construction).
 
     Args:
       layers: a `Serial`'s sublayers.
@@ -199,18 +222,7 @@ def fuse_heads(layers: Sequence[Layer], weights: Sequence) -> tuple[Sequence[Lay
     heads = find_heads(layers)
     if not heads:
         return layers, weights
-    new_layers: dict[Path, Layer] = {}
-    new_weights: dict[Path, Any] = {}
-    for dense_path, softmax_path, loss_path in heads:
-        dense, log_softmax, loss = (_get_layer(layers, p)
-                                    for p in (dense_path, softmax_path, loss_path))
-        new_layers[dense_path] = _PassThrough()
-        new_layers[softmax_path] = _PassThrough()
-        new_layers[loss_path] = _FusedLoss(dense, log_softmax, loss)
-        new_weights[dense_path] = ()
-        new_weights[softmax_path] = _get(weights, softmax_path)
-        new_weights[loss_path] = (_get(weights, dense_path), _get(weights, loss_path))
-    return _replace_layers(layers, new_layers), _replace_tree(weights, new_weights)
+    return _fused_layers(layers, heads), _fused_weights(weights, heads)
 
 
 def _get_layer(layers: Sequence[Layer], path: Path) -> Layer:
@@ -220,4 +232,63 @@ def _get_layer(layers: Sequence[Layer], path: Path) -> Layer:
     return layer
 
 
-__all__ = ["find_heads", "fuse_heads"]
+class FusedSerial(Serial):
+    """A `Serial` that computes each fusable ``Dense, LogSoftmax, loss`` run in chunks.
+
+    Built by `fuse_loss_heads`. Its sublayers, ``n_in``/``n_out``, weights and state trees,
+    initialisation and rng use are the `Serial`'s; its heads (`find_heads`) are found once,
+    here, and each trace runs the rewritten layers of `fuse_heads` on the rewritten weights
+    (a re-nesting of the same arrays), so the full ``[batch, length, vocab]`` logits never
+    exist. Outputs, new states and gradients equal the `Serial`'s to float rounding.
+
+    Args:
+      *layers, name, scan: as `Serial`.
+    """
+
+    def __init__(self, *layers: Any, name: str | None = None, scan: bool = True):
+        super().__init__(*layers, name=name, scan=scan)
+        self._heads = tuple(find_heads(self.sublayers))
+        self._fused = _fused_layers(self.sublayers, self._heads)
+
+    @property
+    def heads(self) -> tuple[tuple[Path, Path, Path], ...]:
+        """The fused runs: ``(dense_path, log_softmax_path, loss_path)`` each (`find_heads`)."""
+        return self._heads
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_n_items(self, x)
+        check_per_sublayer(self, weights=weights, state=state)
+        return run_in_series(self._fused, x, _fused_weights(weights, self._heads), state, rng,
+                             scan=self.scan)
+
+
+def fuse_loss_heads(layer: Layer) -> Layer:
+    """``layer`` with its LM head and loss computed together, so no full logits exist.
+
+    Apply once to a model with its loss, where it is assembled for training (e.g.
+    ``fuse_loss_heads(Serial(model, loss))`` for `revtrain.trainers.Trainer`; the loss layer
+    of `revtrain.layers.extract_reversible_blocks` is already fused). It matches, among the
+    consecutive leaves of a plain `Serial` (nested plain ``Serial`` objects opened), a
+    ``Dense`` then ``LogSoftmax(axis=-1)`` then a `WeightedCategoryCrossEntropy` or
+    `CrossEntropyLoss` whose ``n_chunks`` is not 1 (exact classes; the rules are in this
+    module's docstring): ``(features [batch, length, d_model], targets int[batch, length],
+    weights [batch, length]) -> float32 scalar``, computed one chunk of positions at a time.
+
+    Args:
+      layer: any layer; only a plain `Serial` (exact class) can fuse.
+
+    Returns:
+      A `FusedSerial` with ``layer``'s sublayers (the same objects, so the same weights,
+      state, rng and checkpoint layout, initialised when they are) when it has a
+      fusable head; else ``layer`` itself.
+
+    References: the fused linear cross-entropy of Wijmans et al., 2024, "Cut Your Losses in
+    Large-Vocabulary Language Models"; `revtrain.layers.ProjectedCrossEntropy` is the same
+    computation as one layer.
+    """
+    if type(layer) is not Serial or not find_heads(layer.sublayers):
+        return layer
+    return FusedSerial(*layer.sublayers, name=layer.name, scan=layer.scan)
+
+
+__all__ = ["FusedSerial", "find_heads", "fuse_heads", "fuse_loss_heads"]

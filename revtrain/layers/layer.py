@@ -23,14 +23,14 @@ from typing import Any
 
 import jax
 
-from revtrain.layers.identity import structure_key_of
 from revtrain.layers.signatures import (
     LayerError,
-    _creation_site,
-    _error_signature,
+    creation_site,
+    error_signature,
     signature_of,
 )
 from revtrain.layers.stack import check_n_items, check_per_sublayer
+from revtrain.layers.structure_keys import structure_key_of
 
 Weights = Any
 State = Any
@@ -103,7 +103,7 @@ class Layer:
         self._n_out = n_out
         self._name = name or type(self).__name__
         self._sublayers = tuple(sublayers)
-        self._caller = _creation_site(self)
+        self._caller = creation_site(self)
         _check_no_reused_layers(self)
         self._weights: Any = EMPTY
         self._state: Any = EMPTY
@@ -130,6 +130,11 @@ class Layer:
         return self._sublayers
 
     @property
+    def constructor_args(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` this layer object was constructed with (the key's source)."""
+        return self._constructor_args
+
+    @property
     def caller(self) -> str:
         """``file:line`` where this layer object was created."""
         return self._caller
@@ -145,7 +150,7 @@ class Layer:
         constructor's signature with defaults filled in, so ``Concatenate()`` and
         ``Concatenate(axis=-1)`` have the same key. Computed on first access and cached
         (constructor arguments never change). The full rule is in
-        `revtrain.layers.identity`.
+        `revtrain.layers.structure_keys`.
 
         Returns:
           ``(module, qualname, args, kwargs)`` with every argument frozen, or None.
@@ -239,7 +244,7 @@ class Layer:
         except LayerError:
             raise
         except Exception as e:
-            raise LayerError(self.name, "pure_fn", self._caller, _error_signature(x), e) from e
+            raise LayerError(self.name, "pure_fn", self._caller, error_signature(x), e) from e
 
     def forward(self, x: Any) -> Any:
         """Runs the layer on ``x`` with its own weights, state and rng; returns ``y``.
@@ -284,7 +289,7 @@ class Layer:
         except LayerError:
             raise
         except Exception as e:
-            raise LayerError(self.name, "init", self._caller, _error_signature(input_signature),
+            raise LayerError(self.name, "init", self._caller, error_signature(input_signature),
                              e) from e
         self.weights = weights  # The setters mark the layer initialised.
         self.state = state

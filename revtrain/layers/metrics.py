@@ -98,6 +98,11 @@ class _WeightedMetric(Layer):
         super().__init__(n_in=3, n_out=1)
         self._n_chunks = check_n_chunks(n_chunks)
 
+    @property
+    def n_chunks(self) -> int | None:
+        """The chunk count asked for: None picks one by size, 1 never chunks."""
+        return self._n_chunks
+
     def per_position(self, predictions: jax.Array, targets: jax.Array) -> jax.Array:
         """Returns the unweighted value at each target position."""
         raise NotImplementedError
@@ -125,8 +130,8 @@ class CrossEntropyLoss(_WeightedMetric):
     Args:
       n_chunks: compute in this many chunks of positions (`revtrain.layers.chunked_loss`);
         None picks enough chunks for at most 4M logits (16 MiB float32) per chunk. After
-        ``Dense, LogSoftmax`` in a `Serial`, the three are fused (no full logits,
-        `revtrain.layers.fused_head`) unless this is 1.
+        ``Dense, LogSoftmax`` in a `Serial`, `revtrain.layers.fuse_loss_heads` fuses the
+        three (no full logits, `revtrain.layers.fused_head`) unless this is 1.
 
     Raises (from ``pure_fn``):
       LayerError: for non-integer targets or targets not shaped ``log_probs.shape[:-1]``.
@@ -155,8 +160,8 @@ class WeightedCategoryCrossEntropy(_WeightedMetric):
         for at most 4M logits (16 MiB float32) per chunk: one chunk, i.e. the unchunked
         computation, for byte-level models (vocab 256 at 8 x 256 positions); 8 at vocab
         32,000, length 256, batch 8. 1 never chunks. After ``Dense, LogSoftmax`` in a
-        `Serial`, the three are fused (no full logits, `revtrain.layers.fused_head`)
-        unless this is 1.
+        `Serial`, `revtrain.layers.fuse_loss_heads` fuses the three (no full logits,
+        `revtrain.layers.fused_head`) unless this is 1.
 
     Raises (from ``pure_fn``):
       LayerError: for non-integer targets or targets not shaped ``logits.shape[:-1]``.

@@ -39,20 +39,20 @@ import jax.numpy as jnp
 from revtrain.layers.combinators import (
     Select,
     Serial,
-    _flatten_layers,
+    flatten_layers,
     init_in_series,
     split_rng,
 )
 from revtrain.layers.layer import Layer, State, Weights
 from revtrain.layers.scan import run_in_series
-from revtrain.layers.signatures import LayerError, _error_signature
+from revtrain.layers.signatures import LayerError, error_signature
 from revtrain.layers.stack import (
-    _as_tuple,
-    _bare,
     check_n_items,
     check_per_sublayer,
     inputs_from_stack,
     outputs_onto_stack,
+    stack_items,
+    stack_of,
 )
 
 
@@ -75,7 +75,7 @@ def _raising_layer_errors(method: Callable) -> Callable:
         except LayerError:
             raise
         except Exception as e:
-            raise LayerError(self.name, method.__name__, self.caller, _error_signature(output),
+            raise LayerError(self.name, method.__name__, self.caller, error_signature(output),
                              e) from e
 
     wrapped._raises_layer_errors = True
@@ -165,8 +165,8 @@ class ReversibleSelect(ReversibleLayer):
 
     def _permute(self, x: Any, order: tuple[int, ...]) -> Any:
         check_n_items(self, x)
-        items = _as_tuple(x)
-        return _bare(items[i] for i in order)
+        items = stack_items(x)
+        return stack_of(items[i] for i in order)
 
     def forward_with_state(self, x, weights, state, rng):
         return self._permute(x, self._indices), state
@@ -207,7 +207,7 @@ class ReversibleReshape(ReversibleLayer):
 
     def _reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
         check_n_items(self, x)
-        return _bare(jnp.reshape(a, (a.shape[0],) + shape) for a in _as_tuple(x))
+        return stack_of(jnp.reshape(a, (a.shape[0],) + shape) for a in stack_items(x))
 
     def forward_with_state(self, x, weights, state, rng):
         return self._reshape(x, self._shapes[0]), state
@@ -273,7 +273,7 @@ class ReversibleHalfResidual(ReversibleLayer):
     def _split(self, x: Any) -> tuple[jax.Array, Any, tuple]:
         check_n_items(self, x)
         ctx_items = tuple(x[1:])
-        return x[0], _bare(ctx_items), ctx_items
+        return x[0], stack_of(ctx_items), ctx_items
 
     def forward_with_state(self, x, weights, state, rng):
         acc, ctx, ctx_items = self._split(x)
@@ -335,7 +335,7 @@ class ReversibleSerial(ReversibleLayer):
     """
 
     def __init__(self, *layers: Any, name: str | None = None, scan: bool = True):
-        sublayers = _flatten_layers(layers)
+        sublayers = flatten_layers(layers)
         for i, layer in enumerate(sublayers):
             if not isinstance(layer, ReversibleLayer):
                 raise TypeError(f"ReversibleSerial: sublayer {i} ({layer.name}, created at "

@@ -104,7 +104,7 @@ def float_dtype(x: Any, fallback: Any = jnp.float32) -> jnp.dtype:
     return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(fallback)
 
 
-def _error_signature(x: Any) -> Any:
+def error_signature(x: Any) -> Any:
     """As `signature_of`, but never raises: non-array leaves are kept for their type name."""
     def leaf(a):
         if hasattr(a, "shape") and hasattr(a, "dtype"):
@@ -116,7 +116,7 @@ def _error_signature(x: Any) -> Any:
         return type(x).__name__
 
 
-def _creation_site(layer: Any) -> str:
+def creation_site(layer: Any) -> str:
     """Returns ``file:line`` of the user code creating ``layer``.
 
     Skips frames inside the revtrain package, gin's configurable wrappers, and the
@@ -138,4 +138,5 @@ def _creation_site(layer: Any) -> str:
     return f"{outermost.f_code.co_filename}:{outermost.f_lineno}"
 
 
-__all__ = ["LayerError", "ShapeDtype", "float_dtype", "format_signature", "signature_of"]
+__all__ = ["LayerError", "ShapeDtype", "creation_site", "error_signature", "float_dtype",
+           "format_signature", "signature_of"]

@@ -15,12 +15,27 @@ Reference: the stack idiom of Trax (``trax.layers.base``), whose helper names th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from revtrain.layers.layer import Layer
+from typing import Any, Protocol
 
 Stack = Any
+
+
+class Checked(Protocol):
+    """What the checks here read of a layer; every `revtrain.layers.Layer` has it.
+
+    Written as a protocol so that this module needs nothing from ``layer.py`` (which
+    imports it): ``name`` starts each message, ``n_in`` is the default count and
+    ``sublayers`` the per-sublayer count.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def n_in(self) -> int: ...
+
+    @property
+    def sublayers(self) -> Sequence[Any]: ...
 
 
 def inputs_from_stack(stack: Stack, n: int) -> Any:
@@ -52,10 +67,10 @@ def outputs_onto_stack(outputs: Any, stack: Stack, n: int) -> Stack:
       ValueError: when the stack holds fewer than ``n`` items.
     """
     items = _at_least(stack, n)
-    return _bare(_as_tuple(outputs) + items[n:])
+    return stack_of(stack_items(outputs) + items[n:])
 
 
-def check_n_items(layer: Layer, items: Any, n: int | None = None, what: str = "inputs",
+def check_n_items(layer: Checked, items: Any, n: int | None = None, what: str = "inputs",
                   *, bare_is_one: bool = True, fix: str = "") -> None:
     """Raises ValueError unless ``items`` holds exactly ``n`` items.
 
@@ -84,7 +99,7 @@ def check_n_items(layer: Layer, items: Any, n: int | None = None, what: str = "i
                          + (f"; {fix}" if fix else ""))
 
 
-def check_per_sublayer(layer: Layer, **trees: Any) -> None:
+def check_per_sublayer(layer: Checked, **trees: Any) -> None:
     """Raises ValueError unless each tree is a tuple with one item per sublayer of ``layer``.
 
     Args:
@@ -102,25 +117,25 @@ def check_per_sublayer(layer: Layer, **trees: Any) -> None:
 
 def _at_least(stack: Stack, n: int) -> tuple:
     """The stack's items as a tuple; raises ValueError when there are fewer than ``n``."""
-    items = _as_tuple(stack)
+    items = stack_items(stack)
     if len(items) < n:
         raise ValueError(f"stack has {len(items)} items but {n} are needed; feed the layer "
                          f"{n} inputs")
     return items
 
 
-def _as_tuple(stack: Stack) -> tuple:
+def stack_items(stack: Stack) -> tuple:
     """The items of a stack as a tuple (a bare item is a stack of one)."""
     if isinstance(stack, (tuple, list)):
         return tuple(stack)
     return (stack,)
 
 
-def _bare(items: Sequence[Any]) -> Any:
+def stack_of(items: Sequence[Any]) -> Any:
     """The stack holding ``items``: the item itself when there is one, else a tuple."""
     items = tuple(items)
     return items[0] if len(items) == 1 else items
 
 
-__all__ = ["Stack", "check_n_items", "check_per_sublayer", "inputs_from_stack",
-           "outputs_onto_stack"]
+__all__ = ["Checked", "Stack", "check_n_items", "check_per_sublayer", "inputs_from_stack",
+           "outputs_onto_stack", "stack_items", "stack_of"]

@@ -23,6 +23,7 @@ from revtrain.layers import (
     Layer,
     Serial,
     WeightedCategoryCrossEntropy,
+    fuse_loss_heads,
     nest_flat_values,
     signature_of,
 )
@@ -47,8 +48,8 @@ def build_trainer(trainer_class: Callable[..., Any], model: Layer, loss_layer: L
     """
     blocks, loss = extract_reversible_blocks([model, loss_layer])
     if isinstance(trainer_class, type) and issubclass(trainer_class, Trainer):
-        return trainer_class(Serial(*blocks_to_layers(blocks, loss)), optimizer_fn,
-                             n_devices=n_devices, **trainer_kwargs)
+        return trainer_class(fuse_loss_heads(Serial(*blocks_to_layers(blocks, loss))),
+                             optimizer_fn, n_devices=n_devices, **trainer_kwargs)
     return trainer_class(blocks, loss, optimizer_fn, n_devices=n_devices, **trainer_kwargs)
 
 

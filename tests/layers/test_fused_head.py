@@ -52,10 +52,11 @@ LOSSES = [
 def test_serial_model_then_loss_equals_unfused(kind, make_loss, n_chunks, scan):
     model = _lm(kind)
     batch = _batch()
-    fused = tl.Serial(model, make_loss(n_chunks), scan=scan)
+    fused = tl.fuse_loss_heads(tl.Serial(model, make_loss(n_chunks), scan=scan))
     unfused = tl.Serial(model, make_loss(1), scan=scan)
     fused.init(tuple(SDS(a.shape, a.dtype) for a in batch), rng=jax.random.key(0))
-    assert len(find_heads(fused.sublayers)) == 1 and not find_heads(unfused.sublayers)
+    assert type(fused) is tl.FusedSerial and fused.scan is scan and len(fused.heads) == 1
+    assert tl.fuse_loss_heads(unfused) is unfused
     weights = fused.weights
     assert jax.tree.structure(weights) == jax.tree.structure((model.weights, ()))
     _assert_close(_value_and_grad(fused, weights, batch),
@@ -71,6 +72,7 @@ def test_block_trainers_loss_layer_equals_unfused(make_loss):
     _, reference = tl.extract_reversible_blocks([model, make_loss(1)])
     assert [type(s).__name__ for s in loss_layer.sublayers][-3:] == [
         "Dense", "LogSoftmax", type(make_loss(1)).__name__]
+    assert type(loss_layer) is tl.FusedSerial and type(reference) is tl.Serial
     assert find_heads(loss_layer.sublayers) == [((2,), (3,), (4,))]
     streams = np.random.default_rng(3).normal(size=(2, B, S, 8)).astype(np.float32)
     inputs = (*streams, *batch[1:])
@@ -114,8 +116,23 @@ def test_subclasses_are_not_fused():
     assert find_heads([MyDense(V), tl.LogSoftmax(), tl.CrossEntropyLoss()]) == []
 
 
+def test_fuse_loss_heads_keeps_layers_without_a_head_and_the_weights_layout():
+    plain = tl.Serial(tl.Dense(V), tl.Relu(), tl.LogSoftmax(), tl.CrossEntropyLoss())
+    assert tl.fuse_loss_heads(plain) is plain
+    residual = tl.Residual(tl.Dense(V), tl.LogSoftmax(), tl.CrossEntropyLoss())
+    assert tl.fuse_loss_heads(residual) is residual
+    dense = tl.Dense(V)
+    serial = tl.Serial(dense, tl.LogSoftmax(), tl.CrossEntropyLoss(), name="head")
+    serial.init((SDS((B, S, 4), jnp.float32), SDS((B, S), jnp.int32), SDS((B, S), jnp.float32)))
+    fused = tl.fuse_loss_heads(serial)
+    assert fused.name == "head" and fused.sublayers == serial.sublayers and fused.initialized
+    assert jax.tree.structure(fused.weights) == jax.tree.structure(serial.weights)
+    assert fused.heads == (((0,), (1,), (2,)),)
+
+
 def test_bad_targets_give_the_unfused_layers_errors():
-    layer = tl.Serial(tl.Dense(V), tl.LogSoftmax(), tl.WeightedCategoryCrossEntropy())
+    layer = tl.fuse_loss_heads(
+        tl.Serial(tl.Dense(V), tl.LogSoftmax(), tl.WeightedCategoryCrossEntropy()))
     features = np.ones((B, S, 4), np.float32)
     layer.init((SDS((B, S, 4), jnp.float32), SDS((B, S), jnp.int32), SDS((B, S), jnp.float32)))
     targets, mask = np.zeros((B, S), np.int32), np.ones((B, S), np.float32)
@@ -171,8 +188,9 @@ def test_trainer_step_with_chunks_under_shard_map_equals_unfused(n_devices):
     for n_chunks in (4, 1):
         model = _lm("plain")
         model.init(SDS((4, S), jnp.int32), rng=jax.random.key(0))
-        trainer = Trainer(tl.Serial(model, tl.WeightedCategoryCrossEntropy(n_chunks=n_chunks)),
-                          lambda: optax.sgd(0.1), n_devices=n_devices)
+        whole = tl.fuse_loss_heads(
+            tl.Serial(model, tl.WeightedCategoryCrossEntropy(n_chunks=n_chunks)))
+        trainer = Trainer(whole, lambda: optax.sgd(0.1), n_devices=n_devices)
         loss, stats = trainer.one_step(batch, jax.random.key(1))
         after.append((loss, stats["gradients_l2"]))
     np.testing.assert_allclose(after[0], after[1], rtol=1e-5)

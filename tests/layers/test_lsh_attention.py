@@ -9,6 +9,7 @@ from jax.test_util import check_grads
 
 from revtrain import layers as tl
 from revtrain.layers import lsh_attention as la
+from revtrain.layers import lsh_chunks
 from revtrain.models import TransformerLM
 
 D, HEADS = 16, 2
@@ -80,7 +81,7 @@ def _round_reference(qk, v, rotations, chunk_len, n_chunks_before):
 def test_a_round_equals_its_dense_reference(monkeypatch, length, chunk_len,
                                             n_chunks_before, group_rows):
     """Many chunks, padding (61, 50), several loop groups (_GROUP_ROWS small) and one."""
-    monkeypatch.setattr(la, "_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(lsh_chunks, "_GROUP_ROWS", group_rows)
     qk = jax.random.normal(jax.random.key(1), (2, length, 8))
     v = jax.random.normal(jax.random.key(2), (2, length, 8))
     rotations = [jax.random.normal(jax.random.key(4), (8, 2)),
@@ -127,7 +128,7 @@ def test_loop_grouping_changes_nothing(monkeypatch):
     x = jax.random.normal(jax.random.key(1), (2, 96, D))
     layer = tl.LSHCausalAttention(D, n_heads=HEADS, chunk_len=8, n_hashes=2, dropout=0.2)
     one = _layer_output(layer, x, jax.random.key(7))
-    monkeypatch.setattr(la, "_GROUP_ROWS", 16)
+    monkeypatch.setattr(lsh_chunks, "_GROUP_ROWS", 16)
     np.testing.assert_allclose(_layer_output(layer, x, jax.random.key(7)), one, atol=1e-6)
 
 
@@ -257,7 +258,7 @@ def test_float16_gradients_are_finite_and_float64_keeps_its_precision():
 
 
 def test_loop_grouping_pads_a_prime_number_of_chunks_to_whole_groups(monkeypatch):
-    monkeypatch.setattr(la, "_GROUP_ROWS", 32)  # 4 chunks of 8 per group; 7 chunks
+    monkeypatch.setattr(lsh_chunks, "_GROUP_ROWS", 32)  # 4 chunks of 8 per group; 7 chunks
     qk = jax.random.normal(jax.random.key(1), (1, 53, 8))
     v = jax.random.normal(jax.random.key(2), (1, 53, 8))
     rotations = [jax.random.normal(jax.random.key(4), (8, 2))]

@@ -1,4 +1,4 @@
-"""Structure identity: when two layer objects are known to compute the same function.
+"""Structure keys: when two layer objects are known to compute the same function.
 
 Trainers compile one function per *layer structure* and share it between layers whose
 `Layer.structure_key` values are equal and not None (a deep model of identical blocks then
@@ -64,7 +64,7 @@ def structure_key_of(layer: Any) -> Hashable | None:
 
 def _bound_arguments(layer: Any) -> tuple[tuple, dict]:
     """The constructor arguments bound by name, defaults filled in (when they bind)."""
-    args, kwargs = layer._constructor_args
+    args, kwargs = layer.constructor_args
     try:
         bound = inspect.signature(type(layer).__init__).bind(layer, *args, **kwargs)
     except (TypeError, ValueError):

@@ -1,4 +1,4 @@
-"""Tests for revtrain.layers.identity: `Layer.structure_key`, proven identity or None.
+"""Tests for revtrain.layers.structure_keys: `Layer.structure_key`, proven identity or None.
 
 Trainers share one compiled program between layers with equal, non-None keys, so a key
 must capture everything the layer computes with, or be None ("never share").
@@ -215,6 +215,6 @@ def test_one_byte_ml_dtypes_with_equal_dtype_str_get_different_keys():
     # let two layers that differ only in them share one compiled program.
     a, b = jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e4m3fnuz")
     assert a.str == b.str
-    from revtrain.layers.identity import _freeze
+    from revtrain.layers.structure_keys import _freeze
     assert _freeze(a) != _freeze(b)
     assert _freeze(jnp.zeros(2, a)) != _freeze(jnp.zeros(2, b))
