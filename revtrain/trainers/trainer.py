@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
+from revtrain.layers.fused_head import fuse_loss_heads
 from revtrain.trainers import transfers
 from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.batches import device_weight_total, for_n_devices
@@ -82,6 +83,9 @@ class Trainer(TrainerBase):
                  placement: Placement | None = None):
         super().__init__([model_with_loss], optimizer_fn, n_devices, mesh, fsdp, placement)
         self._model = model_with_loss
+        # Computed with its LM head and loss fused (no full logits; the same weights and
+        # sublayers), found once here: `revtrain.layers.fuse_loss_heads`.
+        self._computed = fuse_loss_heads(model_with_loss)
         self._optimizer = optimizer_fn()
         weights = model_with_loss.weights
         slots = jax.eval_shape(self._optimizer.init, weights)
@@ -108,7 +112,7 @@ class Trainer(TrainerBase):
         self._init_learning_rate(self._slots)
 
     def _make_update(self):
-        model, optimizer = self._model, self._optimizer
+        model, optimizer = self._computed, self._optimizer
         shardings = self._shardings
         specs = jax.tree.map(lambda s: s.spec, shardings["weights"])
 
