@@ -162,14 +162,19 @@ class BlockTrainer(TrainerBase):
         self._store: ParamStore = make_store(self.placement, initial, schedule)
         self._programs = ProgramCache(self.placement, optimizers[0])
         replicated = self.placement.replicated
-        global_norm, self._norm_counted = global_norm_program()
+        norm_of_norms, counted = global_norm_program(squared=False)
+        sqrt_of_sum, counted_squared = global_norm_program(squared=True)
+        self._norm_counters = {"global_norm": counted}
+        if clip_global_norm is not None:
+            self._norm_counters["global_norm_squared"] = counted_squared
         self._step = BlockStep(
             plan=build_plan(self.layers, schedule, self._programs.get),
             indices=tuple(jax.device_put(np.int32(i), replicated)
                           for i in range(len(self.layers))),
             max_norm=(None if clip_global_norm is None else
                       jax.device_put(np.float32(clip_global_norm), replicated)),
-            free_transients=free_accelerators_on_step, global_norm=global_norm)
+            free_transients=free_accelerators_on_step, norm_of_norms=norm_of_norms,
+            sqrt_of_sum=sqrt_of_sum)
         self._keys = StepKeys(self.placement, len(self.layers))
         self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self.compile_times: CompileTimes | None = None
@@ -205,7 +210,8 @@ class BlockTrainer(TrainerBase):
 
     def trace_counts(self) -> dict[str, int]:
         return {**self._programs.trace_counts(),
-                "global_norm": eqx.debug.get_num_traces(self._norm_counted)}
+                **{name: eqx.debug.get_num_traces(counted)
+                   for name, counted in self._norm_counters.items()}}
 
     def _own_layers(self) -> list[Layer]:
         return list(self.layers)
@@ -227,8 +233,9 @@ class BlockTrainer(TrainerBase):
           ``(loss, stats)``: the float32 scalar loss, the weighted mean over the global
           batch (as `Trainer`: independent of the device count); stats ``loss``,
           ``learning_rate``, ``gradients_l2`` (the whole model's global gradient norm,
-          before clipping) and ``layer{i}/gradients_l2`` (of the layer's global gradient,
-          before clipping), ``layer{i}/weights_l2`` for every flat layer ``i``. Device
+          before clipping), ``weights_l2`` (the whole model's, after the update), and
+          for every flat layer ``i`` ``layer{i}/gradients_l2`` (of the layer's global
+          gradient, before clipping) and ``layer{i}/weights_l2``. Device
           values: nothing is read to the host, and the call returns once the step is
           dispatched.
 
@@ -254,7 +261,8 @@ class BlockTrainer(TrainerBase):
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
         self._notify_phase("step_end")
-        stats = {"loss": result.loss, "gradients_l2": result.gradients_l2}
+        stats = {"loss": result.loss, "gradients_l2": result.gradients_l2,
+                 "weights_l2": result.weights_l2}
         if lr is not None:
             stats["learning_rate"] = inputs.lr
         for i, layer_stats in enumerate(result.layer_stats):

@@ -104,16 +104,19 @@ class BlockStep:
       max_norm: the replicated float32 ``clip_global_norm``, or None (no clipping).
       free_transients: release the batch, stashes, final activations and cotangents at
         the end of the step (``free_accelerators_on_step``).
-      global_norm: the whole model's gradient norm, ``(per-layer squared norms) ->
-        sqrt(sum)``, or, without clipping, ``(per-layer norms) -> sqrt(sum of squares)``;
-        jitted, one per trainer (`global_norm_programs`).
+      norm_of_norms: ``(per-layer norms) -> sqrt(sum of squares)``, the whole model's
+        norm (of the gradient without clipping, and of the new weights); jitted, one per
+        trainer (`global_norm_program`).
+      sqrt_of_sum: ``(per-layer squared norms) -> sqrt(sum)``, the global gradient norm
+        of the norm-only pass (clipping); likewise.
     """
 
     plan: tuple[PlannedOp, ...]
     indices: tuple[jax.Array, ...]
     max_norm: jax.Array | None
     free_transients: bool
-    global_norm: Callable[[tuple[jax.Array, ...]], jax.Array]
+    norm_of_norms: Callable[[tuple[jax.Array, ...]], jax.Array]
+    sqrt_of_sum: Callable[[tuple[jax.Array, ...]], jax.Array]
 
 
 class StepInputs(NamedTuple):
@@ -138,23 +141,29 @@ class StepResult(NamedTuple):
       layer_stats: per flat layer its `LayerStats` (None for a layer not updated).
       gradients_l2: float32 scalar, the L2 norm of the whole model's gradient (before
         clipping).
+      weights_l2: float32 scalar, the L2 norm of the whole model's new weights.
     """
 
     loss: jax.Array
     layer_stats: tuple[LayerStats | None, ...]
     gradients_l2: jax.Array
+    weights_l2: jax.Array
 
 
-def _global_norm(norms: tuple[jax.Array, ...], squared: bool) -> jax.Array:
-    values = jnp.stack(norms)
-    return jnp.sqrt(jnp.sum(values if squared else values ** 2))
+def _norm_of_norms(norms: tuple[jax.Array, ...]) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.stack(norms) ** 2))
 
 
-def global_norm_program() -> tuple[Callable, Callable]:
-    """A jitted `BlockStep.global_norm` and its trace-counted body: ``(norms, squared)``
-    with ``squared`` static (True: the norm pass's squared norms)."""
-    counted = eqx.debug.assert_max_traces(_global_norm, max_traces=None)
-    return jax.jit(counted, static_argnames=("squared",)), counted
+def _sqrt_of_sum(squares: tuple[jax.Array, ...]) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.stack(squares)))
+
+
+def global_norm_program(squared: bool) -> tuple[Callable, Callable]:
+    """A jitted `BlockStep.sqrt_of_sum` (``squared``) or `BlockStep.norm_of_norms` and its
+    trace-counted body."""
+    counted = eqx.debug.assert_max_traces(_sqrt_of_sum if squared else _norm_of_norms,
+                                          max_traces=None)
+    return jax.jit(counted), counted
 
 
 def _as_items(stack: Any) -> tuple:
@@ -196,7 +205,7 @@ def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
             final = store.end_forward(stack) if final is None else final
             stack = final
             if not op.norm_only and squared_norms:
-                global_norm = dispatcher.call(step.global_norm, tuple(squared_norms), True)
+                global_norm = dispatcher.call(step.sqrt_of_sum, tuple(squared_norms))
                 clip = (global_norm, step.max_norm)
         if p.phase is not None:
             dispatcher.phase(p.phase)
@@ -249,13 +258,15 @@ def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
             x, ct_x = outs
             stack = outputs_onto_stack(x, stack, layer.n_out)
             ct = outputs_onto_stack(ct_x, ct, layer.n_out)
+    updated = [s for s in stats if s is not None]
     if global_norm is None:
-        global_norm = dispatcher.call(
-            step.global_norm, tuple(s.gradients_l2 for s in stats if s is not None), False)
+        global_norm = dispatcher.call(step.norm_of_norms,
+                                      tuple(s.gradients_l2 for s in updated))
+    weights_norm = dispatcher.call(step.norm_of_norms, tuple(s.weights_l2 for s in updated))
     if step.free_transients:
         dispatcher.release((stack, ct, kept, final, kept_weights))
     store.finish_step()
-    return StepResult(loss, tuple(stats), global_norm)
+    return StepResult(loss, tuple(stats), global_norm, weights_norm)
 
 
 __all__ = ["BlockStep", "Dispatcher", "LiveDispatcher", "StepInputs", "StepResult",
