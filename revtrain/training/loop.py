@@ -42,12 +42,13 @@ import tqdm
 
 from revtrain.data.inputs import Inputs
 from revtrain.trainers import TrainState
-from revtrain.training.checkpoints import Checkpointer, barrier, restore_targets
+from revtrain.training.checkpoints import Checkpointer, barrier
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
 from revtrain.training.evaluation import Evaluator, eval_batches
 from revtrain.training.interrupts import StopOnSignals
 from revtrain.training.loop_metrics import BarWithLogging, Window, fmt, model_summary, tokens
 from revtrain.training.metrics_writer import MetricsWriter
+from revtrain.training.restore_templates import checkpoint_template, host_template
 
 logger = logging.getLogger(__name__)
 
@@ -157,13 +158,11 @@ class Loop:
                 "rng": np.asarray(jax.random.key_data(self._rng))}
 
     def _restore_template(self) -> dict[str, Any]:
-        """`_checkpoint_tree` with each device value replaced by an abstract array in the
-        sharding the trainer wants (``value_shardings``): restoring reads each device's
-        slices straight into it, whatever device count or ``fsdp`` it was saved with."""
-        tree = self._checkpoint_tree()
-        for part in TrainState._fields:
-            tree[part] = restore_targets(tree[part], self.trainer.value_shardings(part))
-        return tree
+        """`_checkpoint_tree`'s structure from the trainer's shapes and shardings
+        (`checkpoint_template`), no values: restoring reads each device's slices straight
+        into the sharding the trainer wants, whatever device count or ``fsdp`` it was saved
+        with, and nothing is copied to the host to build it."""
+        return checkpoint_template(self.trainer, TrainState._fields, self._rng)
 
     def _restore(self) -> None:
         """Restores ``CheckpointConfig.restore_step`` (default: the newest checkpoint), or
@@ -192,10 +191,11 @@ class Loop:
             raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir: {source.directory} "
                                     f"holds no checkpoint; point it at a run's checkpoints")
         if self.checkpoint_config.init_weights_only:
-            values = self.trainer.train_state
-            tree = source.restore_values({"weights": values.weights, "state": values.state},
-                                         step)
-            self.trainer.restore(TrainState(tree["weights"], tree["state"], values.slots))
+            # Only weights and state move; the slots stay where they are.
+            tree = source.restore_values({part: host_template(self.trainer, part)
+                                          for part in ("weights", "state")}, step)
+            self.trainer.restore(TrainState(tree["weights"], tree["state"],
+                                            self.trainer.saved_values("slots")))
         else:
             self._restore_tree(source.restore(self._restore_template(), step))
         logger.info("warm-started from the checkpoint of step %d in %s (%s)", step,
