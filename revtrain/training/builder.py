@@ -96,8 +96,17 @@ def _loss(run: RunConfig) -> Layer:
     return loss if isinstance(loss, Layer) else loss()
 
 
-def build_model(run: RunConfig, inputs: Inputs) -> BuiltModel:
+def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> BuiltModel:
     """Checks the first train batch fits the model and the devices, then initialises both.
+
+    Args:
+      run: the model and its seed.
+      inputs: the data; its first train batch gives the signature.
+      abstract: give the model's layers ``jax.ShapeDtypeStruct`` s of their weights and
+        state instead of values (``jax.eval_shape`` of the init: no random draws, no
+        memory), for programs that restore every value from a checkpoint
+        (``revtrain-eval``, ``revtrain-decode``). The loss layer is initialised for real
+        (a loss has no weights or small ones).
 
     Raises:
       ValueError: for a missing model/inputs, or a batch that does not fit the model or
@@ -110,7 +119,13 @@ def build_model(run: RunConfig, inputs: Inputs) -> BuiltModel:
     signature = signature_of(tuple(batch))
     check_batch_divides(signature[0].shape[0], run.n_devices, inputs)
     init_rng, _ = jax.random.split(jax.random.key(run.seed))
-    model.init(signature[0], rng=init_rng)
+    if abstract:
+        # A fresh model is traced, so no layer object of ``model`` ever holds a tracer.
+        fresh = run.model
+        model.weights, model.state = jax.eval_shape(
+            lambda rng: fresh(mode="train").init(signature[0], rng=rng), init_rng)
+    else:
+        model.init(signature[0], rng=init_rng)
     loss.init((model.output_signature(signature[0]), signature[1], signature[2]))
     flat = blocks_to_layers(*extract_reversible_blocks([model, loss]))
     return BuiltModel(model, loss, flat, signature)

@@ -59,7 +59,8 @@ class CheckpointEvaluator:
     def __init__(self, run: RunConfig, eval_config: EvalConfig, output_dir: str,
                  split: str | None = None):
         inputs = resolve_inputs(run.inputs)
-        self.built: BuiltModel = build_model(run, inputs)
+        # Shapes only: every value is read from a checkpoint.
+        self.built: BuiltModel = build_model(run, inputs, abstract=True)
         self._evaluator = build_evaluator(run, self.built, inputs)
         splits = eval_splits(inputs, eval_config)
         if split is not None and split not in splits:
