@@ -4,7 +4,9 @@ One step of the loop, at global step ``k`` (the number of steps already taken):
 
 1. take batch ``k`` of ``inputs.train_stream(start_step=...)`` (streams are deterministic
    per step, so the step alone is the data position);
-2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``;
+2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``; the
+   key is derived on the device from a step counter kept there (`step_key`), so a step
+   sends nothing from the host to the devices but what the trainer sends;
 3. stop with `NonFiniteLossError` if the loss is NaN or inf (nothing is saved after it);
 4. ``k += 1``; log train metrics every ``LogConfig.every`` steps, evaluate every
    ``EvalConfig.every`` steps and save a checkpoint every ``CheckpointConfig.every`` steps.
@@ -56,6 +58,13 @@ CHECKPOINT_DIR = "checkpoints"
 
 
 PROFILE_DIR = "profile"
+
+
+@jax.jit
+def step_key(rng: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(fold_in(rng, step), step + 1)`` for a uint32 ``step`` that lives on the device:
+    the key of one step and the counter of the next, with no host value involved."""
+    return jax.random.fold_in(rng, step), step + 1
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -129,6 +138,7 @@ class Loop:
         self._last_eval_step: int | None = None
         _, self._rng = jax.random.split(jax.random.key(seed))
         self.step = 0
+        self._key_step: tuple[int, jax.Array] | None = None  # (step, its device counter)
         self.restored_step: int | None = None
         try:
             self._restore()
@@ -182,7 +192,7 @@ class Loop:
     def _restore_tree(self, tree: Mapping[str, Any]) -> None:
         self.trainer.restore(TrainState(tree["weights"], tree["state"], tree["slots"]))
         self.step = int(tree["step"])
-        self._rng = jax.random.wrap_key_data(tree["rng"])
+        self._rng = jax.random.wrap_key_data(jax.device_put(tree["rng"]))
 
     def _warm_start(self, source: Checkpointer) -> None:
         """Paxml's ``init_checkpoint``: weights and state (or everything) of another run."""
@@ -267,7 +277,7 @@ class Loop:
         batch = next(stream)
         self._check_batch(batch)
         lr = None if self._schedule is None else self._rate(self.step)
-        rng = jax.random.fold_in(self._rng, self.step)
+        rng = self._step_rng()
         if self._profile_steps and self.step + 1 == self._profile_steps[0]:
             jax.profiler.start_trace(os.path.join(self.output_dir or ".", PROFILE_DIR))
             self._tracing = True
@@ -278,6 +288,15 @@ class Loop:
         if self._tracing and self.step >= self._profile_steps[1]:
             self._stop_trace()
 
+    def _step_rng(self) -> jax.Array:
+        """``fold_in(rng, step)`` from the device step counter; the counter is put on the
+        device (explicitly) only when ``step`` was set from outside, e.g. by a restore."""
+        if self._key_step is None or self._key_step[0] != self.step:
+            self._key_step = (self.step, jax.device_put(np.uint32(self.step)))
+        rng, counter = step_key(self._rng, self._key_step[1])
+        self._key_step = (self.step + 1, counter)
+        return rng
+
     def _stop_trace(self) -> None:
         if self._tracing:
             jax.profiler.stop_trace()
@@ -287,7 +306,9 @@ class Loop:
         """The schedule's learning rate for ``step``, computed on the host CPU: optax and
         revtrain schedules use jnp, and reading a value back from an accelerator on every
         step would make each step wait for the device."""
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        # Host memory only (the CPU device), so the guard of accelerator transfers is off.
+        with (jax.default_device(jax.local_devices(backend="cpu")[0]),
+              jax.transfer_guard("allow")):
             return float(self._schedule(step))
 
     def _check_batch(self, batch: Any) -> None:
