@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from revtrain.batch_checks import check_divisible
 from revtrain.data.inputs import Batch, Inputs
 from revtrain.layers.base import Layer
 from revtrain.trainers.devices import BATCH_AXIS, resolve_n_devices
@@ -126,11 +127,9 @@ class Evaluator:
         sums = np.zeros(len(self._names) + 1, np.float64)
         n_batches = 0
         for batch in batches:
-            rows = np.shape(batch[0])[0]
-            if rows % self.n_devices:
-                raise ValueError(f"an eval batch of {rows} rows does not divide over "
-                                 f"n_devices={self.n_devices}; use an eval batch size that "
-                                 f"is a multiple of {self.n_devices}")
+            check_divisible(np.shape(batch[0])[0], self.n_devices, "eval batch size",
+                            fix=f"use an eval batch size that is a multiple of "
+                                f"{self.n_devices}")
             batch = jax.device_put(tuple(batch), self._rows)
             sums += np.asarray(self._batch_sums(weights, state, batch, rng), np.float64)
             n_batches += 1
