@@ -27,11 +27,12 @@ from revtrain.layers import (
     signature_of,
 )
 from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
-from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.evaluation import Evaluator
-from revtrain.training.loop import CHECKPOINT_DIR, Loop
+from revtrain.training.loop import Loop
 from revtrain.training.metrics_writer import MetricsWriter
+from revtrain.training.run_directory import CHECKPOINT_DIR
 from revtrain.training.validation import check_batch_divides, check_first_batch
 
 

@@ -14,13 +14,11 @@ from collections.abc import Iterable
 import jax
 
 from revtrain.training.builder import build_model, resolve_inputs
-from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import RunConfig
 from revtrain.training.decoding import CachedDecoder, Decoder, decode_text
-from revtrain.training.loop import CHECKPOINT_DIR
+from revtrain.training.run_directory import CHECKPOINT_DIR
 from revtrain.training.run_files import write_atomic
-
-DECODER_DIR = "decoder_out"
 
 
 def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,

@@ -26,16 +26,16 @@ from revtrain.training.builder import (
     eval_splits,
     resolve_inputs,
 )
-from revtrain.training.checkpoints import (
+from revtrain.training.checkpoint_trees import CheckpointMismatchError
+from revtrain.training.checkpointer import (
     Checkpointer,
-    CheckpointMismatchError,
     CheckpointUnreadableError,
-    _reason,
+    short_reason,
 )
 from revtrain.training.config import EvalConfig, RunConfig
 from revtrain.training.evaluation import eval_batches
-from revtrain.training.loop import CHECKPOINT_DIR
 from revtrain.training.metrics_writer import MetricsWriter, read_metrics
+from revtrain.training.run_directory import CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +109,12 @@ class CheckpointEvaluator:
         except FileNotFoundError as e:
             if os.path.isdir(where):  # Present but incomplete: damaged.
                 self.unreadable_steps.add(step)
-            logger.warning("skipping the checkpoint %s: %s", where, _reason(e))
+            logger.warning("skipping the checkpoint %s: %s", where, short_reason(e))
             return None
         except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
             self.unreadable_steps.add(step)
             logger.warning("skipping the checkpoint %s: it cannot be read (%s)", where,
-                           _reason(e))
+                           short_reason(e))
             return None
         weights, state = self.built.nest(values["weights"]), self.built.nest(values["state"])
         results = {}

@@ -44,20 +44,18 @@ import tqdm
 
 from revtrain.data.inputs import Inputs
 from revtrain.trainers import TrainState
-from revtrain.training.checkpoints import Checkpointer, barrier
+from revtrain.training.barriers import barrier
+from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
 from revtrain.training.evaluation import Evaluator, eval_batches
 from revtrain.training.interrupts import StopOnSignals
 from revtrain.training.loop_metrics import BarWithLogging, Window, fmt, model_summary, tokens
 from revtrain.training.metrics_writer import MetricsWriter
 from revtrain.training.restore_templates import checkpoint_template, host_template
+from revtrain.training.run_directory import PROFILE_DIR
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-
-
-PROFILE_DIR = "profile"
 
 
 @jax.jit

@@ -18,10 +18,10 @@ import os
 import time
 from collections.abc import Mapping
 
+from revtrain.training.run_directory import METRICS_FILE, TENSORBOARD_DIR
+
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsWriter:

@@ -29,11 +29,12 @@ from typing import Any
 
 from orbax.checkpoint import checkpoint_managers as policies
 
+from revtrain.training.run_directory import RETENTION_FILE
 from revtrain.training.run_files import UnreadableFileError, read_json, write_atomic
 
 logger = logging.getLogger(__name__)
 
-RECORD_FILE = "retention.json"
+RECORD_FILE = RETENTION_FILE
 
 
 def _seconds(interval: float | datetime.timedelta | None) -> float | None:
