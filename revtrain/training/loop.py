@@ -43,7 +43,6 @@ import optax
 import tqdm
 
 from revtrain.data.inputs import Inputs
-from revtrain.trainers import TrainState
 from revtrain.training.barriers import barrier
 from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
@@ -51,7 +50,7 @@ from revtrain.training.evaluation import Evaluator, eval_batches
 from revtrain.training.interrupts import StopOnSignals
 from revtrain.training.loop_metrics import BarWithLogging, Window, fmt, model_summary, tokens
 from revtrain.training.metrics_writer import MetricsWriter
-from revtrain.training.restore_templates import checkpoint_template, host_template
+from revtrain.training.resume import checkpoint_tree, restore_template, resume
 from revtrain.training.run_directory import PROFILE_DIR
 
 logger = logging.getLogger(__name__)
@@ -159,56 +158,16 @@ class Loop:
     # Set-up and checkpoints.
 
     def _checkpoint_tree(self) -> dict[str, Any]:
-        """The trainer's values as they live (sharded ``jax.Array`` s are not gathered:
-        each process saves its own shards), the step and the rng."""
-        values = {part: self.trainer.saved_values(part) for part in TrainState._fields}
-        return {**values, "step": np.asarray(self.step, np.int64),
-                "rng": np.asarray(jax.random.key_data(self._rng))}
+        return checkpoint_tree(self.trainer, self.step, self._rng)
 
     def _restore_template(self) -> dict[str, Any]:
-        """`_checkpoint_tree`'s structure from the trainer's shapes and shardings
-        (`checkpoint_template`), no values: restoring reads each device's slices straight
-        into the sharding the trainer wants, whatever device count or ``fsdp`` it was saved
-        with, and nothing is copied to the host to build it."""
-        return checkpoint_template(self.trainer, TrainState._fields, self._rng)
+        return restore_template(self.trainer, self._rng)
 
     def _restore(self) -> None:
-        """Restores ``CheckpointConfig.restore_step`` (default: the newest checkpoint), or
-        warm-starts from ``init_checkpointer`` when the run has no checkpoint yet."""
-        if self._checkpointer is None:
-            return
-        if self._checkpointer.latest_step() is None:
-            if self._init_checkpointer is not None:
-                self._warm_start(self._init_checkpointer)
-            return
-        step = self.checkpoint_config.restore_step
-        self._restore_tree(self._checkpointer.restore(self._restore_template(), step))
-        self.restored_step = self.step
-        logger.info("restored the checkpoint of step %d from %s", self.step,
-                    self._checkpointer.directory)
-
-    def _restore_tree(self, tree: Mapping[str, Any]) -> None:
-        self.trainer.restore(TrainState(tree["weights"], tree["state"], tree["slots"]))
-        self.step = int(tree["step"])
-        self._rng = jax.random.wrap_key_data(jax.device_put(tree["rng"]))
-
-    def _warm_start(self, source: Checkpointer) -> None:
-        """Paxml's ``init_checkpoint``: weights and state (or everything) of another run."""
-        step = source.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir: {source.directory} "
-                                    f"holds no checkpoint; point it at a run's checkpoints")
-        if self.checkpoint_config.init_weights_only:
-            # Only weights and state move; the slots stay where they are.
-            tree = source.restore_values({part: host_template(self.trainer, part)
-                                          for part in ("weights", "state")}, step)
-            self.trainer.restore(TrainState(tree["weights"], tree["state"],
-                                            self.trainer.saved_values("slots")))
-        else:
-            self._restore_tree(source.restore(self._restore_template(), step))
-        logger.info("warm-started from the checkpoint of step %d in %s (%s)", step,
-                    source.directory, "weights and state" if
-                    self.checkpoint_config.init_weights_only else "full state")
+        """Restores the run's checkpoint or warm-starts (`revtrain.training.resume`)."""
+        self.step, self._rng, self.restored_step = resume(
+            self.trainer, self._checkpointer, self._init_checkpointer,
+            self.checkpoint_config, self._rng)
 
     def save(self) -> bool:
         """Saves a checkpoint of the current step (no-op without ``output_dir``)."""

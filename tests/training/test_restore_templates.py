@@ -5,13 +5,13 @@ import pytest
 
 from revtrain import trainers
 from revtrain.trainers import TrainState
-from revtrain.training import CheckpointConfig, EvalConfig, LogConfig, build_loop, flatten_tree
+from revtrain.training import flatten_tree
 from revtrain.training.restore_templates import (
     checkpoint_template,
     host_placeholder,
     value_signature,
 )
-from tests.training.test_loop import TRAINERS, _ckpt_run, _loop
+from tests.training.test_loop import TRAINERS, _loop
 
 
 def _record_reads(monkeypatch, trainer_class):
@@ -52,16 +52,3 @@ def test_value_signature_and_host_placeholder_hold_no_values():
     assert set(template) == {"weights", "step", "rng"}
     placeholder = host_placeholder((1000, 1000), np.float32)
     assert placeholder.shape == (1000, 1000) and placeholder.strides == (0, 0)
-
-
-def test_weights_only_warm_start_leaves_the_slots_where_they_are(tmp_path, monkeypatch):
-    source = str(tmp_path / "source")
-    with build_loop(_ckpt_run(), EvalConfig(steps=0), CheckpointConfig(every=1),
-                    LogConfig(progress=False), source) as loop:
-        loop.run(1)
-    read = _record_reads(monkeypatch, type(loop.trainer))
-    with build_loop(_ckpt_run(), EvalConfig(steps=0),
-                    CheckpointConfig(init_checkpoint_dir=source), LogConfig(progress=False),
-                    str(tmp_path / "warm")) as loop:
-        assert loop.step == 0
-    assert ("host_values", "slots") not in read
