@@ -56,7 +56,7 @@ from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: use
     _print_metrics,
     _run,
 )
-from revtrain.training.run_directory import CONFIG_FILE, TENSORBOARD_CONFIG_DIR
+from revtrain.training.run_directory import CONFIG_FILE, DECODER_DIR, TENSORBOARD_CONFIG_DIR
 
 # --------------------------------------------------------------------------------------
 # revtrain-train.
@@ -202,7 +202,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _decode(fv: flags.FlagValues) -> int:
-    from revtrain.training.decode_program import DECODER_DIR, decode_to_file, load_decoder
+    from revtrain.training.decode_program import decode_to_file, load_decoder
 
     if ((fv.max_new_bytes is not None and fv.max_new_bytes < 0)
             or not math.isfinite(fv.temperature) or fv.temperature < 0):

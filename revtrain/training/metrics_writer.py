@@ -23,7 +23,6 @@ from revtrain.training.run_directory import METRICS_FILE, TENSORBOARD_DIR
 logger = logging.getLogger(__name__)
 
 
-
 class MetricsWriter:
     """Appends ``(step, split, metrics)`` records to JSONL and TensorBoard.
 
