@@ -47,8 +47,6 @@ from absl import app, flags
 
 from revtrain import host_heap
 from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: used by tests)
-    CONFIG_FILE,
-    TENSORBOARD_CONFIG_DIR,
     UsageError,
     _absl_logging,
     _common_flags,
@@ -58,6 +56,7 @@ from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: use
     _print_metrics,
     _run,
 )
+from revtrain.training.run_directory import CONFIG_FILE, DECODER_DIR, TENSORBOARD_CONFIG_DIR
 
 # --------------------------------------------------------------------------------------
 # revtrain-train.
@@ -68,7 +67,7 @@ def _write_operative_config(output_dir: str) -> Callable:
         if _is_chief():
             from tensorboardX import SummaryWriter  # Lazy: it imports protobuf.
 
-            from revtrain.training.run_config import write_run_config
+            from revtrain.training.config_history import write_run_config
 
             config = gin.operative_config_str()
             write_run_config(output_dir, config)
@@ -203,7 +202,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _decode(fv: flags.FlagValues) -> int:
-    from revtrain.training.decode_program import DECODER_DIR, decode_to_file, load_decoder
+    from revtrain.training.decode_program import decode_to_file, load_decoder
 
     if ((fv.max_new_bytes is not None and fv.max_new_bytes < 0)
             or not math.isfinite(fv.temperature) or fv.temperature < 0):

@@ -22,8 +22,6 @@ from absl import logging as absl_logging
 
 import revtrain
 
-CONFIG_FILE = "config.gin"
-TENSORBOARD_CONFIG_DIR = os.path.join("tensorboard", "config")
 # The shipped configs are package data (a regular directory in every pip install).
 _CONFIGS_DIR = str(importlib.resources.files("revtrain") / "configs")
 # absl's logging flags (--verbosity, --log_dir, ...), shared with each tool's flag set.

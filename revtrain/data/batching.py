@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from revtrain.batch_checks import check_divisible
 from revtrain.data.inputs import Batch
 
 
@@ -42,12 +43,9 @@ class ProcessSlice:
                 f"process_index={self.process_index} is outside [0, {self.process_count}); "
                 f"pass an index below process_count={self.process_count}"
             )
-        if self.batch_size % self.process_count:
-            raise ValueError(
-                f"batch_size={self.batch_size} is not divisible by "
-                f"process_count={self.process_count}; use a global batch size that is a "
-                f"multiple of {self.process_count}"
-            )
+        check_divisible(self.batch_size, self.process_count, "batch_size",
+                        by="process_count", fix=f"use a global batch size that is a "
+                                                f"multiple of {self.process_count}")
 
     @classmethod
     def create(

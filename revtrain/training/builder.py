@@ -28,11 +28,12 @@ from revtrain.layers import (
     signature_of,
 )
 from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
-from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.evaluation import Evaluator
-from revtrain.training.loop import CHECKPOINT_DIR, Loop
+from revtrain.training.loop import Loop
 from revtrain.training.metrics_writer import MetricsWriter
+from revtrain.training.run_directory import CHECKPOINT_DIR
 from revtrain.training.validation import check_batch_divides, check_first_batch
 
 
@@ -97,8 +98,17 @@ def _loss(run: RunConfig) -> Layer:
     return loss if isinstance(loss, Layer) else loss()
 
 
-def build_model(run: RunConfig, inputs: Inputs) -> BuiltModel:
+def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> BuiltModel:
     """Checks the first train batch fits the model and the devices, then initialises both.
+
+    Args:
+      run: the model and its seed.
+      inputs: the data; its first train batch gives the signature.
+      abstract: give the model's layers ``jax.ShapeDtypeStruct`` s of their weights and
+        state instead of values (``jax.eval_shape`` of the init: no random draws, no
+        memory), for programs that restore every value from a checkpoint
+        (``revtrain-eval``, ``revtrain-decode``). The loss layer is initialised for real
+        (a loss has no weights or small ones).
 
     Raises:
       ValueError: for a missing model/inputs, or a batch that does not fit the model or
@@ -111,7 +121,13 @@ def build_model(run: RunConfig, inputs: Inputs) -> BuiltModel:
     signature = signature_of(tuple(batch))
     check_batch_divides(signature[0].shape[0], run.n_devices, inputs)
     init_rng, _ = jax.random.split(jax.random.key(run.seed))
-    model.init(signature[0], rng=init_rng)
+    if abstract:
+        # A fresh model is traced, so no layer object of ``model`` ever holds a tracer.
+        fresh = run.model
+        model.weights, model.state = jax.eval_shape(
+            lambda rng: fresh(mode="train").init(signature[0], rng=rng), init_rng)
+    else:
+        model.init(signature[0], rng=init_rng)
     loss.init((model.output_signature(signature[0]), signature[1], signature[2]))
     flat = blocks_to_layers(*extract_reversible_blocks([model, loss]))
     return BuiltModel(model, loss, flat, signature)

@@ -14,13 +14,11 @@ from collections.abc import Iterable
 import jax
 
 from revtrain.training.builder import build_model, resolve_inputs
-from revtrain.training.checkpoints import Checkpointer
+from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import RunConfig
 from revtrain.training.decoding import CachedDecoder, Decoder, decode_text
-from revtrain.training.loop import CHECKPOINT_DIR
+from revtrain.training.run_directory import CHECKPOINT_DIR
 from revtrain.training.run_files import write_atomic
-
-DECODER_DIR = "decoder_out"
 
 
 def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
@@ -45,7 +43,6 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
     if not inputs.byte_level:
         raise ValueError(f"revtrain-decode continues text with a byte-level LM; this run's "
                          f"inputs {type(inputs).__name__} are not byte-level")
-    built = build_model(run, inputs)
     checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=None,
                                 read_only=True)
     try:
@@ -53,6 +50,8 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
         if step is None and not allow_random_init:
             raise ValueError(f"no checkpoint in {checkpointer.directory}; train first, or "
                              f"pass --allow_random_init to decode with random weights")
+        # With a checkpoint, shapes only: every value is read from it.
+        built = build_model(run, inputs, abstract=step is not None)
         values = (built.initial_values() if step is None else
                   checkpointer.restore_values(built.initial_values(), step))
     finally:

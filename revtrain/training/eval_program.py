@@ -26,16 +26,16 @@ from revtrain.training.builder import (
     eval_splits,
     resolve_inputs,
 )
-from revtrain.training.checkpoints import (
+from revtrain.training.checkpoint_trees import CheckpointMismatchError
+from revtrain.training.checkpointer import (
     Checkpointer,
-    CheckpointMismatchError,
     CheckpointUnreadableError,
-    _reason,
+    short_reason,
 )
 from revtrain.training.config import EvalConfig, RunConfig
 from revtrain.training.evaluation import eval_batches
-from revtrain.training.loop import CHECKPOINT_DIR
 from revtrain.training.metrics_writer import MetricsWriter, read_metrics
+from revtrain.training.run_directory import CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class CheckpointEvaluator:
     def __init__(self, run: RunConfig, eval_config: EvalConfig, output_dir: str,
                  split: str | None = None):
         inputs = resolve_inputs(run.inputs)
-        self.built: BuiltModel = build_model(run, inputs)
+        # Shapes only: every value is read from a checkpoint.
+        self.built: BuiltModel = build_model(run, inputs, abstract=True)
         self._evaluator = build_evaluator(run, self.built, inputs)
         splits = eval_splits(inputs, eval_config)
         if split is not None and split not in splits:
@@ -108,12 +109,12 @@ class CheckpointEvaluator:
         except FileNotFoundError as e:
             if os.path.isdir(where):  # Present but incomplete: damaged.
                 self.unreadable_steps.add(step)
-            logger.warning("skipping the checkpoint %s: %s", where, _reason(e))
+            logger.warning("skipping the checkpoint %s: %s", where, short_reason(e))
             return None
         except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
             self.unreadable_steps.add(step)
             logger.warning("skipping the checkpoint %s: it cannot be read (%s)", where,
-                           _reason(e))
+                           short_reason(e))
             return None
         weights, state = self.built.nest(values["weights"]), self.built.nest(values["state"])
         results = {}

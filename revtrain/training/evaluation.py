@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from revtrain.batch_checks import check_divisible
 from revtrain.data.inputs import Batch, Inputs
 from revtrain.layers.base import Layer
 from revtrain.trainers.placement import BATCH_AXIS, resolve_n_devices
@@ -82,6 +83,9 @@ class Evaluator:
         self.n_devices = resolve_n_devices(n_devices)
         # This process's devices only: processes' sums are added after each evaluation.
         self.mesh = Mesh(np.array(jax.local_devices()[:self.n_devices]), (BATCH_AXIS,))
+        self._replicated = NamedSharding(self.mesh, P())
+        self._rows = NamedSharding(self.mesh, P(BATCH_AXIS))
+        self._default_rng = jax.device_put(jax.random.key(0), self._replicated)
         layers = tuple(metrics.values())
         model = eval_model
 
@@ -110,21 +114,24 @@ class Evaluator:
             ``[batch, ...]``, ``batch`` divisible by ``n_devices``.
           rng: rng for the eval model (eval mode is deterministic; default key 0).
 
+        ``weights``, ``state`` and ``rng`` (host or device values) are put on the devices
+        once, replicated, before the first batch; each batch is put there split by rows.
+        Only the sums come back, one small array per batch.
+
         Raises:
           ValueError: when ``batches`` is empty, every position has weight 0, or a batch
             does not divide over the devices.
         """
-        rng = jax.random.key(0) if rng is None else rng
+        rng = self._default_rng if rng is None else rng
+        weights, state, rng = jax.device_put((weights, state, rng), self._replicated)
         sums = np.zeros(len(self._names) + 1, np.float64)
         n_batches = 0
         for batch in batches:
-            rows = np.shape(batch[0])[0]
-            if rows % self.n_devices:
-                raise ValueError(f"an eval batch of {rows} rows does not divide over "
-                                 f"n_devices={self.n_devices}; use an eval batch size that "
-                                 f"is a multiple of {self.n_devices}")
-            sums += np.asarray(self._batch_sums(weights, state, tuple(batch), rng),
-                               np.float64)
+            check_divisible(np.shape(batch[0])[0], self.n_devices, "eval batch size",
+                            fix=f"use an eval batch size that is a multiple of "
+                                f"{self.n_devices}")
+            batch = jax.device_put(tuple(batch), self._rows)
+            sums += np.asarray(self._batch_sums(weights, state, batch, rng), np.float64)
             n_batches += 1
         if jax.process_count() > 1:
             sums = np.sum(multihost_utils.process_allgather(sums), axis=0)

@@ -4,7 +4,9 @@ One step of the loop, at global step ``k`` (the number of steps already taken):
 
 1. take batch ``k`` of ``inputs.train_stream(start_step=...)`` (streams are deterministic
    per step, so the step alone is the data position);
-2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``;
+2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``; the
+   key is derived on the device from a step counter kept there (`step_key`), so a step
+   sends nothing from the host to the devices but what the trainer sends;
 3. stop with `NonFiniteLossError` if the loss is NaN or inf (nothing is saved after it);
 4. ``k += 1``; log train metrics every ``LogConfig.every`` steps, evaluate every
    ``EvalConfig.every`` steps and save a checkpoint every ``CheckpointConfig.every`` steps.
@@ -41,20 +43,25 @@ import optax
 import tqdm
 
 from revtrain.data.inputs import Inputs
-from revtrain.trainers import TrainState
-from revtrain.training.checkpoints import Checkpointer, barrier, restore_targets
+from revtrain.training.barriers import barrier
+from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
 from revtrain.training.evaluation import Evaluator, eval_batches
 from revtrain.training.interrupts import StopOnSignals
 from revtrain.training.loop_metrics import BarWithLogging, Window, fmt, model_summary, tokens
 from revtrain.training.metrics_writer import MetricsWriter
+from revtrain.training.resume import checkpoint_tree, restore_template, resume
+from revtrain.training.run_directory import PROFILE_DIR
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
 
 
-PROFILE_DIR = "profile"
+@jax.jit
+def step_key(rng: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(fold_in(rng, step), step + 1)`` for a uint32 ``step`` that lives on the device:
+    the key of one step and the counter of the next, with no host value involved."""
+    return jax.random.fold_in(rng, step), step + 1
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -128,6 +135,7 @@ class Loop:
         self._last_eval_step: int | None = None
         _, self._rng = jax.random.split(jax.random.key(seed))
         self.step = 0
+        self._key_step: tuple[int, jax.Array] | None = None  # (step, its device counter)
         self.restored_step: int | None = None
         try:
             self._restore()
@@ -150,57 +158,16 @@ class Loop:
     # Set-up and checkpoints.
 
     def _checkpoint_tree(self) -> dict[str, Any]:
-        """The trainer's values as they live (sharded ``jax.Array`` s are not gathered:
-        each process saves its own shards), the step and the rng."""
-        values = {part: self.trainer.saved_values(part) for part in TrainState._fields}
-        return {**values, "step": np.asarray(self.step, np.int64),
-                "rng": np.asarray(jax.random.key_data(self._rng))}
+        return checkpoint_tree(self.trainer, self.step, self._rng)
 
     def _restore_template(self) -> dict[str, Any]:
-        """`_checkpoint_tree` with each device value replaced by an abstract array in the
-        sharding the trainer wants (``value_shardings``): restoring reads each device's
-        slices straight into it, whatever device count or ``fsdp`` it was saved with."""
-        tree = self._checkpoint_tree()
-        for part in TrainState._fields:
-            tree[part] = restore_targets(tree[part], self.trainer.value_shardings(part))
-        return tree
+        return restore_template(self.trainer, self._rng)
 
     def _restore(self) -> None:
-        """Restores ``CheckpointConfig.restore_step`` (default: the newest checkpoint), or
-        warm-starts from ``init_checkpointer`` when the run has no checkpoint yet."""
-        if self._checkpointer is None:
-            return
-        if self._checkpointer.latest_step() is None:
-            if self._init_checkpointer is not None:
-                self._warm_start(self._init_checkpointer)
-            return
-        step = self.checkpoint_config.restore_step
-        self._restore_tree(self._checkpointer.restore(self._restore_template(), step))
-        self.restored_step = self.step
-        logger.info("restored the checkpoint of step %d from %s", self.step,
-                    self._checkpointer.directory)
-
-    def _restore_tree(self, tree: Mapping[str, Any]) -> None:
-        self.trainer.restore(TrainState(tree["weights"], tree["state"], tree["slots"]))
-        self.step = int(tree["step"])
-        self._rng = jax.random.wrap_key_data(tree["rng"])
-
-    def _warm_start(self, source: Checkpointer) -> None:
-        """Paxml's ``init_checkpoint``: weights and state (or everything) of another run."""
-        step = source.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir: {source.directory} "
-                                    f"holds no checkpoint; point it at a run's checkpoints")
-        if self.checkpoint_config.init_weights_only:
-            values = self.trainer.train_state
-            tree = source.restore_values({"weights": values.weights, "state": values.state},
-                                         step)
-            self.trainer.restore(TrainState(tree["weights"], tree["state"], values.slots))
-        else:
-            self._restore_tree(source.restore(self._restore_template(), step))
-        logger.info("warm-started from the checkpoint of step %d in %s (%s)", step,
-                    source.directory, "weights and state" if
-                    self.checkpoint_config.init_weights_only else "full state")
+        """Restores the run's checkpoint or warm-starts (`revtrain.training.resume`)."""
+        self.step, self._rng, self.restored_step = resume(
+            self.trainer, self._checkpointer, self._init_checkpointer,
+            self.checkpoint_config, self._rng)
 
     def save(self) -> bool:
         """Saves a checkpoint of the current step (no-op without ``output_dir``)."""
@@ -267,7 +234,7 @@ class Loop:
         batch = next(stream)
         self._check_batch(batch)
         lr = None if self._schedule is None else self._rate(self.step)
-        rng = jax.random.fold_in(self._rng, self.step)
+        rng = self._step_rng()
         if self._profile_steps and self.step + 1 == self._profile_steps[0]:
             jax.profiler.start_trace(os.path.join(self.output_dir or ".", PROFILE_DIR))
             self._tracing = True
@@ -278,6 +245,15 @@ class Loop:
         if self._tracing and self.step >= self._profile_steps[1]:
             self._stop_trace()
 
+    def _step_rng(self) -> jax.Array:
+        """``fold_in(rng, step)`` from the device step counter; the counter is put on the
+        device (explicitly) only when ``step`` was set from outside, e.g. by a restore."""
+        if self._key_step is None or self._key_step[0] != self.step:
+            self._key_step = (self.step, jax.device_put(np.uint32(self.step)))
+        rng, counter = step_key(self._rng, self._key_step[1])
+        self._key_step = (self.step + 1, counter)
+        return rng
+
     def _stop_trace(self) -> None:
         if self._tracing:
             jax.profiler.stop_trace()
@@ -287,7 +263,9 @@ class Loop:
         """The schedule's learning rate for ``step``, computed on the host CPU: optax and
         revtrain schedules use jnp, and reading a value back from an accelerator on every
         step would make each step wait for the device."""
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        # Host memory only (the CPU device), so the guard of accelerator transfers is off.
+        with (jax.default_device(jax.local_devices(backend="cpu")[0]),
+              jax.transfer_guard("allow")):
             return float(self._schedule(step))
 
     def _check_batch(self, batch: Any) -> None:

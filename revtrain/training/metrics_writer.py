@@ -18,10 +18,9 @@ import os
 import time
 from collections.abc import Mapping
 
-logger = logging.getLogger(__name__)
+from revtrain.training.run_directory import METRICS_FILE, TENSORBOARD_DIR
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+logger = logging.getLogger(__name__)
 
 
 class MetricsWriter:

@@ -29,11 +29,10 @@ from typing import Any
 
 from orbax.checkpoint import checkpoint_managers as policies
 
+from revtrain.training.run_directory import RETENTION_FILE
 from revtrain.training.run_files import UnreadableFileError, read_json, write_atomic
 
 logger = logging.getLogger(__name__)
-
-RECORD_FILE = "retention.json"
 
 
 def _seconds(interval: float | datetime.timedelta | None) -> float | None:
@@ -66,7 +65,7 @@ def read_promises(directory: str, steps: Sequence[int] = ()) -> list[dict[str, A
       directory: the checkpoint directory.
       steps: the steps of its existing checkpoints (the rebuilt promise keeps them).
     """
-    path = os.path.join(directory, RECORD_FILE)
+    path = os.path.join(directory, RETENTION_FILE)
     try:
         record = read_json(path)
         promises = list(record["promises"])
@@ -118,7 +117,7 @@ def record_promise(directory: str, promises: Sequence[dict[str, Any]],
             return
         current = None
     record = {"promises": list(promises) + ([current] if current else [])}
-    write_atomic(os.path.join(directory, RECORD_FILE), json.dumps(record, indent=1))
+    write_atomic(os.path.join(directory, RETENTION_FILE), json.dumps(record, indent=1))
 
 
 def preservation_policy(max_to_keep: int | None, keep_period: int | None,

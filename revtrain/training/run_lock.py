@@ -33,11 +33,11 @@ import uuid
 
 import psutil
 
+from revtrain.training.run_directory import LOCK_FILE
 from revtrain.training.run_files import write_atomic
 
 logger = logging.getLogger(__name__)
 
-LOCK_FILE = "run.lock"
 
 
 class RunLockError(RuntimeError):

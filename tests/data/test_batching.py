@@ -42,7 +42,7 @@ def test_indivisible_batch_names_both_numbers_and_the_fix():
     with pytest.raises(ValueError) as info:
         batching.ProcessSlice(6, 0, 4)
     message = str(info.value)
-    assert "batch_size=6" in message and "process_count=4" in message
+    assert "batch_size 6" in message and "process_count=4" in message
     assert "multiple of 4" in message
     assert "\n" not in message
 

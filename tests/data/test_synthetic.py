@@ -106,7 +106,7 @@ def test_defaults_use_the_jax_process():
     [
         ({"vocab_size": 1}, "vocab_size=1"),
         ({"length": 0}, "length=0"),
-        ({"batch_size": 6, "process_count": 4}, "batch_size=6 is not divisible by process_count=4"),
+        ({"batch_size": 6, "process_count": 4}, "batch_size 6 is not divisible by process_count=4"),
     ],
 )
 def test_bad_arguments(kwargs, fragment):

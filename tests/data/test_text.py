@@ -168,7 +168,7 @@ def test_corpus_shorter_than_a_window_is_an_error(tmp_path, size, eval_fraction,
 
 
 def test_indivisible_batch_size_is_an_error(corpus_path):
-    with pytest.raises(ValueError, match="batch_size=6 is not divisible by process_count=4"):
+    with pytest.raises(ValueError, match="batch_size 6 is not divisible by process_count=4"):
         _dataset([corpus_path], batch_size=6, process_index=0, process_count=4)
 
 

@@ -155,7 +155,7 @@ def test_keys_are_detected(tfds):
         (lambda: _text(sequence_length=None), "sequence_length=None"),
         (lambda: _images(sequence_length=8), "sequence_length=8"),
         (lambda: _text(keys=("a", "b", "c")), "keys="),
-        (lambda: _text(batch_size=6, process_count=4), "batch_size=6 is not divisible"),
+        (lambda: _text(batch_size=6, process_count=4), "batch_size 6 is not divisible"),
     ],
 )
 def test_bad_arguments(tfds, make, fragment):

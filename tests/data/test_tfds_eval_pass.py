@@ -30,7 +30,7 @@ from revtrain.training.builder import (  # noqa: E402
     build_model,
     resolve_inputs,
 )
-from revtrain.training.loop import CHECKPOINT_DIR  # noqa: E402
+from revtrain.training.run_directory import CHECKPOINT_DIR  # noqa: E402
 from tests.cli_helpers import COPY_TASK, TINY  # noqa: E402
 
 N_EXAMPLES = 10

@@ -2,12 +2,14 @@
 import functools
 import json
 
+import jax
 import pytest
 
 from revtrain.data import TextFiles
 from revtrain.models import ReversibleTransformerLM
 from revtrain.training import CheckpointConfig, EvalConfig, LogConfig, RunConfig, build_loop
 from revtrain.training.decode_program import decode_to_file, load_decoder
+from tests.tree_utils import assert_trees_close
 
 
 def _run(tmp_path):
@@ -39,3 +41,21 @@ def test_random_init_only_when_allowed_then_checkpoint_and_file(tmp_path):
         if cache:
             first = records
     assert records == first  # Cached and uncached sampling agree for the same seed.
+
+
+def test_a_checkpoints_decoder_builds_the_model_from_shapes_only(tmp_path, monkeypatch):
+    run, out = _run(tmp_path), str(tmp_path / "run")
+    with build_loop(run, EvalConfig(steps=0), CheckpointConfig(), LogConfig(progress=False),
+                    out) as loop:
+        loop.run(1)
+        trained, _ = loop.model_values()
+    from revtrain.training import decode_program
+    built = []
+    build = decode_program.build_model
+    monkeypatch.setattr(decode_program, "build_model",
+                        lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    decoder, step = load_decoder(run, out, cache=False)
+    assert step == 1
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct)
+               for leaf in jax.tree.leaves(built[0].model.weights))
+    assert_trees_close(decoder._values[0], trained, rtol=0, atol=0)

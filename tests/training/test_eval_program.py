@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from revtrain.data import CopyTask
@@ -119,3 +120,15 @@ def test_evaluator_process_follows_a_training_process(tmp_path):
     assert [r["step"] for r in evals] == saved
     assert sorted(spans) == saved and all(len(span) == 2 for span in spans.values())
     assert stdout.strip().splitlines()[-1].startswith("eval at step 12:")  # Then it exits.
+
+
+def test_the_eval_program_builds_the_model_from_shapes_only(tmp_path):
+    out = str(tmp_path)
+    _train(out, 1)
+    evaluator = CheckpointEvaluator(_run(), EvalConfig(steps=1), out)
+    try:
+        assert all(isinstance(leaf, jax.ShapeDtypeStruct)
+                   for leaf in jax.tree.leaves(evaluator.built.model.weights))
+        assert [step for step, _ in evaluator.run()] == [1]
+    finally:
+        evaluator.close()

@@ -97,3 +97,15 @@ def test_evaluation_compiles_once():
     for _ in range(3):
         evaluator.evaluate((), (), [_batch([[1, 2], [3, 4]], [[1, 1], [1, 0]])])
     assert evaluator._batch_sums._cache_size() == 1
+
+
+def test_evaluation_puts_the_weights_on_the_devices_once_not_per_batch():
+    model = tl.Serial(tl.Embedding(8, 4), tl.Dense(8))
+    model.init(jax.ShapeDtypeStruct((2, 4), jnp.int32))
+    evaluator = Evaluator(model, {"loss": tl.WeightedCategoryCrossEntropy()}, n_devices=2)
+    weights = jax.tree.map(np.asarray, model.weights)  # Host values, as a checkpoint's.
+    batches = [_batch([[1, 2, 3, 4], [5, 6, 7, 0]], np.ones((2, 4)))] * 3
+    state = jax.tree.map(np.asarray, model.state)
+    expected = evaluator.evaluate(weights, state, batches)
+    with jax.transfer_guard_host_to_device("disallow"):  # Explicit puts only.
+        assert evaluator.evaluate(weights, state, batches) == expected

@@ -312,3 +312,30 @@ def test_losses_are_read_back_only_on_logging_and_checkpoint_steps(tmp_path):
         loop.run(5)
     # Steps 1-3 are read at the checkpoint of step 3, steps 4-5 at the log of step 5.
     assert reads == [(1, 3), (2, 3), (3, 3), (4, 5), (5, 5)]
+
+
+def test_ordinary_steps_make_no_implicit_transfer(tmp_path):
+    from revtrain.training import warmup_cosine_decay
+    from revtrain.training.loop_metrics import Window
+    schedule = warmup_cosine_decay(1e-3, warmup_steps=2, decay_steps=10)
+    with _loop(None, eval_every=0, eval_steps=0, checkpoint_every=0, log_every=100,
+               learning_rate=schedule) as loop:
+        loss = jax.device_put(np.float32(1.0))
+        rngs = []
+
+        def one_step(batch, rng, step=0, learning_rate=None):  # Device values only.
+            rngs.append(rng)
+            return loss, {}
+
+        loop.trainer.one_step = one_step
+        stream, window = loop.inputs.train_stream(start_step=0), Window()
+        bar = loop._progress_bar(100)
+        with jax.transfer_guard("disallow"):
+            for _ in range(3):
+                loop._train_step(stream, window)
+                loop._after_step(100, window, bar)
+        loop.step = 7  # Set from outside (as a restore does): the counter follows.
+        loop._train_step(stream, window)
+    for step, rng in zip([0, 1, 2, 7], rngs, strict=True):
+        np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(
+            jax.random.fold_in(loop._rng, step)))

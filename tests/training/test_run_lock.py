@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from revtrain.training import read_metrics
-from revtrain.training.run_lock import LOCK_FILE, RunLock, RunLockError
+from revtrain.training.run_directory import LOCK_FILE
+from revtrain.training.run_lock import RunLock, RunLockError
 from tests.cli_helpers import COPY_TASK, TINY, _checkpoint, _steps
 
 

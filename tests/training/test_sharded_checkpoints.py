@@ -17,7 +17,7 @@ from revtrain.training import (
     RunConfig,
     build_loop,
 )
-from revtrain.training.checkpoints import flatten_tree, restore_targets
+from revtrain.training.checkpoint_trees import flatten_tree, restore_targets
 from tests.fsdp_models import TRAINERS, build
 from tests.trainers.conftest import make_batch
 from tests.training.tiny_models import tiny_reversible_lm

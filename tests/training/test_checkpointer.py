@@ -1,4 +1,4 @@
-"""Tests of revtrain/training/checkpoints.py: flat save/restore, checks, retention, atomicity."""
+"""Tests of revtrain/training/checkpointer.py: save/restore, checks, retention, atomicity."""
 import datetime
 import logging
 import os
@@ -9,8 +9,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from revtrain.training import checkpoints
-from revtrain.training.checkpoints import Checkpointer, CheckpointSaveError
+from revtrain.training import checkpoint_trees
+from revtrain.training.checkpointer import Checkpointer, CheckpointSaveError
 from tests.tree_utils import assert_trees_close
 
 
@@ -23,11 +23,11 @@ def _tree(scale=1.0, width=3):
 
 def test_flatten_names_paths_and_round_trips_with_template():
     tree = _tree()
-    flat = checkpoints.flatten_tree(tree)
+    flat = checkpoint_trees.flatten_tree(tree)
     assert "weights/0/0" in flat and "weights/2/b" in flat
     assert "slots/hyperparams/learning_rate" in flat
     assert flat["rng/__prng_key__"].dtype == np.uint32
-    back = checkpoints.unflatten_tree(flat, tree)
+    back = checkpoint_trees.unflatten_tree(flat, tree)
     assert jax.tree.structure(back) == jax.tree.structure(tree)
     np.testing.assert_array_equal(jax.random.key_data(back["rng"]),
                                   jax.random.key_data(tree["rng"]))
@@ -130,9 +130,9 @@ def test_restore_values_reads_only_the_template_entries(tmp_path, monkeypatch):
     values = ckpt.restore_values(template, 4)
     assert list(values) == ["weights"]
     assert_trees_close(values["weights"], tree["weights"])
-    assert sorted(read) == sorted(checkpoints.flatten_tree(template))
+    assert sorted(read) == sorted(checkpoint_trees.flatten_tree(template))
     ckpt.restore(_tree(0.0), 4)  # A full restore reads the rest through the same handler.
     assert any(name.startswith("slots/") for name in read)
-    with pytest.raises(checkpoints.CheckpointMismatchError, match=r"'weights/0/0'"):
+    with pytest.raises(checkpoint_trees.CheckpointMismatchError, match=r"'weights/0/0'"):
         ckpt.restore_values({"weights": _tree(width=4)["weights"]}, 4)
     ckpt.close()

@@ -13,10 +13,8 @@ from __future__ import annotations
 import datetime
 import os
 
+from revtrain.training.run_directory import CONFIG_FILE, HISTORY_DIR
 from revtrain.training.run_files import write_atomic
-
-CONFIG_FILE = "config.gin"
-HISTORY_DIR = "config_history"
 
 
 def write_run_config(output_dir: str, text: str,

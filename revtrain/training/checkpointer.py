@@ -1,19 +1,7 @@
-"""Checkpoints through ``orbax.checkpoint.CheckpointManager``, Paxml-style retention.
+"""`Checkpointer`: saves and restores flat checkpoints with orbax, Paxml-style retention.
 
-A checkpoint is one pytree (the loop stores ``{'weights', 'state', 'slots', 'step',
-'rng'}``), saved *flat*: a dict from a path string such as ``'weights/3/0/1'`` to a numpy
-array. Flat keys make the on-disk layout independent of how orbax treats tuples, empty
-nodes and optax NamedTuples, and make the structure check on restore a comparison of two
-ordered key lists. Restoring needs a *template* (the current model's tree): its structure
-rebuilds the tree, and any difference in paths, shapes or dtypes is a `ValueError` naming
-the first mismatching path (Trax fails with an ``IndexError`` deep inside the restore).
-
-Sharded values (weights and slots under FSDP, `revtrain.trainers.Trainer`) are saved as the
-global ``jax.Array`` s they are: every process writes only its own shards, nothing is
-gathered to one host. A template leaf that is a ``jax.Array`` or a ``jax.ShapeDtypeStruct``
-with a sharding (`restore_targets`) is restored into that sharding, each device reading
-only its slices -- so a checkpoint saved on 4 devices with ``fsdp=True`` restores onto 2
-devices without it, and the reverse (the arrays on disk do not record how they were split).
+Each checkpoint is the flat form of a pytree (`revtrain.training.checkpoint_trees`), one
+``orbax.checkpoint.CheckpointManager`` step directory per step.
 
 Retention, as Paxml's checkpoint manager: the newest ``max_to_keep`` checkpoints, plus,
 permanently, every checkpoint whose step is a multiple of ``keep_period`` and one per
@@ -32,122 +20,34 @@ import errno
 import json
 import logging
 import os
-import sys
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from revtrain.training import retention
+from revtrain.training.barriers import barrier
+from revtrain.training.checkpoint_trees import (
+    SEPARATOR,
+    CheckpointMismatchError,
+    check_matches,
+    flatten_tree,
+    signatures,
+    unflatten_tree,
+)
+from revtrain.training.orbax_workarounds import (
+    drop_closed_event_loop_reports,
+    drop_step_metadata_reports,
+)
+from revtrain.training.run_directory import UNREADABLE_SUFFIX
 
 logger = logging.getLogger(__name__)
 
-SEPARATOR = "/"
-_KEY_MARK = "__prng_key__"  # Suffix of the path of a flattened typed PRNG key.
 _DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's per-step metadata file.
 _NO_SPACE = "No space left on device"  # strerror(ENOSPC), also in tensorstore's messages.
-
-
-def _is_typed_key(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype,
-                                                                  jax.dtypes.prng_key)
-
-
-def _leaves_with_keys(tree: Any) -> list[tuple[str, Any]]:
-    """``(path, leaf)`` pairs; a top-level dict keeps its insertion order (not sorted)."""
-    if isinstance(tree, dict):
-        return [(f"{name}{SEPARATOR}{key}" if key else str(name), leaf)
-                for name, sub in tree.items() for key, leaf in _leaves_with_keys(sub)]
-    return [(jax.tree_util.keystr(path, simple=True, separator=SEPARATOR), leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def flatten_tree(tree: Any) -> dict[str, Any]:
-    """Returns ``{path: array}`` for every leaf of ``tree``.
-
-    Paths join the key path with ``'/'`` (``'weights/3/0/1'``). A top-level dict keeps its
-    insertion order, so ``'weights'`` paths come first when the dict lists them first.
-    Typed PRNG keys are stored as their uint32 key data. A ``jax.Array`` (e.g. a weight
-    sharded over the devices) or a ``jax.ShapeDtypeStruct`` (a restore target carrying its
-    sharding) is kept as it is, so orbax saves each process's shards and restores each
-    device's slices; every other leaf becomes a numpy array. Empty nodes (``()``, None)
-    hold no leaves and vanish; the template given to `unflatten_tree` puts them back.
-    """
-    flat = {}
-    for key, leaf in _leaves_with_keys(tree):
-        if _is_typed_key(leaf):
-            flat[key + SEPARATOR + _KEY_MARK] = np.asarray(jax.random.key_data(leaf))
-        elif isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-            flat[key] = leaf
-        else:
-            flat[key] = np.asarray(leaf)
-    return flat
-
-
-def restore_targets(values: Any, shardings: Any) -> Any:
-    """``values`` with each leaf that has a sharding replaced by an abstract target.
-
-    Args:
-      values: a tree of arrays (e.g. a trainer's ``saved_values(part)``).
-      shardings: the same tree with a ``jax.sharding.Sharding`` or None at each leaf (e.g.
-        ``value_shardings(part)``).
-
-    Returns:
-      ``values`` where a leaf with a sharding becomes ``jax.ShapeDtypeStruct(shape, dtype,
-      sharding=...)``: `Checkpointer.restore` reads it straight into that sharding (each
-      device only its slices), whatever sharding or device count it was saved with.
-      Leaves with None stay as they are (restored as host arrays).
-
-    Raises:
-      ValueError: when the two trees have different numbers of leaves.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(values)
-    targets = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: x is None)
-    if len(targets) != len(leaves):
-        raise ValueError(f"{len(targets)} shardings for {len(leaves)} values; give one "
-                         f"sharding (or None) per leaf")
-    return jax.tree_util.tree_unflatten(treedef, [
-        v if s is None else jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=s)
-        for v, s in zip(leaves, targets, strict=True)])
-
-
-def unflatten_tree(flat: Mapping[str, Any], template: Any) -> Any:
-    """Inverse of `flatten_tree`: rebuilds ``template``'s structure from ``flat`` values.
-
-    Raises:
-      ValueError: when ``flat`` does not hold exactly the template's paths and shapes.
-    """
-    expected = flatten_tree(template)
-    check_matches(_signatures(expected), _signatures(flat), "values")
-    return _rebuild(flat, template, "")
-
-
-def _rebuild(flat: Mapping[str, Any], template: Any, prefix: str) -> Any:
-    if isinstance(template, dict):
-        return type(template)(
-            (name, _rebuild(flat, sub, f"{prefix}{name}{SEPARATOR}"))
-            for name, sub in template.items())
-    leaves = []
-    for path, old in jax.tree_util.tree_flatten_with_path(template)[0]:
-        key = prefix + jax.tree_util.keystr(path, simple=True, separator=SEPARATOR)
-        key = key.rstrip(SEPARATOR)
-        if _is_typed_key(old):
-            leaves.append(jax.random.wrap_key_data(flat[key + SEPARATOR + _KEY_MARK]))
-        else:
-            leaves.append(flat[key])
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
-
-
-def _signatures(flat: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    return {k: (tuple(np.shape(v)), np.dtype(v.dtype)) for k, v in flat.items()}
-
-
-class CheckpointMismatchError(ValueError):
-    """A readable checkpoint holds another model's paths, shapes or dtypes."""
 
 
 class CheckpointUnreadableError(OSError):
@@ -159,103 +59,11 @@ class CheckpointSaveError(OSError):
     the directory, the cause and the newest checkpoint that is intact."""
 
 
-def _reason(error: BaseException) -> str:
+def short_reason(error: BaseException) -> str:
     """A short one-line reason (tensorstore appends its whole JSON spec to messages)."""
     text = " ".join(str(error).split()).split(" [tensorstore_spec=")[0]
     text = text if len(text) <= 300 else text[:297] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _is_closed_loop(error: BaseException | None) -> bool:
-    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-
-
-def _drop_closed_event_loop_reports() -> None:
-    """Keeps a failed restore's or save's leftover operations from printing tracebacks.
-
-    When one array of a checkpoint cannot be read or written (a damaged file, a full
-    disk), orbax raises at once and closes its asyncio event loop while tensorstore still
-    completes the other reads or writes; each of those then reports
-    ``RuntimeError('Event loop is closed')`` through ``sys.unraisablehook`` or (printed
-    from tensorstore's threads) ``sys.excepthook``, seconds later or at exit, and asyncio
-    logs the reads orbax never collected (`_orphaned_read_failures`). Those reports (and
-    only those) are dropped; the failure itself is raised by `Checkpointer.restore` or
-    `Checkpointer.save`.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "_revtrain_filter", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if not _is_closed_loop(unraisable.exc_value):
-            previous(unraisable)
-
-    previous_excepthook = sys.excepthook
-
-    def excepthook(kind: type, value: BaseException, traceback: Any) -> None:
-        if not _is_closed_loop(value):
-            previous_excepthook(kind, value, traceback)
-
-    hook._revtrain_filter = True
-    sys.unraisablehook = hook
-    sys.excepthook = excepthook
-    logging.getLogger("asyncio").addFilter(_orphaned_read_failures)
-
-
-def _orphaned_read_failures(record: logging.LogRecord) -> bool:
-    """Drops asyncio's "Task exception was never retrieved" reports of tensorstore reads a
-    failed restore left behind (orbax gathers the reads, raises the first failure and never
-    collects the others); the failure itself is reported once by the caller."""
-    error = record.exc_info[1] if record.exc_info else None
-    orphaned = str(record.msg).startswith("Task exception was never retrieved")
-    return not (orphaned and _is_tensorstore_read(error))
-
-
-# orbax's own reports of a damaged step's metadata, logged while it lists the steps;
-# `Checkpointer.restore` names such a step once, with what to do.
-_STEP_METADATA_REPORTS = ("Metadata file does not exist: ",
-                          "Failed to json parse Metadata file: ")
-
-
-def _step_metadata_reports(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_STEP_METADATA_REPORTS)
-
-
-def _is_tensorstore_read(error: BaseException | None) -> bool:
-    text = str(error)
-    return error is not None and ('"zarr" driver' in text or "OCDBT database" in text)
-
-
-def _describe(signature: tuple[tuple[int, ...], np.dtype]) -> str:
-    shape, dtype = signature
-    return f"{dtype.name}[{','.join(str(d) for d in shape)}]"
-
-
-def check_matches(expected: Mapping[str, tuple], found: Mapping[str, tuple],
-                  what: str = "checkpoint") -> None:
-    """Checks two ``{path: (shape, dtype)}`` maps agree; raises naming the first mismatch.
-
-    Paths are compared in ``expected``'s order; a path only in ``found`` is reported after
-    all of ``expected``'s paths have been checked.
-
-    Raises:
-      CheckpointMismatchError: a ValueError naming the first path that is missing, extra,
-        or differs in shape/dtype.
-    """
-    for key, signature in expected.items():
-        if key not in found:
-            raise CheckpointMismatchError(
-                f"{what} does not match the model: path {key!r} ({_describe(signature)}) is "
-                f"in the model but not in the {what}")
-        if found[key] != signature:
-            raise CheckpointMismatchError(
-                f"{what} does not match the model at path {key!r}: saved "
-                f"{_describe(found[key])}, model {_describe(signature)}; use the "
-                f"configuration it was saved with, or a new directory")
-    extra = [key for key in found if key not in expected]
-    if extra:
-        raise CheckpointMismatchError(f"{what} does not match the model: path {extra[0]!r} "
-                                      f"is in the {what} but not in the model")
 
 
 def _step_dirs(directory: str) -> list[int]:
@@ -279,12 +87,6 @@ def _check_layout(step_dir: str) -> None:
                                 f"{type(e).__name__})") from e
     if not isinstance(metadata, dict):
         raise FileNotFoundError(f"its {_STEP_METADATA} is not a JSON object")
-
-
-def barrier(name: str) -> None:
-    """Waits for every process (no-op with one process)."""
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
 
 
 class Checkpointer:
@@ -321,8 +123,7 @@ class Checkpointer:
                  async_save: bool = False, cleanup_tmp: bool = False,
                  read_only: bool = False):
         self.directory = os.path.abspath(directory)
-        if _step_metadata_reports not in logging.getLogger("absl").filters:
-            logging.getLogger("absl").addFilter(_step_metadata_reports)
+        drop_step_metadata_reports()
         self._keep = (keep_period, keep_time_interval)
         self._created = not read_only and not os.path.exists(self.directory)
         self._read_only = read_only
@@ -378,7 +179,7 @@ class Checkpointer:
         if jax.process_index() == 0:  # Before saving: the save may delete old steps.
             retention.record_promise(self.directory, self._promises, *self._keep, step)
         barrier(f"revtrain_checkpoint_save_start_{step}")
-        _drop_closed_event_loop_reports()  # A failed write's leftover writes, as `restore`.
+        drop_closed_event_loop_reports()  # A failed write's leftover writes, as `restore`.
         self._saving = int(step)
         with self._reporting_save_failures():
             saved = self._manager.save(int(step), args=ocp.args.StandardSave(flat),
@@ -402,7 +203,7 @@ class Checkpointer:
             kept = (f"the newest checkpoint, step {intact[-1]}, is intact" if intact else
                     "no earlier checkpoint is there")
             full = _NO_SPACE in str(e) or getattr(e, "errno", None) == errno.ENOSPC
-            cause = f"the disk is full ({_NO_SPACE})" if full else _reason(e)
+            cause = f"the disk is full ({_NO_SPACE})" if full else short_reason(e)
             raise CheckpointSaveError(
                 f"could not save the checkpoint of step {step} in {self.directory}: "
                 f"{cause}; {kept}; {'free space' if full else 'fix the cause'} and run "
@@ -435,7 +236,7 @@ class Checkpointer:
             shapes or dtypes differ from the template's; names the first mismatching path.
         """
         self.wait_until_finished()
-        _drop_closed_event_loop_reports()  # Before: a failed read may report at once.
+        drop_closed_event_loop_reports()  # Before: a failed read may report at once.
         if step is not None:
             return self._restore_step(template, step)
         steps = sorted(self._manager.all_steps(), reverse=True)
@@ -449,9 +250,9 @@ class Checkpointer:
                 raise
             except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
                 where = os.path.join(self.directory, str(step))
-                failures.append(f"{where}, fails with {_reason(e)}")
+                failures.append(f"{where}, fails with {short_reason(e)}")
                 logger.warning("skipping the checkpoint %s: it cannot be read (%s); trying "
-                               "the previous one", where, _reason(e))
+                               "the previous one", where, short_reason(e))
                 continue
             self.unreadable_steps = steps[:len(failures)]
             return tree
@@ -463,7 +264,7 @@ class Checkpointer:
         """Moves the checkpoints `restore` skipped out of the way of new saves."""
         if not self.unreadable_steps:
             return
-        aside = self.directory + "_unreadable"
+        aside = self.directory + UNREADABLE_SUFFIX
         for step in self.unreadable_steps if jax.process_index() == 0 else ():
             os.makedirs(aside, exist_ok=True)
             target = os.path.join(aside, str(step))
@@ -504,7 +305,7 @@ class Checkpointer:
             raise FileNotFoundError("its metadata (_METADATA) is missing or unreadable")
         found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()
                  if roots is None or k.split(SEPARATOR)[0] in roots}
-        check_matches(_signatures(expected), found,
+        check_matches(signatures(expected), found,
                       f"checkpoint {os.path.join(self.directory, str(step))}")
 
     def reload(self) -> None:
@@ -525,7 +326,7 @@ class Checkpointer:
           CheckpointMismatchError: naming the first path whose shape or dtype differs, or
             that is missing.
         """
-        _drop_closed_event_loop_reports()  # A damaged file's leftover reads, as `restore`.
+        drop_closed_event_loop_reports()  # A damaged file's leftover reads, as `restore`.
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         where = os.path.join(self.directory, str(step))
@@ -579,4 +380,3 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     # The same files read by the general handler, for `restore_values`' partial restore.
     registry.add(_DEFAULT_ITEM, ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
     return registry
-

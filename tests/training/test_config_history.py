@@ -1,8 +1,9 @@
-"""Tests of revtrain/training/run_config.py: every run's config is kept."""
+"""Tests of revtrain/training/config_history.py: every run's config is kept."""
 import datetime
 import os
 
-from revtrain.training.run_config import HISTORY_DIR, write_run_config
+from revtrain.training.config_history import write_run_config
+from revtrain.training.run_directory import HISTORY_DIR
 from tests.cli_helpers import _train
 
 
