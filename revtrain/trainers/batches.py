@@ -14,17 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from revtrain.batch_checks import check_divisible
+
 
 def check_split(batch: int | None, n_devices: int) -> None:
-    """Raises the one error for a batch of ``batch`` rows that ``n_devices`` cannot split.
+    """`revtrain.batch_checks.check_divisible` for a batch of ``batch`` rows (None: a
+    leaf without a leading axis, which never splits).
 
     Raises:
-      ValueError: when ``batch`` is None (no leading axis), 0, or not a multiple of
-        ``n_devices``; names both numbers.
+      ValueError: when ``batch`` is None, 0, or not a multiple of ``n_devices``; names
+        both numbers.
     """
-    if batch is None or batch == 0 or batch % n_devices:
-        raise ValueError(f"batch size {batch} is not divisible by n_devices={n_devices}; "
-                         f"use a non-empty global batch that is a multiple of {n_devices}")
+    check_divisible(0 if batch is None else batch, n_devices)
 
 
 def reshape_by_device(x: Any, n_devices: int) -> Any:

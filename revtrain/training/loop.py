@@ -43,6 +43,7 @@ import optax
 import tqdm
 
 from revtrain.data.inputs import Inputs
+from revtrain.trainers.protocols import Trainer as TrainerProtocol
 from revtrain.training.barriers import barrier
 from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
@@ -105,7 +106,7 @@ class Loop:
       restored_step: the step of the checkpoint restored on construction, or None.
     """
 
-    def __init__(self, trainer: Any, inputs: Inputs, model: Any, evaluator: Evaluator,
+    def __init__(self, trainer: TrainerProtocol, inputs: Inputs, model: Any, evaluator: Evaluator,
                  splits: Mapping[str, Inputs] | None = None, *,
                  checkpointer: Checkpointer | None = None,
                  init_checkpointer: Checkpointer | None = None,

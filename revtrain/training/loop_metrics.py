@@ -22,11 +22,9 @@ from revtrain.training.evaluation import bits_per_byte
 
 
 def global_l2(stats: Mapping[str, Any], name: str) -> float | None:
-    """``stats[name]``, or the L2 norm over all ``layer{i}/{name}`` entries."""
-    if name in stats:
-        return float(stats[name])
-    parts = [float(v) ** 2 for k, v in stats.items() if k.endswith("/" + name)]
-    return math.sqrt(sum(parts)) if parts else None
+    """``stats[name]`` (every trainer reports the whole model's ``gradients_l2`` and
+    ``weights_l2``), or None when a custom trainer does not."""
+    return float(stats[name]) if name in stats else None
 
 
 def fmt(value: float) -> str:

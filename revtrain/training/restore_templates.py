@@ -21,16 +21,9 @@ import numpy as np
 
 def value_signature(trainer: Any, part: str) -> Any:
     """``trainer.value_signature(part)``: the ``jax.ShapeDtypeStruct`` tree of one part
-    (``'weights'``, ``'state'`` or ``'slots'``) of the trainer's ``train_state``.
-
-    Trainers that do not have the public method yet are read from the signature they
-    keep for their own restore checks.
-    """
-    public = getattr(trainer, "value_signature", None)
-    if public is not None:
-        return public(part)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                        getattr(trainer._signature, part))
+    (``'weights'``, ``'state'`` or ``'slots'``) of the trainer's ``train_state``
+    (`revtrain.trainers.TrainerProtocol`); no value is read."""
+    return trainer.value_signature(part)
 
 
 def host_placeholder(shape: Sequence[int], dtype: Any) -> np.ndarray:

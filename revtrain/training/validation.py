@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from revtrain.batch_checks import check_divisible
+
 # Numeric arguments by gin name: (kind, smallest allowed value, None allowed).
 _RANGES: dict[str, dict[str, tuple[str, float, bool]]] = {
     "train": {"steps": ("int", 1, False)},
@@ -172,8 +174,9 @@ def check_batch_divides(batch_size: int, n_devices: int | None, data: Any) -> No
       ValueError: naming both numbers and the bindings to change.
     """
     n = jax.local_device_count() if n_devices is None else n_devices
-    if batch_size % n:
-        rows = batch_size * jax.process_count()
-        raise ValueError(f"the batch of {rows} rows of {_name(data)} does not divide over "
-                         f"n_devices={n * jax.process_count()}; set {_name(data)}.batch_size "
-                         f"to a multiple of {n * jax.process_count()} (or RunConfig.n_devices)")
+    # Global rows over global devices: the same condition as per process.
+    total = n * jax.process_count()
+    check_divisible(batch_size * jax.process_count(), total,
+                    what=f"{_name(data)}'s batch size",
+                    fix=f"set {_name(data)}.batch_size to a multiple of {total} (or "
+                        f"RunConfig.n_devices)")

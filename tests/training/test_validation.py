@@ -78,6 +78,6 @@ def test_in_range_arguments_and_none_pass():
 
 def test_batch_must_divide_over_devices():
     check_batch_divides(8, 4, DATA)
-    with pytest.raises(ValueError, match="batch of 6 rows of CopyTask does not divide over "
+    with pytest.raises(ValueError, match="CopyTask's batch size 6 is not divisible by "
                                          "n_devices=4"):
         check_batch_divides(6, 4, DATA)
