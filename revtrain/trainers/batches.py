@@ -87,15 +87,21 @@ def for_n_devices(x: Any, n_devices: int) -> Any:
 
 
 
-def device_weight_total(rows: Any, weights: Any | None) -> jax.Array:
+def device_weight_total(weights: Any | None) -> jax.Array:
     """Inside ``shard_map``: the total of this device's batch weights, float32 scalar.
 
-    The on-device form of `weight_totals_by_device` (the same number, summed in float32):
-    ``weights`` is the device's slice of the batch's third item, or None for a batch
-    without weights, when the total is the device's row count ``rows``.
+    The on-device form of `weight_totals_by_device`. ``weights`` is the device's slice of
+    the batch's third item: integer and boolean weights are summed exactly (int32), float
+    ones in float32 (for fractional weights an ulp from `weight_totals_by_device`'s
+    float64 sum; 0/1 masks are exact up to 2**24 positions per device). For a batch
+    without weights (None) the total is 1: every device has the same number of rows, so
+    each device's share of the loss (`revtrain.trainers.global_loss.loss_share`) is
+    ``1 / devices`` either way, whatever the stack holds.
     """
     if weights is None:
-        return jnp.float32(rows)
+        return jnp.float32(1.0)
+    if jnp.issubdtype(weights.dtype, jnp.integer) or weights.dtype == jnp.bool_:
+        return jnp.sum(weights, dtype=jnp.int32).astype(jnp.float32)
     return jnp.sum(weights, dtype=jnp.float32)
 
 

@@ -213,10 +213,12 @@ class HostStore:
         return host
 
     def finish_step(self) -> None:
-        # The last op's new weights and slots stay pending (their copies back are under
-        # way) so that the step returns while its final update runs; the next step, a
-        # read of the values or `block_until_ready` lands them.
+        # Without ``free_accelerators_on_step`` the last op's new weights and slots stay
+        # pending (their copies back under way), so that the step returns while its final
+        # update runs; the next step, a read of the values or `block_until_ready` lands
+        # them. Freeing the devices at the end of the step means waiting for them.
         if self._free:
+            self._resolve_pending()
             self._free_resident()
         self._states = self._new_states
 

@@ -88,7 +88,7 @@ class ReverseArgs(NamedTuple):
 class LossArgs(NamedTuple):
     """The loss layer's fbo: the final stack ``x``, ``state``, ``rngs`` and
     ``batch_weights``, the batch's third item (per-position loss weights) or None for a
-    batch without weights (each device's total is then its row count)."""
+    batch without weights (every device's share is then equal)."""
 
     x: Any
     state: Any
@@ -185,9 +185,8 @@ def _loss_grads(layer: Layer, args: LossArgs, weights, index) -> tuple[tuple, An
     fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _layer_key(args.rngs, index))
     loss, vjp_fn, new_state = jax.vjp(fn, x, weights, has_aux=True)
     check_scalar_loss(layer, loss)
-    rows = jax.tree.leaves(x)[0].shape[0]
     weights_item = None if args.batch_weights is None else _squeeze(args.batch_weights)
-    share = loss_share(device_weight_total(rows, weights_item))
+    share = loss_share(device_weight_total(weights_item))
     ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
     return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)),
             _unsqueeze(new_state)), ct_w

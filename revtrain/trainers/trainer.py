@@ -119,9 +119,7 @@ class Trainer(TrainerBase):
         def gradients(batch, weights, state, rng):
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
             rng = jax.random.wrap_key_data(rng[0])
-            rows = jax.tree.leaves(batch)[0].shape[0]
-            share = loss_share(device_weight_total(rows, batch[2] if len(batch) >= 3
-                                                   else None))
+            share = loss_share(device_weight_total(batch[2] if len(batch) >= 3 else None))
 
             def loss_fn(w):
                 loss, new_state = model.pure_fn(batch, w, state, rng)
