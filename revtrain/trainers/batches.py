@@ -87,7 +87,7 @@ def for_n_devices(x: Any, n_devices: int) -> Any:
 
 
 
-def device_weight_total(weights: Any | None) -> jax.Array:
+def device_weight_total(weights: Any | None, axis_name: str) -> jax.Array:
     """Inside ``shard_map``: the total of this device's batch weights, float32 scalar.
 
     The on-device form of `weight_totals_by_device`. ``weights`` is the device's slice of
@@ -96,10 +96,11 @@ def device_weight_total(weights: Any | None) -> jax.Array:
     float64 sum; 0/1 masks are exact up to 2**24 positions per device). For a batch
     without weights (None) the total is 1: every device has the same number of rows, so
     each device's share of the loss (`revtrain.trainers.global_loss.loss_share`) is
-    ``1 / devices`` either way, whatever the stack holds.
+    ``1 / devices`` either way, whatever the stack holds. ``axis_name`` is the mesh axis
+    the batch is split over (the total varies over it).
     """
     if weights is None:
-        return jnp.float32(1.0)
+        return jax.lax.pcast(jnp.float32(1.0), axis_name, to="varying")
     if jnp.issubdtype(weights.dtype, jnp.integer) or weights.dtype == jnp.bool_:
         return jnp.sum(weights, dtype=jnp.int32).astype(jnp.float32)
     return jnp.sum(weights, dtype=jnp.float32)

@@ -42,7 +42,7 @@ from revtrain.trainers import fsdp
 from revtrain.trainers.batches import device_weight_total
 from revtrain.trainers.fsdp import DEV, REP
 from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.placement import Placement
+from revtrain.trainers.placement import BATCH_AXIS, Placement
 from revtrain.trainers.plan import Op, OpKind
 from revtrain.trainers.protocols import Params
 from revtrain.trainers.updates import apply_optimizer, clip_by_given_global_norm, squared_norm
@@ -186,7 +186,7 @@ def _loss_grads(layer: Layer, args: LossArgs, weights, index) -> tuple[tuple, An
     loss, vjp_fn, new_state = jax.vjp(fn, x, weights, has_aux=True)
     check_scalar_loss(layer, loss)
     weights_item = None if args.batch_weights is None else _squeeze(args.batch_weights)
-    share = loss_share(device_weight_total(weights_item))
+    share = loss_share(device_weight_total(weights_item, BATCH_AXIS))
     ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
     return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)),
             _unsqueeze(new_state)), ct_w

@@ -17,7 +17,7 @@ from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.batches import device_weight_total, for_n_devices
 from revtrain.trainers.fsdp import DEV, REP, gather_weights, reduce_gradients
 from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.placement import Placement
+from revtrain.trainers.placement import BATCH_AXIS, Placement
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 from revtrain.trainers.rngs import StepKeys
 from revtrain.trainers.updates import apply_optimizer
@@ -119,7 +119,8 @@ class Trainer(TrainerBase):
         def gradients(batch, weights, state, rng):
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
             rng = jax.random.wrap_key_data(rng[0])
-            share = loss_share(device_weight_total(batch[2] if len(batch) >= 3 else None))
+            share = loss_share(device_weight_total(batch[2] if len(batch) >= 3 else None,
+                                                   BATCH_AXIS))
 
             def loss_fn(w):
                 loss, new_state = model.pure_fn(batch, w, state, rng)
