@@ -1,4 +1,4 @@
-"""`BlockTrainer`: one step of block-wise training, driven by a schedule built once.
+"""`BlockTrainer`: one step of block-wise training, a plan built once and run by one executor.
 
 Activation memory does not grow with depth: the forward pass keeps only each block's input
 stack and the layers' states; the backward pass reconstructs every reversible layer's input

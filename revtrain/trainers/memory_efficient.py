@@ -1,7 +1,7 @@
 """`MemoryEfficientTrainer`: weights and optimizer slots in host memory, a layer at a time.
 
 For models whose weights plus optimizer state do not fit on the accelerator. It is a
-`BlockTrainer` -- the same schedule and the same compiled per-layer functions as
+`BlockTrainer` -- the same plan and the same compiled per-layer programs as
 `ReversibleSerialTrainer` -- whose `ParamStore` is a `HostStore`:
 
 * between steps every layer's weights, slots and state are numpy arrays in host memory;

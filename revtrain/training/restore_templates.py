@@ -1,7 +1,7 @@
 """Restore templates: what a checkpoint is read into, built from shapes, never values.
 
 Restoring a checkpoint needs a template with the structure, shapes and dtypes of what it
-holds (`revtrain.training.checkpoints.Checkpointer.restore`). A trainer knows all of them
+holds (`revtrain.training.checkpointer.Checkpointer.restore`). A trainer knows all of them
 without touching its values (``value_signature``) and where each value should land
 (``value_shardings``), so a template costs no copy of the model to the host and no
 device memory: a leaf the trainer keeps on the devices becomes a
