@@ -73,8 +73,24 @@ def _heavy(batch):
 MAX_SHARE = {"Trainer": 0.2, "ReversibleSerialTrainer": 0.2, "MemoryEfficientTrainer": 0.6}
 
 
+def _dispatch_share_of_plain_jit() -> float:
+    """How much of a ~0.3 s jitted computation the call itself takes (the backend's own
+    asynchronous dispatch: near 0 when it has it, near 1 when it runs programs inline)."""
+    x = jax.numpy.ones((1024, 1024))
+    chain = jax.jit(lambda a: jax.lax.fori_loop(0, 40, lambda _, b: jax.numpy.tanh(b @ a), a))
+    chain(x).block_until_ready()
+    start = time.perf_counter()
+    out = chain(x)
+    dispatched = time.perf_counter() - start
+    out.block_until_ready()
+    return dispatched / (time.perf_counter() - start)
+
+
 @pytest.mark.parametrize("name", TRAINERS)
 def test_one_step_returns_before_the_steps_device_work_is_done(name):
+    if _dispatch_share_of_plain_jit() > 0.5:
+        pytest.skip("this jax's CPU backend runs programs as they are called (no "
+                    "asynchronous dispatch to measure)")
     batch = make_batch(batch_size=64)
     batch = tuple(np.tile(b, (1, 40)) for b in batch)  # [64, 240]: ~1 s of work a step.
     kwargs = ({"free_accelerators_on_step": False} if name == "MemoryEfficientTrainer"
