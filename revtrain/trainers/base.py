@@ -71,6 +71,7 @@ class TrainerBase:
         self._optimizer_fn = optimizer_fn
         self.observers: list[Observer] = []
         self._copy_batch = False
+        self._lr_on_mesh: tuple[float, jax.Array] | None = None  # `_placed_learning_rate`
 
     @property
     def mesh(self) -> Mesh:
@@ -282,7 +283,7 @@ class TrainerBase:
         again (one explicit transfer per change of rate)."""
         if lr is None:
             return None
-        cached = getattr(self, "_lr_on_mesh", None)
+        cached = self._lr_on_mesh
         if cached is None or cached[0] != float(lr):
             cached = self._lr_on_mesh = (float(lr), jax.device_put(lr, self.placement.replicated))
         return cached[1]
