@@ -166,16 +166,20 @@ def _logits(q_blk: jax.Array, k_blk: jax.Array, rows: jax.Array, cols: jax.Array
     return jnp.where(cols[None, :] <= rows[:, None], s, -jnp.inf)
 
 
-def _dropped(x: jax.Array, seed: jax.Array, i: jax.Array, j: jax.Array, offsets: tuple,
-             config: BlockConfig) -> jax.Array:
-    """``x`` (block ``(i, j)``) with its dropped probabilities zeroed and the rest scaled."""
+def _keep(shape: tuple[int, ...], seed: jax.Array, i: jax.Array, j: jax.Array,
+          offsets: tuple, config: BlockConfig) -> jax.Array | None:
+    """Block ``(i, j)``'s dropout keep-mask (None without dropout)."""
     if not config.rate:
-        return x
-    keep = position_keep_mask(seed, x.shape, _first(i, offsets[0], config),
+        return None
+    return position_keep_mask(seed, shape, _first(i, offsets[0], config),
                               _first(j, offsets[1], config), config.length * config.stride,
                               config.rate, config.mask_bits, head_start=seed[2],
                               total_heads=config.total_heads, stride=config.stride)
-    return apply_keep_mask(x, keep, config.rate, config.mask_bits)
+
+
+def _dropped(x: jax.Array, keep: jax.Array | None, config: BlockConfig) -> jax.Array:
+    """``x`` with the probabilities ``keep`` drops zeroed and the rest scaled."""
+    return x if keep is None else apply_keep_mask(x, keep, config.rate, config.mask_bits)
 
 
 def query_block_forward(config: BlockConfig, q_blk: jax.Array, kp: jax.Array, vp: jax.Array,
@@ -207,7 +211,8 @@ def query_block_forward(config: BlockConfig, q_blk: jax.Array, kp: jax.Array, vp
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
         total = total * correction + p.sum(axis=-1)
-        p = _dropped(p, seed, i, j, (row_offset, col_offset), config).astype(vp.dtype)
+        keep = _keep(p.shape, seed, i, j, (row_offset, col_offset), config)
+        p = _dropped(p, keep, config).astype(vp.dtype)
         pv = jnp.einsum("bhqk,bkhd->bqhd", p, block(vp, j, config),
                         preferred_element_type=acc_dtype)
         return m_new, total, acc * heads_last(correction) + pv
@@ -257,11 +262,12 @@ def backward_blocks(config: BlockConfig, qp: jax.Array, kp: jax.Array, vp: jax.A
             lse_blk = block(lse, i, config, axis=2)
             s = _logits(q_blk, k_blk, _positions(i, row_offset, config), cols)
             p = jnp.exp(s - lse_blk[..., None])
-            dropped = _dropped(p, seed, i, j, offsets, config).astype(do_blk.dtype)
+            keep = _keep(p.shape, seed, i, j, offsets, config)   # one mask for p and dp
+            dropped = _dropped(p, keep, config).astype(do_blk.dtype)
             dv = dv + jnp.einsum("bhqk,bqhd->bkhd", dropped, do_blk,
                                  preferred_element_type=acc_dtype)
             dp = jnp.einsum("bqhd,bkhd->bhqk", do_blk, v_blk, preferred_element_type=acc_dtype)
-            ds = p * (_dropped(dp, seed, i, j, offsets, config)
+            ds = p * (_dropped(dp, keep, config)
                       - block(delta, i, config, axis=2)[..., None])
             dq_blk = jnp.einsum("bhqk,bkhd->bqhd", ds, k_blk,
                                 preferred_element_type=acc_dtype) * scale

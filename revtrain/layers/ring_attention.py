@@ -6,8 +6,11 @@ keys and values for ``L / n`` positions in the striped layout of
 s``). The forward pass makes ``n`` steps: at step ``k`` device ``s`` holds the keys and
 values of device ``(s - k) % n`` and folds them into its queries' online softmax
 (`revtrain.layers.blockwise_kernel.query_block_forward`, per query block, the blockwise
-kernel's code); between steps the key/value blocks move one device along the ring with
-``lax.ppermute`` (sent before the step's compute, so the transfer can overlap it). The
+kernel's code); each step also sends its key/value blocks one device along the ring
+with ``lax.ppermute``, issued before the step's compute so that the transfer can overlap
+it. The steps are one ``lax.fori_loop``, so the program holds one copy of a step whatever
+``n``; the price is an ``n``-th move at the last step (bringing the blocks home), which
+that step's compute hides. The
 online-softmax statistics ``(m, total, acc)`` of the local queries are carried across
 the steps, so the result is one softmax over all keys, not a merge of partial ones.
 
@@ -160,8 +163,7 @@ def _ring_forward(config: _RingConfig, q, k, v, seed):
     stats = (mesh_full((batch, heads, padded), -jnp.inf, *like, dtype=acc_dtype),
              mesh_full((batch, heads, padded), 0.0, *like, dtype=acc_dtype),
              mesh_full((batch, padded, heads, vp.shape[-1]), 0.0, *like, dtype=acc_dtype))
-    stats, kv = lax.fori_loop(0, n - 1, step, (stats, (kp, vp)))
-    m, total, acc = accumulate(n - 1, stats, kv)
+    (m, total, acc), _ = lax.fori_loop(0, n, step, (stats, (kp, vp)))
     # Every row, padded or not, saw key 0 of its own shard (position s <= its own) at
     # step 0, so total > 0.
     return (acc / heads_last(total)).astype(vp.dtype), m + jnp.log(total)
@@ -202,9 +204,8 @@ def _ring_bwd(config: _RingConfig, residuals, d_out):
 
     zeros = tuple(mesh_full(x.shape, 0.0, *like, dtype=acc_dtype) for x in (kp, vp))
     dq = mesh_full(qp.shape, 0.0, *like, dtype=acc_dtype)
-    dq, kv, dkv = lax.fori_loop(0, n - 1, step, (dq, (kp, vp), zeros))
-    dq, dkv = accumulate(n - 1, dq, kv, dkv)
-    dk, dv = _ring_permute(dkv, config)  # the n-th move brings them home
+    # After n moves the dk, dv accumulators are home, each holding every shard's terms.
+    dq, _, (dk, dv) = lax.fori_loop(0, n, step, (dq, (kp, vp), zeros))
     length = kc.length
     return (dq[:, :length].astype(q.dtype), dk[:, :length].astype(k.dtype),
             dv[:, :length].astype(v.dtype), None)
