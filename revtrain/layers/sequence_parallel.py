@@ -15,7 +15,10 @@ The contract between a trainer and the layers:
    n_shards, length):``. Layers read `current` while tracing; nothing is read at run time,
    so a compiled program is specific to ``(axis_name, n_shards, length)`` and a program
    cache must be keyed by them. Outside the context (or with ``n_shards == 1``) every layer
-   computes as it always did.
+   computes as it always did. Initialise layers and compute output signatures outside the
+   context (no layer's weights or output shape depend on the split); under it, a layer
+   that needs the shard index (attention, position tables, dropout) must be traced inside
+   ``shard_map``.
 3. **Layers.** Position-wise layers (`Dense`, `Embedding`, `LayerNorm`, activations over
    the feature axis, `Chunk`, the chunked and fused losses) need nothing. Layers that
    depend on positions use this shard's global positions (`SequenceSharding.
