@@ -32,8 +32,9 @@ class _Activation(Layer):
 
 
 def _check_axis(layer: _Activation, x: jax.Array) -> None:
-    """Raises ValueError for a softmax over axis 1 of a sequence-split input."""
-    if x.ndim > 1 and layer._axis % x.ndim == 1:
+    """Raises ValueError for a softmax over axis 1 of a sequence-split ``[batch, length,
+    ...]`` input."""
+    if x.ndim > 2 and layer._axis % x.ndim == 1:
         check_not_split(f"{layer.name}(axis={layer._axis})", "normalise over the last axis "
                         "of [batch, length, d] inputs or use seq=1", why="normalises")
 

@@ -301,7 +301,7 @@ class Concatenate(Layer):
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         items = stack_items(x)
-        if items[0].ndim > 1 and self._axis % items[0].ndim == 1:
+        if items[0].ndim > 2 and self._axis % items[0].ndim == 1:
             check_not_split(f"Concatenate(axis={self._axis})", "concatenate features "
                             "(axis=-1) or use seq=1", why="joins arrays")
         return jnp.concatenate(items, axis=self._axis), state
@@ -322,7 +322,7 @@ class Split(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         size = x.shape[self._axis]
-        if x.ndim > 1 and self._axis % x.ndim == 1:
+        if x.ndim > 2 and self._axis % x.ndim == 1:
             check_not_split(f"Split(axis={self._axis})", "split features (axis=-1) or use "
                             "seq=1", why="cuts arrays")
         if size % self._n_items:

@@ -323,7 +323,7 @@ class Flatten(Layer):
         if x.ndim <= n:
             raise ValueError(f"Flatten(n_axes_to_keep={n}) needs inputs with more than {n} "
                              f"axes; got shape {x.shape}")
-        if n == 0 or (n == 1 and x.ndim > 2):
+        if n <= 1 and x.ndim > 2:
             check_not_split(f"Flatten(n_axes_to_keep={n})", "keep the batch and length axes "
                             "(n_axes_to_keep=2) or use seq=1", why="merges axis 1")
         return jnp.reshape(x, x.shape[:n] + (-1,)), state
@@ -342,7 +342,7 @@ class Mean(Layer):
         if any(not -x.ndim <= a < x.ndim for a in axes):
             raise ValueError(f"Mean axis={self._axis} is out of range for inputs of shape "
                              f"{x.shape}; use axes in [-{x.ndim}, {x.ndim})")
-        if x.ndim > 1 and 1 in {a % x.ndim for a in axes}:
+        if x.ndim > 2 and 1 in {a % x.ndim for a in axes}:
             check_not_split(f"Mean(axis={self._axis})", "average over other axes (or weight "
                             "positions in a loss) or use seq=1", why="averages")
         return jnp.mean(x, axis=self._axis, keepdims=self._keepdims), state

@@ -116,7 +116,7 @@ class BatchNorm(Layer):
         bshape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
         xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         if self._mode == "train":
-            if x.ndim > 1 and 1 in axes:
+            if x.ndim > 2 and 1 in axes:
                 check_not_split(f"BatchNorm(axis={self._axis})", "normalise over the features "
                                 "(LayerNorm) or use seq=1", why="averages statistics")
             mean = jnp.mean(xf, axis=axes)

@@ -31,7 +31,10 @@ The contract between a trainer and the layers:
    length in ``'train'`` mode, `Mean`, `Flatten`, `Concatenate`, `Split`, `Softmax` and
    `LogSoftmax` over axis 1, `ReversibleReshape`, and the dense attention functions
    (`dot_product_attention`, `einsum_attention`, `blockwise_attention`) called directly.
-   A user's `Fn` is not checked.
+   A user's `Fn` is not checked. The split axis is axis 1 of ``[batch, length, ...]``
+   activations (rank 3 or more); rank-2 arrays are not refused by the reductions above,
+   as they may as well be rows of positions (``[positions, vocab]`` in a fused loss) as
+   ``[batch, length]`` token ids.
 4. **Losses.** A loss layer returns this shard's weighted mean; the trainer combines the
    shards as it combines devices over the batch (weights summed over every axis the
    batch and the length are split over), so the invariance holds.

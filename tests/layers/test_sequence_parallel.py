@@ -200,10 +200,19 @@ def _lm_predict_encoding():
 def test_layers_a_shard_cannot_compute_alone_are_one_line_errors(layer, shape, message):
     layer = layer()
     nested = isinstance(shape[0], tuple)
-    signature = tuple(ShapeDtype(s, jnp.float32) for s in shape) if nested else ShapeDtype(shape, jnp.float32)
+    signature = (tuple(ShapeDtype(s, jnp.float32) for s in shape) if nested
+                 else ShapeDtype(shape, jnp.float32))
     layer.init(signature, rng=jax.random.key(0))
     x = tuple(jnp.ones(s) for s in shape) if nested else jnp.ones(shape)
     with sequence_sharded("seq", 4, 16), pytest.raises(LayerError, match=message) as error:
         layer.pure_fn(x, layer.weights, layer.state, jax.random.key(1))
     assert "\n" not in str(error.value.original)
     assert "sequence_sharded(axis_name='seq', n_shards=4, length=16)" in str(error.value)
+
+
+def test_rank_2_rows_are_not_taken_for_a_split_length():
+    """A fused loss applies LogSoftmax to ``[positions, vocab]`` rows under the split."""
+    rows = jnp.ones((16, 8))
+    with sequence_sharded("seq", 4, 16):
+        np.testing.assert_allclose(LogSoftmax().pure_fn(rows, (), (), None)[0],
+                                   jnp.full((16, 8), -np.log(8)), rtol=1e-6)
