@@ -1,5 +1,6 @@
 """revtrain.layers: Trax-style layers and combinators that pass data on a stack."""
 
+from revtrain.layers import sequence_parallel
 from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh
 from revtrain.layers.attention import CausalAttention
 from revtrain.layers.attention_ops import dot_product_attention, einsum_attention
@@ -59,7 +60,14 @@ from revtrain.layers.reversible import (
     ReversibleSerial,
     ReversibleSwap,
 )
+from revtrain.layers.ring_attention import ring_attention
 from revtrain.layers.rotary import rotary_embedding
+from revtrain.layers.sequence_parallel import (
+    SEQ_AXIS,
+    SequenceSharding,
+    sequence_layout,
+    sequence_sharded,
+)
 from revtrain.layers.signatures import LayerError, ShapeDtype, signature_of
 from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
 
@@ -74,6 +82,8 @@ __all__ = [
     "WeightedCategoryCrossEntropy", "weighted_mean",
     "AvgPool", "BatchNorm", "CausalAttention", "Conv", "LSHCausalAttention", "LayerNorm", "MaxPool",
     "dot_product_attention", "einsum_attention", "blockwise_attention", "rotary_embedding",
+    "ring_attention", "SEQ_AXIS", "SequenceSharding", "sequence_layout", "sequence_sharded",
+    "sequence_parallel",
     "Chunk",
     "Remat",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from revtrain.layers.layer import Layer
+from revtrain.layers.sequence_parallel import check_not_split
 from revtrain.layers.signatures import float_dtype
 
 
@@ -28,6 +29,14 @@ class _Activation(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         return self.apply(x), state
+
+
+def _check_axis(layer: _Activation, x: jax.Array) -> None:
+    """Raises ValueError for a softmax over axis 1 of a sequence-split ``[batch, length,
+    ...]`` input."""
+    if x.ndim > 2 and layer._axis % x.ndim == 1:
+        check_not_split(f"{layer.name}(axis={layer._axis})", "normalise over the last axis "
+                        "of [batch, length, d] inputs or use seq=1", why="normalises")
 
 
 class Relu(_Activation):
@@ -84,6 +93,7 @@ class LogSoftmax(_Activation):
         return self._axis
 
     def apply(self, x):
+        _check_axis(self, x)
         return jax.nn.log_softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
                                   axis=self._axis).astype(float_dtype(x))
 
@@ -97,6 +107,7 @@ class Softmax(_Activation):
         self._axis = axis
 
     def apply(self, x):
+        _check_axis(self, x)
         return jax.nn.softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)),
                               axis=self._axis).astype(float_dtype(x))
 

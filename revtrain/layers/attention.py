@@ -23,6 +23,14 @@ switching implementation never changes what a model computes beyond float roundi
 attention logits and softmax are computed in at least float32 whatever the input dtype;
 the output has the input dtype.
 
+Sequence parallelism: traced under `revtrain.layers.sequence_parallel.sequence_sharded`
+with ``n_shards > 1`` (the length split over a mesh axis), every implementation runs ring
+attention (`revtrain.layers.ring_attention`: the blockwise kernel's online softmax with
+key/value blocks passed around the ring), one head at a time as the blockwise path, and
+rotary positions are the shard's global positions; the result equals the unsplit layer's
+rows to float rounding, attention dropout included when every shard gets the same key.
+Incremental decoding (``'predict'`` mode with ``max_len``) is not split: it raises.
+
 The dense functions and the projections this layer shares with `LSHCausalAttention` are in
 `revtrain.layers.attention_ops` (re-exported here).
 
@@ -53,7 +61,9 @@ from revtrain.layers.blockwise_attention import (
 from revtrain.layers.core import check_mode, check_rate
 from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, check_mask_bits
 from revtrain.layers.layer import Layer
+from revtrain.layers.ring_attention import ring_attention
 from revtrain.layers.rotary import check_rotary_head_size, rotary_embedding
+from revtrain.layers.sequence_parallel import check_local_length, check_not_split
 
 IMPLEMENTATIONS = (None, "xla", "blockwise", "cudnn")
 # The full path is chosen while its float32 [batch, n_heads, length, length] logits take at
@@ -128,6 +138,10 @@ class CausalAttention(Layer):
       rotary: rotate queries and keys by their positions (`revtrain.layers.rotary`,
         RoFormer) before attending; the LMs set it for ``pos_type='rotary'``.
 
+    Under a sequence split (`revtrain.layers.sequence_parallel.sequence_sharded`, ``n_shards
+    > 1``) every implementation runs ring attention over the split's mesh axis (module
+    docstring); ``'predict'`` mode with ``max_len`` raises there.
+
     Integer inputs are computed in float32 (as `Dense` does); float inputs in their dtype.
 
     Raises:
@@ -136,7 +150,9 @@ class CausalAttention(Layer):
         a positive int, ``rotary`` is set with an odd ``d_head``, or ``'cudnn'`` is asked
         for where it cannot run (no GPU backend, or attention dropout in ``'train'``
         mode).
-      LayerError: (from ``pure_fn``) for inputs that are not ``[batch, length, d_feature]``.
+      LayerError: (from ``pure_fn``) for inputs that are not ``[batch, length, d_feature]``,
+        or, under a sequence split, not of the split's local length or in ``'predict'``
+        mode with a cache.
     """
 
     def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
@@ -177,6 +193,12 @@ class CausalAttention(Layer):
         batch, length, _ = x.shape
         d_head = self._d_feature // self._n_heads
         rate = self._dropout if self._mode == "train" else 0.0
+        if self._cache_len is not None:
+            check_not_split("CausalAttention(mode='predict')", "decode without a sequence "
+                            "split (seq=1)", why="decodes from a key/value cache")
+        sharded = check_local_length("CausalAttention", length)
+        if sharded is not None:
+            return self._by_head(x, weights, rng, rate, "ring", sharded), state
         implementation = None
         if self._cache_len is None:
             implementation = self._implementation or choose_implementation(
@@ -202,7 +224,7 @@ class CausalAttention(Layer):
                                              implementation=passed, mask_bits=self._mask_bits)
         return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
 
-    def _by_head(self, x, weights, rng, rate, implementation):
+    def _by_head(self, x, weights, rng, rate, implementation, sharded=None):
         """Attention one head at a time: ``y = sum_h attn_h(x) W_o[h] + b_o``.
 
         Runs for the blockwise path, and for the full path where its logits exceed
@@ -214,7 +236,8 @@ class CausalAttention(Layer):
         for one more forward pass of the attention in the backward pass (measured on the
         blockwise path at 8K, d_model 128, 4 heads: 24% longer, 43% fewer temporaries).
         Dropout masks are those of all heads at once (``head_start``), so the result does
-        not depend on it.
+        not depend on it. ``implementation='ring'`` runs `ring_attention` over the axis of
+        ``sharded`` (a `SequenceSharding`), whose global positions the rotary angles use.
         """
         batch, length, d = x.shape
         n_heads = self._n_heads
@@ -222,7 +245,7 @@ class CausalAttention(Layer):
 
         projections = tuple(by_head(pair, n_heads, x.dtype) for pair in weights[:3])
         w_out = weights[3][0].astype(x.dtype).reshape(n_heads, d_head, d)
-        positions = jnp.arange(length)
+        positions = jnp.arange(length) if sharded is None else sharded.local_positions()
 
         @jax.checkpoint
         def head(x, projection, w_o, h):
@@ -230,7 +253,12 @@ class CausalAttention(Layer):
             if self._rotary:
                 q, k = (rotary_embedding(a[:, :, None], positions)[:, :, 0] for a in (q, k))
             q, k, v = (a[:, :, None] for a in (q, k, v))
-            if implementation == "blockwise":
+            if implementation == "ring":
+                attended = ring_attention(
+                    q, k, v, axis_name=sharded.axis_name, block_size=self._block_size,
+                    dropout_rate=rate, rng=rng, mask_bits=self._mask_bits, head_start=h,
+                    total_heads=n_heads)
+            elif implementation == "blockwise":
                 attended = blockwise_attention(
                     q, k, v, block_size=self._block_size, dropout_rate=rate, rng=rng,
                     mask_bits=self._mask_bits, head_start=h, total_heads=n_heads)

@@ -29,6 +29,7 @@ from revtrain.layers.dropout_masks import (
     mask_seed,
     position_keep_mask,
 )
+from revtrain.layers.sequence_parallel import check_not_split
 
 
 def causal_mask(length: int) -> jax.Array:
@@ -73,6 +74,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     Returns:
       ``[batch, length_q, n_heads, d_head]`` in ``v.dtype``.
     """
+    _check_whole(is_causal, "dot_product_attention")
     fused = (dropout_rate == 0.0 and q.dtype == k.dtype == v.dtype
              and jnp.promote_types(q.dtype, jnp.float32) == jnp.float32
              and q.shape[-1] == v.shape[-1])
@@ -95,6 +97,7 @@ def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     ``dropout_rate == 0`` it equals ``jax.nn.dot_product_attention``. Arguments, shapes and
     dtypes as `dot_product_attention`.
     """
+    _check_whole(is_causal, "einsum_attention")
     if is_causal:
         causal = causal_mask(q.shape[1])
         mask = causal if mask is None else jnp.logical_and(mask, causal)
@@ -106,6 +109,14 @@ def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     probs = jax.nn.softmax(logits, axis=-1)
     probs = _drop_probabilities(probs, dropout_rate, rng, mask_bits, head_start, total_heads)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+def _check_whole(is_causal: bool, owner: str) -> None:
+    """Raises ValueError for causal self-attention under a sequence split: these functions
+    see this device's rows only (`revtrain.layers.sequence_parallel`)."""
+    if is_causal:
+        check_not_split(owner, "use revtrain.layers.ring_attention (or CausalAttention, "
+                        "which runs it)", why="attends to keys")
 
 
 def _drop_probabilities(probs: jax.Array, rate: float, rng: jax.Array | None,

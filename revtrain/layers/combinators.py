@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from revtrain.layers.layer import Layer
 from revtrain.layers.scan import run_in_series, serial_arity
+from revtrain.layers.sequence_parallel import check_not_split
 from revtrain.layers.stack import (
     check_n_items,
     check_per_sublayer,
@@ -299,7 +300,11 @@ class Concatenate(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        return jnp.concatenate(stack_items(x), axis=self._axis), state
+        items = stack_items(x)
+        if items[0].ndim > 2 and self._axis % items[0].ndim == 1:
+            check_not_split(f"Concatenate(axis={self._axis})", "concatenate features "
+                            "(axis=-1) or use seq=1", why="joins arrays")
+        return jnp.concatenate(items, axis=self._axis), state
 
 
 class Split(Layer):
@@ -317,6 +322,9 @@ class Split(Layer):
 
     def forward_with_state(self, x, weights, state, rng):
         size = x.shape[self._axis]
+        if x.ndim > 2 and self._axis % x.ndim == 1:
+            check_not_split(f"Split(axis={self._axis})", "split features (axis=-1) or use "
+                            "seq=1", why="cuts arrays")
         if size % self._n_items:
             raise ValueError(f"axis {self._axis} of size {size} cannot be split into "
                              f"{self._n_items} equal parts; use a size divisible by "

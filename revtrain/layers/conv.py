@@ -22,6 +22,7 @@ import numpy as np
 
 from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL, Initializer
 from revtrain.layers.layer import Layer
+from revtrain.layers.sequence_parallel import check_not_split
 from revtrain.layers.signatures import float_dtype
 
 Padding = str | Sequence[tuple[int, int]]
@@ -59,6 +60,7 @@ def _padding(padding: Padding) -> str | tuple[tuple[int, int], ...]:
 
 
 def _check_rank(x: jax.Array, n_spatial: int, name: str) -> None:
+    check_not_split(name, "use seq=1 for convolutional models", why="slides windows")
     if x.ndim != n_spatial + 2:
         raise ValueError(f"{name} with {n_spatial} spatial axes expects inputs of rank "
                          f"{n_spatial + 2}, [batch, *spatial, channels]; got shape {x.shape}")

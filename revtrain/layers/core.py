@@ -16,12 +16,10 @@ encoding); Srivastava et al., 2014 (dropout).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from revtrain.layers.dropout_masks import (
     DEFAULT_MASK_BITS,
@@ -31,6 +29,8 @@ from revtrain.layers.dropout_masks import (
     keep_mask,
 )
 from revtrain.layers.layer import Layer
+from revtrain.layers.position_tables import sinusoidal_encoding, sinusoidal_rows
+from revtrain.layers.sequence_parallel import check_local_length, check_not_split, shard_key
 from revtrain.layers.signatures import float_dtype
 
 Initializer = jax.nn.initializers.Initializer
@@ -225,6 +225,11 @@ class Dropout(Layer):
       mask_bits: random bits per mask element: 16 (rate error <= 7.6e-6) or 8 (rate error
         <= 2e-3, half the random-number work of 16).
 
+    Under a sequence split (`revtrain.layers.sequence_parallel`) the mask of a shard's rows
+    is drawn with the key folded with the shard index, unless ``shared_axes`` holds the
+    length axis 1 (then every shard uses the key as given, sharing the mask along the
+    whole sequence).
+
     Raises (from ``pure_fn``, in ``'train'`` mode with ``rate > 0``):
       LayerError: for inputs not of a float dtype, or ``shared_axes`` out of their range.
     """
@@ -240,22 +245,9 @@ class Dropout(Layer):
     def forward_with_state(self, x, weights, state, rng):
         if self._mode != "train":
             return x, state
+        if self._rate and 1 not in {a % x.ndim for a in self._shared_axes if x.ndim}:
+            rng = shard_key(rng)  # a split length: each shard draws its own rows' mask
         return dropout(x, self._rate, rng, self._shared_axes, self._mask_bits), state
-
-
-def sinusoidal_encoding(length: int, d_feature: int) -> np.ndarray:
-    """Returns the fixed float32 ``[length, d_feature]`` table of Vaswani et al. (2017).
-
-    ``pe[pos, 2i] = sin(pos / 10000^(2i / d))`` and ``pe[pos, 2i + 1] = cos(pos / 10000^(2i /
-    d))``; an odd ``d_feature`` drops the last cosine column.
-    """
-    position = np.arange(length, dtype=np.float64)[:, None]
-    div_term = np.exp(np.arange(0, d_feature, 2, dtype=np.float64)
-                      * -(math.log(10000.0) / d_feature))
-    table = np.zeros((length, d_feature), dtype=np.float64)
-    table[:, 0::2] = np.sin(position * div_term)
-    table[:, 1::2] = np.cos(position * div_term)[:, :d_feature // 2]
-    return table.astype(np.float32)
 
 
 class PositionalEncoding(Layer):
@@ -264,6 +256,11 @@ class PositionalEncoding(Layer):
     The table (`sinusoidal_encoding`) is a constant, not a weight, so it is never trained.
     As in Trax, dropout (``'train'`` mode only) applies to the encoding, not to ``x``, with
     one ``[length, d_feature]`` mask shared across the batch.
+
+    Under a sequence split (`revtrain.layers.sequence_parallel.sequence_sharded`) a shard
+    adds the rows of its global positions (`revtrain.layers.position_tables.
+    sinusoidal_rows`: equal to the table's rows to about 2e-7, without the whole table on
+    the device), and its dropout mask comes from the key folded with the shard index.
 
     Args:
       max_len: longest sequence accepted.
@@ -292,12 +289,17 @@ class PositionalEncoding(Layer):
             raise ValueError(f"PositionalEncoding expects float embeddings but received "
                              f"{x.dtype}; put an Embedding layer before it")
         length, d_feature = x.shape[1], x.shape[2]
-        if length > self._max_len:
-            raise ValueError(f"input length {length} exceeds PositionalEncoding "
-                             f"max_len={self._max_len}; build it with max_len >= {length}")
-        pe = jnp.asarray(sinusoidal_encoding(length, d_feature), dtype=x.dtype)
-        if self._mode == "train":
-            pe = dropout(pe, self._dropout, rng, mask_bits=self._mask_bits)
+        sharded = check_local_length("PositionalEncoding", length)
+        total = length if sharded is None else sharded.length
+        if total > self._max_len:
+            raise ValueError(f"input length {total} exceeds PositionalEncoding "
+                             f"max_len={self._max_len}; build it with max_len >= {total}")
+        if sharded is None:
+            pe = jnp.asarray(sinusoidal_encoding(length, d_feature), dtype=x.dtype)
+        else:
+            pe = sinusoidal_rows(sharded.local_positions(), d_feature, total).astype(x.dtype)
+        if self._mode == "train" and self._dropout:
+            pe = dropout(pe, self._dropout, shard_key(rng), mask_bits=self._mask_bits)
         return x + pe[None], state
 
 
@@ -321,6 +323,9 @@ class Flatten(Layer):
         if x.ndim <= n:
             raise ValueError(f"Flatten(n_axes_to_keep={n}) needs inputs with more than {n} "
                              f"axes; got shape {x.shape}")
+        if n <= 1 and x.ndim > 2:
+            check_not_split(f"Flatten(n_axes_to_keep={n})", "keep the batch and length axes "
+                            "(n_axes_to_keep=2) or use seq=1", why="merges axis 1")
         return jnp.reshape(x, x.shape[:n] + (-1,)), state
 
 
@@ -337,6 +342,9 @@ class Mean(Layer):
         if any(not -x.ndim <= a < x.ndim for a in axes):
             raise ValueError(f"Mean axis={self._axis} is out of range for inputs of shape "
                              f"{x.shape}; use axes in [-{x.ndim}, {x.ndim})")
+        if x.ndim > 2 and 1 in {a % x.ndim for a in axes}:
+            check_not_split(f"Mean(axis={self._axis})", "average over other axes (or weight "
+                            "positions in a loss) or use seq=1", why="averages")
         return jnp.mean(x, axis=self._axis, keepdims=self._keepdims), state
 
 
@@ -360,6 +368,8 @@ class ShiftRight(Layer):
                              f"{x.shape}")
         if self._mode == "predict" or self._n_positions == 0:
             return x, state
+        check_not_split("ShiftRight", "shift the inputs in the data pipeline (the LMs take "
+                        "inputs = window[:-1]) or use seq=1", why="moves positions")
         pad = [(0, 0)] * x.ndim
         pad[1] = (self._n_positions, 0)
         return jnp.pad(x, pad)[:, :x.shape[1]], state

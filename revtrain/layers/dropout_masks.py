@@ -115,19 +115,23 @@ def mask_seed(rng: jax.Array) -> jax.Array:
 def position_keep_mask(seed: jax.Array, shape: Sequence[int], row_start: Any,
                        col_start: Any, length: int, rate: float,
                        mask_bits: int = DEFAULT_MASK_BITS, head_start: Any = 0,
-                       total_heads: int | None = None) -> jax.Array:
+                       total_heads: int | None = None, stride: int = 1) -> jax.Array:
     """Bool ``[batch, n_heads, n_rows, n_cols]`` keep-mask of one block of an attention matrix.
 
-    Element ``(b, h, r, c)`` of the block is element ``(b, h, row_start + r, col_start + c)``
-    of the whole ``[batch, n_heads, length, length]`` matrix, and its value is a pure
-    function of ``seed`` and those global indices: it hashes the counter pair ``(row, word)``
-    with threefry2x32, ``row = (b * n_heads + h) * length + i`` and ``word = j // lanes``,
-    and takes lane ``j % lanes`` of the 64 bits (``lanes = 64 // mask_bits``). So the mask
-    of a block does not depend on how the matrix is cut into blocks: the full attention
-    path (one block) and the blockwise path (many) drop exactly the same probabilities,
-    whatever the block size (FlashAttention draws its dropout mask from the global element
-    offset for the same reason; Dao et al., 2022). Drop rule and rate quantisation as
-    `keep_mask`.
+    Element ``(b, h, r, c)`` of the block is element ``(b, h, row_start + r * stride,
+    col_start + c * stride)`` of the whole ``[batch, n_heads, length, length]`` matrix, and
+    its value is a pure function of ``seed`` and those global indices: it hashes the
+    counter pair ``(row, word)`` with threefry2x32, ``row = (b * n_heads + h) * length + i``
+    and ``word = j // lanes``, and takes lane ``j % lanes`` of the 64 bits (``lanes = 64 //
+    mask_bits``). So the mask of a block does not depend on how the matrix is cut into
+    blocks: the full attention path (one block), the blockwise path (many) and ring
+    attention (blocks of strided rows and columns, ``stride`` = the number of sequence
+    shards) drop exactly the same probabilities, whatever the block size or split
+    (FlashAttention draws its dropout mask from the global element offset for the same
+    reason; Dao et al., 2022). Drop rule and rate quantisation as `keep_mask`.
+
+    Cost: with ``stride == 1`` one hash gives ``lanes`` neighbouring columns; with a larger
+    stride each element takes its own hash (``lanes`` times the hashing).
 
     Args:
       seed: uint32[2] from `mask_seed`.
@@ -139,6 +143,8 @@ def position_keep_mask(seed: jax.Array, shape: Sequence[int], row_start: Any,
       head_start, total_heads: the block's first head and the matrix's number of heads
         (default 0 and ``n_heads``), for a block of some heads only: ``h`` above is then
         ``head_start + `` the block's head index, and ``n_heads`` is ``total_heads``.
+      stride: distance between the block's consecutive rows, and between its columns, in
+        the whole matrix (a static positive int).
 
     Returns:
       bool array of ``shape``; True keeps.
@@ -146,15 +152,20 @@ def position_keep_mask(seed: jax.Array, shape: Sequence[int], row_start: Any,
     mask_bits = check_mask_bits(mask_bits, "position_keep_mask")
     batch, n_heads, n_rows, n_cols = (int(s) for s in shape)
     lanes = 64 // mask_bits
-    n_words = -(-n_cols // lanes) + 1
     u32 = jnp.uint32
     total_heads = n_heads if total_heads is None else int(total_heads)
     b = jnp.arange(batch, dtype=u32)[:, None, None, None]
     h = (jnp.asarray(head_start).astype(u32)
          + jnp.arange(n_heads, dtype=u32))[None, :, None, None]
-    rows = jnp.asarray(row_start).astype(u32) + jnp.arange(n_rows, dtype=u32)[:, None]
+    rows = (jnp.asarray(row_start).astype(u32)
+            + jnp.arange(n_rows, dtype=u32)[:, None] * u32(stride))
     rows = (b * u32(total_heads) + h) * u32(length) + rows
     col_start = jnp.asarray(col_start).astype(u32)
+    if stride != 1:
+        values = _lanes_at(seed, rows, col_start + jnp.arange(n_cols, dtype=u32) * u32(stride),
+                           (batch, n_heads, n_rows, n_cols), mask_bits)
+        return values >= u32(drop_threshold(rate, mask_bits))
+    n_words = -(-n_cols // lanes) + 1
     words = col_start // u32(lanes) + jnp.arange(n_words, dtype=u32)
     shape4 = (batch, n_heads, n_rows, n_words)
     hi, lo = threefry2x32_p.bind(seed[0], seed[1], jnp.broadcast_to(rows, shape4),
@@ -168,3 +179,19 @@ def position_keep_mask(seed: jax.Array, shape: Sequence[int], row_start: Any,
     offset = (col_start % u32(lanes)).astype(jnp.int32)
     values = jax.lax.dynamic_slice_in_dim(values, offset, n_cols, axis=3)
     return values >= u32(drop_threshold(rate, mask_bits))
+
+
+def _lanes_at(seed: jax.Array, rows: jax.Array, cols: jax.Array, shape: tuple[int, ...],
+              mask_bits: int) -> jax.Array:
+    """uint32 ``shape``: the ``mask_bits``-bit lane of column ``cols[c]`` in the hash of
+    ``(rows, cols[c] // lanes)``, the value `position_keep_mask` gives that element (lanes
+    ``0 .. lanes / 2 - 1`` from the low word, the rest from the high word)."""
+    u32 = jnp.uint32
+    lanes = 64 // mask_bits
+    per_word = lanes // 2
+    hi, lo = threefry2x32_p.bind(seed[0], seed[1], jnp.broadcast_to(rows, shape),
+                                 jnp.broadcast_to(cols // u32(lanes), shape))
+    lane = cols % u32(lanes)
+    low = lane < u32(per_word)
+    shift = jnp.where(low, lane, lane - u32(per_word)) * u32(mask_bits)
+    return (jnp.where(low, lo, hi) >> shift) & u32(2 ** mask_bits - 1)

@@ -87,6 +87,7 @@ from revtrain.layers.lsh_hashing import (
     sort_order,
 )
 from revtrain.layers.rotary import check_rotary_head_size, rotary_embedding
+from revtrain.layers.sequence_parallel import check_not_split
 
 DEFAULT_CHUNK_LEN = 128
 # What a head's recomputation keeps rather than recomputes: its sort permutations.
@@ -198,6 +199,9 @@ class LSHCausalAttention(Layer):
         self._check_input(x.shape)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(jnp.float32)
+        check_not_split("LSHCausalAttention", "use attention_type=CausalAttention (ring "
+                        "attention over the split) or seq=1", why="sorts positions into "
+                        "hash buckets")
         if self._cache_len is not None:
             return self._decode(x, weights, state)
         if self._hash_seed is not None:

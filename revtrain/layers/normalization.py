@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from revtrain.layers.core import check_mode
 from revtrain.layers.layer import Layer
+from revtrain.layers.sequence_parallel import check_not_split
 from revtrain.layers.signatures import float_dtype
 
 
@@ -115,6 +116,9 @@ class BatchNorm(Layer):
         bshape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
         xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         if self._mode == "train":
+            if x.ndim > 2 and 1 in axes:
+                check_not_split(f"BatchNorm(axis={self._axis})", "normalise over the features "
+                                "(LayerNorm) or use seq=1", why="averages statistics")
             mean = jnp.mean(xf, axis=axes)
             var = jnp.mean(jnp.square(xf - mean.reshape(bshape)), axis=axes)
             m = self._momentum

@@ -45,6 +45,7 @@ from revtrain.layers.combinators import (
 )
 from revtrain.layers.layer import Layer, State, Weights
 from revtrain.layers.scan import run_in_series
+from revtrain.layers.sequence_parallel import check_not_split
 from revtrain.layers.signatures import LayerError, error_signature
 from revtrain.layers.stack import (
     check_n_items,
@@ -207,6 +208,8 @@ class ReversibleReshape(ReversibleLayer):
 
     def _reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
         check_n_items(self, x)
+        check_not_split("ReversibleReshape", "reshape before the length is split or use "
+                        "seq=1", why="reshapes fixed shapes")
         return stack_of(jnp.reshape(a, (a.shape[0],) + shape) for a in stack_items(x))
 
     def forward_with_state(self, x, weights, state, rng):

@@ -42,6 +42,7 @@ from revtrain.layers.chunk import Chunk, check_chunk_size
 from revtrain.layers.core import sinusoidal_encoding
 from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, MASK_BITS, is_mask_bits
 from revtrain.layers.normalization import LayerNorm
+from revtrain.layers.sequence_parallel import check_not_split
 
 
 class _Cast(Layer):
@@ -129,6 +130,8 @@ class _PositionalEncodingAt(Layer):
         self._max_len = max_len
 
     def forward_with_state(self, x, weights, state, rng):
+        check_not_split("PositionalEncoding (mode='predict')", "decode without a sequence "
+                        "split (seq=1)", why="counts decoded positions")
         table = jnp.asarray(sinusoidal_encoding(self._max_len, x.shape[-1]), x.dtype)
         rows = jax.lax.dynamic_slice_in_dim(table, state, x.shape[1])
         return x + rows[None], state + x.shape[1]
