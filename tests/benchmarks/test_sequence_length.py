@@ -44,8 +44,7 @@ def test_targets_use_the_runs_own_trax_rows():
 
 
 def test_the_readme_table_is_generated_from_the_committed_results():
-    payload = json.loads((ROOT / "benchmarks" / "results" / "sequence_length" /
-                          "sequence_length.json").read_text())
+    payload = json.loads((ROOT / "benchmarks" / "results" / "sequence_length.json").read_text())
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- sequence_length table -->\n(.*?)\n<!-- end -->", readme, re.S)
     assert block, "README.md lacks the sequence_length table markers"
