@@ -482,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         write(args.out_dir, payload)
         print(markdown(payload))
         return payload
-    payload = {"benchmark": NAME, "machine": harness.machine_info(),
+    payload = {"benchmark": NAME, "machine": harness.machine_info(args.command),
                "config": harness.with_workers_host_allocator(configs[0], results),
                "results": results}
     write(args.out_dir, payload)
