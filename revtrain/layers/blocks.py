@@ -171,7 +171,8 @@ def init_reversible_blocks(blocks: Sequence[Block], loss_layer: Layer, input_sig
     """Initialises every layer of the blocks; the same as ``Serial(*flat).init``.
 
     Args:
-      blocks, loss_layer: as returned by `extract_reversible_blocks`.
+      blocks: the blocks, as returned by `extract_reversible_blocks`.
+      loss_layer: the loss layer, as returned by `extract_reversible_blocks`.
       input_signature: `ShapeDtype` (or arrays) of the model's input stack, loss inputs
         included (e.g. ``(inputs, targets, weights)``).
       rng: PRNG key; flat layer ``i`` is initialised with ``split(rng, n_flat)[i]``.
