@@ -259,11 +259,54 @@ def sequence_length() -> str:
                          _source("sequence_length", payload, settings))
 
 
+def _ring_source(name: str, payload: dict[str, Any]) -> str:
+    c = payload["config"]
+    return _source(name, payload, f"random float32 `q, k, v` `[{c['batch']}, {c['length']:,}, "
+                                  f"{c['heads']}, {c['d_head']}]`, block {c['block_size']}, "
+                                  f"{c['n_shards']} forced {c['platform']} devices")
+
+
+def ring_attention() -> str:
+    """Ring attention against one-device blockwise attention: error, time, bytes."""
+    exact, big = load("ring_attention"), load("ring_attention_65536_memory")
+    errors = report.markdown_table(
+        ["tensor", "max abs error", "relative to the largest value"],
+        [[name, f"{e['max_abs_error']:.1e}", f"{e['relative']:.1e}"]
+         for name, e in exact["errors"].items()])
+    rows = []
+    for payload in (exact, big):
+        for key, label in (("ring", "ring"), ("blockwise_one_device", "blockwise, 1 device")):
+            r = payload[key]
+            rows.append([f"{payload['config']['length']:,}", label,
+                         f"{r['run_s']:.1f}" if "run_s" in r else "not run",
+                         report.mib(r["temp_bytes_per_device"]),
+                         report.mib(r["total_bytes_per_device"])])
+    memory = report.markdown_table(
+        ["length", "program", "forward + backward (s)", "temporaries per device (MiB)",
+         "all per device (MiB)"], rows)
+    return _with_sources(errors + "\n\n" + memory,
+                         _ring_source("ring_attention", exact),
+                         _ring_source("ring_attention_65536_memory", big))
+
+
+def ring_balance() -> str:
+    """Ring steps per shard for the striped, contiguous and zig-zag layouts."""
+    payloads = [load("ring_attention"), load("ring_attention_65536_memory")]
+    lengths = [f"{p['config']['length']:,}" for p in payloads]
+    rows = [[layout] + [f"{p['balance'][layout]['worst_step_max_over_mean']:.2f} / "
+                        f"{p['balance'][layout]['slowdown']:.2f}" for p in payloads]
+            for layout in payloads[0]["balance"]]
+    table = report.markdown_table(
+        ["layout"] + [f"length {n}: worst step max/mean / slowdown" for n in lengths], rows)
+    return _with_sources(table, _ring_source("ring_attention", payloads[0]),
+                         _ring_source("ring_attention_65536_memory", payloads[1]))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
         summary, memory_by_depth, memory_breakdown, memory_targets, step_time,
         step_time_depths, step_time_targets, step_time_fsdp, host_memory,
-        reconstruction_drift, sequence_length)}
+        reconstruction_drift, sequence_length, ring_attention, ring_balance)}
 
 
 # ------------------------------------------------------------------------------------------
