@@ -27,10 +27,8 @@ Every other configuration runs on ``--n_devices`` devices (default 1).
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -41,6 +39,8 @@ from typing import Any
 
 from absl import flags
 
+from benchmarks.provenance import command_line as command_line  # Re-exported.
+from benchmarks.provenance import machine_info as machine_info
 from revtrain import host_heap
 
 TRAINERS = {
@@ -127,7 +127,8 @@ def parse_flags(argv: Sequence[str] | None, steps: int, warmup: int) -> SimpleNa
 
     Returns:
       Every flag's value as an attribute; ``depths`` as a list of ints, ``trainers`` as a
-      list of names, ``out_dir`` as a Path.
+      list of names, ``out_dir`` as a Path, and ``command``, the command line
+      (`command_line`).
 
     Raises:
       flags.Error: for an unknown flag or a value a validator rejects (``--jobs=0``,
@@ -143,6 +144,7 @@ def parse_flags(argv: Sequence[str] | None, steps: int, warmup: int) -> SimpleNa
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.out_dir = Path(args.out_dir or (QUICK_RESULTS_DIR if args.quick else RESULTS_DIR))
+    args.command = command_line(argv)
     depths = args.depths.split(",") if isinstance(args.depths, str) else args.depths
     args.depths = [int(d) for d in depths]
     return args
@@ -187,25 +189,6 @@ def configurations(args: SimpleNamespace, rounds: int = 1) -> list[dict[str, Any
 def available_trainers() -> list[str]:
     """`DEFAULT_TRAINERS` plus the FSDP kinds (every trainer takes ``fsdp``)."""
     return DEFAULT_TRAINERS + list(FSDP_KINDS)
-
-
-def machine_info() -> dict[str, Any]:
-    """Where and when the run happened (for the JSON and the Markdown header)."""
-    import jax  # Only for its version: the parent never starts a backend.
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "platform": platform.platform(), "processor": _cpu_name(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "jax": jax.__version__}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ------------------------------------------------------------------------------------------

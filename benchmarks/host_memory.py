@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     os.environ.update(env)  # harness.worker_env copies this process's environment...
     try:
         configs = [c | {"env": sorted(env)} for c in harness.configurations(args)]
-        config, machine = harness.model_config(args), harness.machine_info()
+        config, machine = harness.model_config(args), harness.machine_info(args.command)
         print(f"{NAME}: {len(configs)} configurations, {report.settings_line(configs[0])}")
         results = harness.run_all(str(Path(__file__).resolve()), configs, args.timeout,
                                   _describe, args.jobs)

@@ -227,7 +227,7 @@ def _errors_and_targets(results: Sequence[dict], checks: Sequence[dict]) -> list
 
 def _run(args: Any) -> dict[str, Any]:
     """Runs every configuration in worker processes; returns the payload."""
-    machine = harness.machine_info()  # Before the run: its date is the start.
+    machine = harness.machine_info(args.command)  # Before the run: its date is the start.
     configs = harness.configurations(args)
     print(f"{NAME}: {len(configs)} configurations, {report.settings_line(configs[0])}")
     results = harness.run_all(str(Path(__file__).resolve()), configs, args.timeout,

@@ -79,6 +79,7 @@ def parse_flags(argv: Sequence[str] | None) -> Any:
     args.keep_every_values = [None] + [int(k) for k in args.keep_every_values]
     args.out_dir = Path(args.out_dir or (harness.QUICK_RESULTS_DIR if args.quick
                                          else harness.RESULTS_DIR))
+    args.command = harness.command_line(argv)
     return args
 
 
@@ -258,8 +259,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     else:
         config = {name: getattr(args, name) for name in (*DEFAULTS, "seed") if name != "depths"}
         config["mask_bits"] = int(args.mask_bits)
-        payload = {"benchmark": NAME, "config": config, "machine": harness.machine_info(),
-                   "results": []}
+        payload = {"benchmark": NAME, "config": config,
+                   "machine": harness.machine_info(args.command), "results": []}
         if args.merge:
             payload["results"] = report.read_json(out / f"{NAME}.json")["results"]
         for depth in args.depths:

@@ -26,7 +26,8 @@ parallelism: ``2n`` chunks, shard ``s`` holding ``s`` and ``2n - 1 - s``): the m
 block pairs over shards at the worst step, and the slowdown ``sum_steps max / sum_steps
 mean`` (1 = balanced). Writes ``ring_attention.json`` and ``.md`` to ``--out_dir``
 (``--compile_only``: ``ring_attention_<length>_memory.json`` and ``.md``, the temporaries
-without running, e.g. at ``--length 65536``).
+without running, e.g. at ``--length 65536``); the JSON's ``machine`` records the date, the
+machine, the versions, the commit and the command (`benchmarks.provenance`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
+
+from benchmarks import provenance  # noqa: E402
 
 NAME = "ring_attention"
 FLAGS = flags.FLAGS
@@ -220,12 +223,14 @@ def main(argv):
     import jax
     jax.config.update("jax_num_cpu_devices", FLAGS.n_shards)
     jax.config.update("jax_platforms", "cpu")
+    machine = provenance.machine_info(provenance.command_line(None))  # The start.
     result = measure(length, FLAGS.n_shards, block, FLAGS.batch, FLAGS.heads, FLAGS.d_head,
                      None if FLAGS.compile_only else runs)
     result["config"] = {"length": length, "n_shards": FLAGS.n_shards, "block_size": block,
                         "batch": FLAGS.batch, "heads": FLAGS.heads, "d_head": FLAGS.d_head,
                         "platform": jax.devices()[0].platform, "jax": jax.__version__,
                         "cpu_count": os.cpu_count()}
+    result["machine"] = machine
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{NAME}_{length}_memory" if FLAGS.compile_only else NAME
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")

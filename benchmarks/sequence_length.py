@@ -361,7 +361,8 @@ def _lsh_targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def readme_table(payload: dict[str, Any]) -> str:
-    """The README's table: per length, revtrain's full and default paths beside Trax's."""
+    """The documents' table (`benchmarks.render_tables`): per length, revtrain's full,
+    default and LSH paths beside Trax's."""
     results = payload["results"]
     lengths = sorted({r["seq_len"] for r in results})
 
@@ -482,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         write(args.out_dir, payload)
         print(markdown(payload))
         return payload
-    payload = {"benchmark": NAME, "machine": harness.machine_info(),
+    payload = {"benchmark": NAME, "machine": harness.machine_info(args.command),
                "config": harness.with_workers_host_allocator(configs[0], results),
                "results": results}
     write(args.out_dir, payload)

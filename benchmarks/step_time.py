@@ -345,7 +345,7 @@ def phase_table(results: Sequence[dict[str, Any]]) -> list[str]:
 
 def _run(args: Any) -> dict[str, Any]:
     """Runs every configuration (``--rounds`` times) in worker processes; the payload."""
-    machine = harness.machine_info()  # Before the run: its date is the start.
+    machine = harness.machine_info(args.command)  # Before the run: its date is the start.
     configs = [c | {"phase_steps": args.phase_steps}
                for c in harness.configurations(args, args.rounds)]
     print(f"{NAME}: {len(configs)} runs, {report.settings_line(configs[0])}")

@@ -1,4 +1,5 @@
-"""The README stays true: its Python example runs and its set-up commands are the ones CI runs."""
+"""The README stays true: its Python examples run, its set-up commands are the ones CI runs,
+and its quick start is in the form the quick-start test reads."""
 import os
 import re
 import subprocess
@@ -11,11 +12,14 @@ def _readme() -> str:
         return f.read()
 
 
-def test_python_example_runs():
+def test_python_examples_run_in_order():
     blocks = re.findall(r"```python\n(.*?)```", _readme(), re.S)
-    assert blocks, "README has no Python example"
+    assert len(blocks) >= 3, "README lacks the layer, reversible-block and trainer examples"
     namespace: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)  # noqa: S102
+    for k, block in enumerate(blocks):
+        exec(compile(block, f"README.md python block {k}", "exec"), namespace)  # noqa: S102
+    assert namespace["y"].shape == (8, 10)
+    assert 0 < max(namespace["errors"]) < 1e-4, namespace["errors"]  # float32: rounding only
     assert float(namespace["loss"]) > 0
     assert "layer0/gradients_l2" in namespace["stats"]
 
@@ -34,3 +38,18 @@ def test_ci_runs_the_readme_test_command():
                            capture_output=True, text=True, check=True)
     tests = re.findall(r"```sh\n(.*?)\n```", _readme(), re.S)[1]
     assert found.stdout.strip() == tests
+
+
+def test_quick_start_trains_resumes_evaluates_and_decodes_the_default_run():
+    section = _readme().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    lines = [line for block in re.findall(r"```sh\n(.*?)\n```", section, re.S)
+             for line in block.splitlines()]
+    assert all(line.startswith(".venv/bin/revtrain-") for line in lines), lines
+    programs = [line.split()[0].removeprefix(".venv/bin/") for line in lines]
+    assert programs == ["revtrain-train", "revtrain-train", "revtrain-eval", "revtrain-decode"]
+    assert all("--output_dir=runs/reversible_lm" in line for line in lines)
+    assert lines[-1] == ".venv/bin/revtrain-decode --output_dir=runs/reversible_lm --prompt='The '"
+
+
+def test_the_readme_is_a_guide_not_a_log():
+    assert len(_readme().splitlines()) < 300

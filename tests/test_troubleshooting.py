@@ -1,6 +1,7 @@
-"""The README's Troubleshooting table is true: each row's input gives its one-line error.
+"""docs/troubleshooting.md's table of bad arguments is true: each row's input gives its
+one-line error.
 
-The rows are read from README.md, so the table and this test cannot drift apart. Every row
+The rows are read from the page, so the table and this test cannot drift apart. Every row
 must also leave the output directory as it was: nothing is written before a run is valid.
 """
 import os
@@ -16,12 +17,12 @@ A_FILE = "<a file>"
 
 
 def _rows() -> list[tuple[str, str]]:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        section = f.read().split("## Troubleshooting", 1)[1].split("\n## ", 1)[0]
+    with open(os.path.join(ROOT, "docs", "troubleshooting.md"), encoding="utf-8") as f:
+        section = f.read().split("## Bad arguments", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `(.+?)` \| `(.+?)` \|$", section, re.M)
 
 
-def test_readme_has_a_troubleshooting_table():
+def test_the_page_has_a_table_of_bad_arguments():
     assert len(_rows()) >= 10
 
 

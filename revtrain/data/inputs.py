@@ -78,7 +78,7 @@ class Inputs(abc.ABC):
 class StreamInputs(Inputs):
     """`Inputs` built from stream functions, for data that needs no class of its own.
 
-    Example:
+    Examples:
       >>> import itertools
       >>> def batches(start_step=0):
       ...     for step in itertools.count(start_step):

@@ -56,8 +56,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     float32 and agree to float rounding.
 
     Args:
-      q, k, v: ``[batch, length_q | length_k, n_heads, d_head]`` queries, keys and values,
-        of one dtype.
+      q: ``[batch, length_q, n_heads, d_head]`` queries.
+      k: ``[batch, length_k, n_heads, d_head]`` keys, of ``q``'s dtype.
+      v: ``[batch, length_k, n_heads, d_head]`` values, of ``q``'s dtype.
       mask: None, or bool broadcastable to ``[batch, n_heads, length_q, length_k]``; False
         entries get zero probability. Every query must see at least one key.
       dropout_rate: drop rate for the attention probabilities (0 disables dropout).
@@ -67,9 +68,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       implementation: passed to ``jax.nn.dot_product_attention`` (see above).
       mask_bits: random bits per element of the dropout mask, 16 or 8
         (`revtrain.layers.dropout_masks`).
-      head_start, total_heads: when ``q, k, v`` hold heads ``head_start ..`` of an
-        attention of ``total_heads`` heads (default: all), so that a call per head drops
-        what one call over all heads would.
+      head_start: when ``q, k, v`` hold heads ``head_start ..`` of an attention of
+        ``total_heads`` heads (default: all), so that a call per head drops what one call
+        over all heads would.
+      total_heads: the attention's number of heads (default: ``n_heads``).
 
     Returns:
       ``[batch, length_q, n_heads, d_head]`` in ``v.dtype``.

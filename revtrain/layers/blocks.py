@@ -171,7 +171,8 @@ def init_reversible_blocks(blocks: Sequence[Block], loss_layer: Layer, input_sig
     """Initialises every layer of the blocks; the same as ``Serial(*flat).init``.
 
     Args:
-      blocks, loss_layer: as returned by `extract_reversible_blocks`.
+      blocks: the blocks, as returned by `extract_reversible_blocks`.
+      loss_layer: the loss layer, as returned by `extract_reversible_blocks`.
       input_signature: `ShapeDtype` (or arrays) of the model's input stack, loss inputs
         included (e.g. ``(inputs, targets, weights)``).
       rng: PRNG key; flat layer ``i`` is initialised with ``split(rng, n_flat)[i]``.
@@ -217,17 +218,14 @@ def reconstruction_error(model_or_blocks: Any, batch: Any, rng: jax.Array,
     stored output down to its first reversible layer, as a reversible trainer does, so
     errors accumulate along a block the way they would in training. For each reversible
     layer the figure is ``max |reconstructed - stored| / max(max |stored|, 1e-30)`` over
-    its inputs. Float32 stacks typically give ~1e-6; values near 1e-2 or above mean
+    its inputs. Float32 stacks stay at rounding level; values near 1e-2 or above mean
     the depth or precision is unsafe for reversal.
 
     With ``keep_every=k`` the reversal restarts from the exact input of every ``k``-th
     reversible layer of a block (``p = k, 2k, ...``, counting from 0), as the block
     trainers' ``keep_every`` does: those layers' figures are 0 and drift accumulates over
-    at most ``k - 1`` reversals. Measured on `ReversibleTransformerLM` (d_model 64, 4
-    heads, sequence 64, batch 4) with bfloat16 compute at depth 64, the worst error is
-    0.09-0.17 without copies (it depends on the batch), 2.5e-7 with ``keep_every=8`` (a
-    copy per two model layers) and 1.3e-2 with 16; ``benchmarks/reconstruction_drift.py``
-    has the table.
+    at most ``k - 1`` reversals. ``benchmarks/reconstruction_drift.py`` measures it
+    against depth, precision and ``keep_every`` (the table is in docs/design.md).
 
     Args:
       model_or_blocks: a layer or list of layers (ending in the loss layer, or in a

@@ -92,16 +92,19 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     """Causal scaled dot-product attention over blocks, in memory linear in the length.
 
     Args:
-      q, k, v: ``[batch, length, n_heads, d_head]`` queries, keys and values (one length:
-        causal self-attention); float dtypes, e.g. float32 or bfloat16.
+      q: ``[batch, length, n_heads, d_head]`` queries (one length: causal
+        self-attention); a float dtype, e.g. float32 or bfloat16.
+      k: ``[batch, length, n_heads, d_head]`` keys.
+      v: ``[batch, length, n_heads, d_head]`` values.
       block_size: positions per query and key block (a block's logits take ``4 * batch *
         n_heads * block_size**2`` bytes). Need not divide the length.
       dropout_rate: drop rate of the attention probabilities, in ``[0, 1)``.
       rng: PRNG key of the dropout mask; needed when ``dropout_rate > 0``.
       mask_bits: random bits per mask element, 16 or 8 (`revtrain.layers.dropout_masks`).
-      head_start, total_heads: when ``q, k, v`` hold heads ``head_start ..`` of an
-        attention of ``total_heads`` heads (default: all of them), so that a call per head
-        draws the dropout masks of one call over all heads.
+      head_start: when ``q, k, v`` hold heads ``head_start ..`` of an attention of
+        ``total_heads`` heads (default: all of them), so that a call per head draws the
+        dropout masks of one call over all heads.
+      total_heads: the attention's number of heads (default: ``n_heads``).
 
     Returns:
       ``[batch, length, n_heads, d_head]`` in ``v.dtype``; equal to the full path

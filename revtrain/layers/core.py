@@ -4,10 +4,13 @@ Every layer here is a leaf `Layer` with plain constructor arguments. Weights are
 layers compute in the dtype of their input (a bfloat16 activation gives a bfloat16 output),
 except `Embedding`, whose output has the dtype of its table.
 
-Modes follow Trax: ``'train'`` turns dropout on, ``'eval'`` and ``'predict'`` turn it off.
-revtrain has no incremental (one-token-at-a-time) decoding state, so ``'predict'`` behaves
-exactly as ``'eval'`` everywhere in this module. Dropout masks come from 16 (or 8) random
-bits per element (`revtrain.layers.dropout_masks`), not from 32-bit uniforms.
+Modes follow Trax: ``'train'`` turns dropout on, ``'eval'`` and ``'predict'`` turn it off,
+and `ShiftRight` skips its shift in ``'predict'`` mode. The layers of this module keep no
+decoding state; incremental (one-token-at-a-time) decoding keeps its state in the
+attention layers' key/value caches (`revtrain.layers.CausalAttention`,
+`revtrain.layers.LSHCausalAttention`) and the models' position counter. Dropout masks come
+from 16 (or 8) random bits per element (`revtrain.layers.dropout_masks`), not from 32-bit
+uniforms.
 
 References: the Trax layers ``trax.layers.core`` and ``trax.layers.attention`` (names,
 arguments and defaults); Vaswani et al., 2017, "Attention Is All You Need" (positional

@@ -242,7 +242,9 @@ class FusedSerial(Serial):
     exist. Outputs, new states and gradients equal the `Serial`'s to float rounding.
 
     Args:
-      *layers, name, scan: as `Serial`.
+      *layers: the sublayers, as for `Serial`.
+      name: the layer's name, as for `Serial`.
+      scan: scan repeated runs of sublayers, as for `Serial`.
     """
 
     def __init__(self, *layers: Any, name: str | None = None, scan: bool = True):

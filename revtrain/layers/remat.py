@@ -34,10 +34,9 @@ class Remat(Layer):
     `Remat` is not a `ReversibleLayer`, even around one: it is meant for trainers that
     differentiate the whole model (`revtrain.trainers.Trainer`).
 
-    On the CPU backend (jaxlib 0.10) the saving does not materialise: XLA:CPU schedules
-    the recomputed forward ops right after the original ones, inside the forward pass, so
-    the compiled step keeps as many temporaries as without `Remat` (seen in the optimised
-    HLO schedule and ``memory_analysis()``; cf. jax-ml/jax#19822).
+    The saving is measured by ``benchmarks/memory_vs_depth.py`` (its "Trainer + remat"
+    rows, docs/benchmarks.md): the peak stays well below `Trainer`'s, but it still grows
+    with depth, since one input per wrapped layer is stored.
 
     Args:
       layer: the layer whose forward pass is recomputed in the backward pass.

@@ -128,7 +128,10 @@ class ReversibleLayer(Layer):
         Args:
           output: the layer's output, as for `reverse`.
           ct: cotangent of ``output`` (same structure; float0 for integer outputs).
-          weights, state, new_state, rng: as for `reverse`.
+          weights: the layer's weights, as for `reverse`.
+          state: the state the forward pass started from, as for `reverse`.
+          new_state: the state the forward pass returned, as for `reverse`.
+          rng: the forward pass's PRNG key, as for `reverse`.
 
         Returns:
           ``(input, (input_ct, weights_ct))``; ``input_ct`` has the structure of the input

@@ -97,14 +97,20 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str,
     `revtrain.layers.blockwise_attention` gives on the whole sequence, to float rounding.
 
     Args:
-      q, k, v: this device's ``[batch, L / n, n_heads, d_head]`` queries, keys and values
-        (float dtypes; logits and sums in at least float32).
+      q: this device's ``[batch, L / n, n_heads, d_head]`` queries (a float dtype;
+        logits and sums in at least float32).
+      k: this device's ``[batch, L / n, n_heads, d_head]`` keys.
+      v: this device's ``[batch, L / n, n_heads, d_head]`` values.
       axis_name: the mesh axis the length is split over.
       block_size: local rows per block (``4 * batch * n_heads * block_size**2`` bytes of
         logits per block); need not divide ``L / n``.
-      dropout_rate, rng, mask_bits, head_start, total_heads: as `blockwise_attention`;
-        masks are keyed by global positions, so give every device of the ring the same
-        ``rng`` to drop what one device would.
+      dropout_rate: drop rate of the attention probabilities, as `blockwise_attention`.
+      rng: PRNG key of the dropout mask, as `blockwise_attention`; masks are keyed by
+        global positions, so give every device of the ring the same ``rng`` to drop what
+        one device would.
+      mask_bits: random bits per mask element, as `blockwise_attention`.
+      head_start: the first head ``q, k, v`` hold, as `blockwise_attention`.
+      total_heads: the attention's number of heads, as `blockwise_attention`.
 
     Returns:
       ``[batch, L / n, n_heads, d_head]`` in ``v.dtype``: this device's rows.

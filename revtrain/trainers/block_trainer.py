@@ -116,11 +116,8 @@ class BlockTrainer(TrainerBase):
         norm, e.g. ``optimizer_fn(..., clip_gradient_norm=c)``, which is cheaper). Cost:
         a first backward pass that reverses and recomputes every layer again to get each
         layer's squared gradient norm (no updates, no slot transfers), so the backward
-        work doubles: measured 1.6-1.8x the step time with `DeviceStore` and 1.45-1.6x
-        with `HostStore` (ReversibleTransformerLM d_model 64, 8 layers, sequence 64,
-        batch 8, Adam, one device of a 2-core CPU; median of 7 steps). The final
-        activations are held through that pass (one stack). None (the default) does
-        not clip.
+        work doubles. The final activations are held through that pass (one stack).
+        None (the default) does not clip.
       placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
 

@@ -152,8 +152,9 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
 
     Args:
       run: the model, data and optimisation.
-      eval_config, checkpoint, log: default `EvalConfig()`, `CheckpointConfig()`,
-        `LogConfig()`.
+      eval_config: evaluation; default `EvalConfig()`.
+      checkpoint: checkpointing; default `CheckpointConfig()`.
+      log: logging; default `LogConfig()`.
       output_dir: where checkpoints (``checkpoints/``), ``metrics.jsonl`` and TensorBoard
         files go; None keeps nothing.
 

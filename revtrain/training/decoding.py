@@ -117,7 +117,8 @@ class Decoder(_Sampling):
 
     Args:
       model: an eval-mode LM, ``int32[1, length] -> float32[1, length, vocab]``.
-      weights, state: its values (e.g. from a checkpoint; the layer objects are not read).
+      weights: its weights (e.g. from a checkpoint; the layer objects are not read).
+      state: its state, likewise.
       length: window length (at most the model's ``max_len``).
 
     Raises:

@@ -1,12 +1,8 @@
-"""benchmarks/sequence_length.py: runs end to end at tiny sizes; targets; the README table
-is the one the committed results give."""
+"""benchmarks/sequence_length.py: runs end to end at tiny sizes; targets. The documents'
+table is checked against the committed results with the others (test_render_tables.py)."""
 import json
-import re
-from pathlib import Path
 
 from benchmarks import harness, sequence_length
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_runs_each_variant_in_a_worker_and_writes_outputs(tmp_path):
@@ -41,16 +37,6 @@ def test_targets_use_the_runs_own_trax_rows():
     assert checks["linear: 64K peak <= 4.5x 16K peak"]["value"] == "3.00x"
     assert checks["8K default peak <= 0.15x the full path's 4,180 MiB before"]["met"]
     assert checks["8K full path peak RSS <= Trax full attention's"]["value"] == "1.40x"
-
-
-def test_the_readme_table_is_generated_from_the_committed_results():
-    payload = json.loads((ROOT / "benchmarks" / "results" / "sequence_length" /
-                          "sequence_length.json").read_text())
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- sequence_length table -->\n(.*?)\n<!-- end -->", readme, re.S)
-    assert block, "README.md lacks the sequence_length table markers"
-    assert block.group(1).strip() == sequence_length.readme_table(payload).strip(), (
-        "README's sequence-length table is stale; paste sequence_length.readme_table()")
 
 
 def test_lsh_targets_compare_with_trax_in_the_same_run_and_check_linearity():
