@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -77,24 +78,33 @@ def launch(args: argparse.Namespace) -> None:
     command = [sys.executable, os.path.abspath(__file__), "--worker",
                f"--coordinator={coordinator}", f"--output_dir={output_dir}",
                f"--steps={args.steps}"] + (["--tiny"] if args.tiny else [])
+    # Each process writes to files, not pipes: a pipe read only after the other process
+    # has finished could fill up and stall a process its peer is waiting for.
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]
     processes = [subprocess.Popen(command + [f"--process_id={i}"], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for i in range(2)]
+                                  stdout=out, stderr=err)
+                 for i, (out, err) in enumerate(logs)]
+    deadline = time.monotonic() + args.timeout
+    while any(p.poll() is None for p in processes):
+        failed = [p.returncode not in (None, 0) for p in processes]
+        if any(failed) or time.monotonic() > deadline:
+            for p in processes:  # A process whose peer is gone would wait for it in vain.
+                p.kill()
+            i = failed.index(True) if any(failed) else 0
+            logs[i][1].seek(0)
+            why = (f"failed with status {processes[i].returncode}" if any(failed) else
+                   f"did not finish within {args.timeout} s")
+            raise SystemExit(f"process {i} {why}:\n{logs[i][1].read()[-3000:]}")
+        time.sleep(0.1)
     outputs = []
-    for i, process in enumerate(processes):
-        try:
-            out, err = process.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired as e:
-            for p in processes:
-                p.kill()
-            raise SystemExit(f"process {i} did not finish within {args.timeout} s") from e
+    for i, (process, (out, err)) in enumerate(zip(processes, logs, strict=True)):
+        out.seek(0)
+        err.seek(0)
         if process.returncode != 0:
-            for p in processes:  # The other would wait for it in vain.
-                p.kill()
             raise SystemExit(f"process {i} failed with status {process.returncode}:\n"
-                             f"{err[-3000:]}")
-        print(out, end="")
-        outputs.append(out)
+                             f"{err.read()[-3000:]}")
+        outputs.append(out.read())
+        print(outputs[-1], end="")
     evals = [re.findall(r"eval at step \d+: (.*)", out) for out in outputs]
     assert evals[0] and evals[0] == evals[1], f"the processes disagree: {evals}"
     print(f"both processes report the same eval metrics: {evals[0][0]}; checkpoints in "
