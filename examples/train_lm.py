@@ -39,7 +39,7 @@ def run_config(tiny: bool, trainer: str) -> RunConfig:
     """The values of configs/reversible_lm.gin (``tiny`` shrinks the model and batch)."""
     sizes = (dict(d_model=16, d_ff=32, n_layers=1, n_heads=2, max_len=32) if tiny else
              dict(d_model=128, d_ff=512, n_layers=2, n_heads=4, max_len=128))
-    length, batch = (16, 4) if tiny else (128, 32)
+    length, batch = (16, 2) if tiny else (128, 32)
     return RunConfig(
         # The model is a function of `mode` ('train', 'eval', 'predict'): the loop builds
         # the training model, the evaluator and the decoder from the same sizes.
