@@ -97,8 +97,8 @@ def check_reversal(d: int, d_ff: int, depth: int, batch: int, length: int) -> No
     assert error < 1e-4, f"reconstruction error {error} is too large"
 
 
-
-def train(d: int, d_ff: int, depth: int, batch: int, length: int, steps: int) -> None:
+def train(d: int, d_ff: int, depth: int, batch: int, length: int, steps: int,
+          learning_rate: float) -> None:
     """Regression ``y = sin(3 x) . 1`` with the blocks inside a model: the layers before
     the first reversible layer (``Dense, Dup``: the two streams) and after the last one
     (``Concatenate, Dense``, the loss) are ordinary layers; `extract_reversible_blocks`
@@ -114,13 +114,14 @@ def train(d: int, d_ff: int, depth: int, batch: int, length: int, steps: int) ->
     blocks, loss_layer = tl.extract_reversible_blocks([model])
     tl.init_reversible_blocks(blocks, loss_layer, tl.signature_of(data), jax.random.key(1))
     trainer = ReversibleSerialTrainer(
-        blocks, loss_layer, lambda: optax.inject_hyperparams(optax.adam)(learning_rate=3e-3),
-        n_devices=1)
+        blocks, loss_layer,
+        lambda: optax.inject_hyperparams(optax.adam)(learning_rate=learning_rate), n_devices=1)
     losses = []
     for step in range(steps):
         loss, _ = trainer.one_step(data, jax.random.key(step), step=step)
         losses.append(float(loss))
-        print(f"step {step + 1} loss {losses[-1]:.4f}")
+        if steps <= 10 or (step + 1) % 10 == 0:
+            print(f"step {step + 1} loss {losses[-1]:.4f}")
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
 
 
@@ -128,10 +129,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (seconds, for CI)")
     args = parser.parse_args()
-    d, d_ff, depth, batch, length, steps = ((8, 16, 2, 2, 4, 5) if args.tiny else
-                                            (64, 256, 16, 8, 32, 100))
+    d, d_ff, depth, batch, length, steps, learning_rate = (
+        (8, 16, 2, 2, 4, 5, 3e-3) if args.tiny else (64, 256, 16, 8, 32, 100, 5e-4))
     check_reversal(d, d_ff, depth, batch, length)
-    train(d, d_ff, depth, batch, length, steps)
+    train(d, d_ff, depth, batch, length, steps, learning_rate)
 
 
 if __name__ == "__main__":
