@@ -1,5 +1,6 @@
-"""The README's shell commands run as written: every line that starts with
-``.venv/bin/revtrain-`` in a ```sh block, in order, in a fresh directory.
+"""The README's shell commands run as written: every command that starts with
+``.venv/bin/revtrain-`` in a ```sh block (a line, or a part of an ``&&`` chain), in order,
+in a fresh directory.
 
 Only two things change: ``.venv/bin/`` becomes this interpreter's bin directory (where
 ``pip install -e .`` put the console scripts), and each ``revtrain-train`` gets gin
@@ -43,23 +44,25 @@ MAX_LEN = 32  # The tiny models' key/value cache.
 
 
 def quickstart_commands(markdown: str) -> list[str]:
-    """The lines starting with `PREFIX` inside shell code blocks, in order (a line ending
-    in a backslash continues on the next)."""
-    commands, fence, pending = [], None, ""
+    """The commands starting with `PREFIX` in shell code blocks, in order: whole lines, and
+    the parts of ``&&`` chains (the set-up line ``python3 -m venv .venv && ... &&
+    .venv/bin/revtrain-train ...`` trains the run the next lines use). A line ending in a
+    backslash continues on the next."""
+    lines, fence, pending = [], None, ""
     for line in markdown.splitlines():
         if line.lstrip().startswith("```"):
             fence = None if fence is not None else line.strip()
             continue
         if fence not in SHELL_FENCES:
             continue
-        if pending or line.startswith(PREFIX):
-            pending += line.strip() if pending else line.rstrip()
-            if pending.endswith("\\"):
-                pending = pending[:-1].rstrip() + " "
-                continue
-            commands.append(pending)
-            pending = ""
-    return commands
+        pending += line.strip() if pending else line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip() + " "
+            continue
+        lines.append(pending)
+        pending = ""
+    return [part.strip() for line in lines for part in line.split("&&")
+            if part.strip().startswith(PREFIX)]
 
 
 def _config_text(argv: list[str], cwd: str) -> str:
@@ -127,7 +130,9 @@ def run_in_order(commands: list[str], cwd: str) -> None:
         assert os.path.isfile(script), f"{tool} is not installed in {bin_dir}: pip install -e ."
         argv[0] = script
         output_dir = _flag(argv, "output_dir")
-        if tool == "revtrain-train":
+        if output_dir is None:  # E.g. --version or --help: nothing to shrink or check.
+            tool = "other"
+        elif tool == "revtrain-train":
             steps = trained.get(output_dir, 1) + 1
             trained[output_dir] = steps
             argv += [f"--gin_bindings={b}" for b in tiny_bindings(_config_text(argv, cwd),
@@ -147,14 +152,17 @@ def run_in_order(commands: list[str], cwd: str) -> None:
             _check_decode(argv, cwd, done.stdout, done.stderr)
 
 
-def test_the_commands_are_found_in_sh_blocks_only_and_continuations_join():
+def test_commands_are_found_in_sh_blocks_and_chains_and_continuations_join():
     markdown = "\n".join([
-        "```sh", ".venv/bin/revtrain-train --config_file=configs/a.gin \\",
+        "```sh", "python3 -m venv .venv && .venv/bin/pip install -e . && "
+        ".venv/bin/revtrain-train --config_file=configs/a.gin --output_dir=runs/a",
+        ".venv/bin/revtrain-train --config_file=configs/a.gin \\",
         "  --output_dir=runs/a", "python3 -m venv .venv", "```",
         ".venv/bin/revtrain-eval --output_dir=prose", "```",
         ".venv/bin/revtrain-eval --output_dir=plain-block", "```",
         "```bash", ".venv/bin/revtrain-decode --output_dir=runs/a --prompt='The '", "```"])
     assert quickstart_commands(markdown) == [
+        ".venv/bin/revtrain-train --config_file=configs/a.gin --output_dir=runs/a",
         ".venv/bin/revtrain-train --config_file=configs/a.gin --output_dir=runs/a",
         ".venv/bin/revtrain-decode --output_dir=runs/a --prompt='The '"]
     config = "RunConfig.model = @ReversibleTransformerLM\nCausalAttention.block_size = 512\n"
