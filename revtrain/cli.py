@@ -202,7 +202,12 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _decode(fv: flags.FlagValues) -> int:
-    from revtrain.training.decode_program import decode_to_file, load_decoder
+    from revtrain.training.decode_program import (
+        decode_to_file,
+        default_length_note,
+        load_decoder,
+        new_bytes_per_prompt,
+    )
 
     if ((fv.max_new_bytes is not None and fv.max_new_bytes < 0)
             or not math.isfinite(fv.temperature) or fv.temperature < 0):
@@ -213,6 +218,12 @@ def _decode(fv: flags.FlagValues) -> int:
     output_dir, configs, _ = _read_run(fv)
     decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
                                  fv.cache)
+    try:  # Every prompt's length, checked before any is decoded: a flag the user fixes.
+        lengths = new_bytes_per_prompt(decoder, prompts, fv.max_new_bytes)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    if fv.max_new_bytes is None and _is_chief():
+        print(f"revtrain-decode: {default_length_note(decoder, lengths)}", file=sys.stderr)
     path = os.path.join(output_dir, DECODER_DIR, f"step_{step}.jsonl")
     records = decode_to_file(decoder, prompts, path, fv.max_new_bytes, fv.temperature,
                              fv.seed, fv.top_k, fv.top_p)
@@ -245,9 +256,9 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
     flags.DEFINE_string("prompt", "\n", "Text to continue.", flag_values=fv)
     flags.DEFINE_string("prompts_file", None, "A UTF-8 file of prompts, one per line.",
                         flag_values=fv)
-    flags.DEFINE_integer("max_new_bytes", None, "Bytes to generate (default: 200, or as many "
-                         "as the model's key/value cache holds after the prompt).",
-                         flag_values=fv)
+    flags.DEFINE_integer("max_new_bytes", None, "Bytes to generate (default: as many as the "
+                         "model's key/value cache holds after the prompt, at most 200; a "
+                         "note on stderr says how many).", flag_values=fv)
     flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding, else the sampling "
                        "temperature.", flag_values=fv)
     flags.DEFINE_integer("top_k", None, "Sample among the k most likely bytes.",

@@ -143,6 +143,25 @@ def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
             f"or blank); give one prompt per line"]
         with open(os.path.join(out, "decoder_out", "step_2.jsonl")) as f:
             assert json.loads(f.read()) == record
+    # No --max_new_bytes: as far as the 16-position cache allows after 'def ', with a note.
+    assert cli.decode_main(["revtrain-decode", f"--output_dir={out}", "--prompt=def "]) == 0
+    printed = capsys.readouterr()
+    assert printed.err.splitlines()[0] == (
+        "revtrain-decode: continuing the prompt by 12 bytes: as far as the model's key/value "
+        "cache of 16 positions allows after the prompt (at most 200); --max_new_bytes sets a "
+        "shorter length, --nocache decodes past the cache with a sliding window")
+    with open(os.path.join(out, "decoder_out", "step_2.jsonl")) as f:
+        record = json.loads(f.read())
+    assert len(record["tokens"]) == 12 and printed.out.startswith("def ")
+    # More than fits: one line with the numbers and the fixes; the file is left as it was.
+    assert cli.decode_main(["revtrain-decode", f"--output_dir={out}", "--prompt=def ",
+                            "--max_new_bytes=13"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "revtrain-decode: error: prompt of 4 tokens plus 13 new ones exceeds the cache of "
+        "max_len=16; ask for at most 12 new ones (--max_new_bytes=12), shorten the prompt to "
+        "at most 3 tokens, or decode without the cache (--nocache: a sliding window)"]
+    with open(os.path.join(out, "decoder_out", "step_2.jsonl")) as f:
+        assert json.loads(f.read()) == record
     fresh = tmp_path / "configured"  # A run's config.gin, no checkpoint.
     fresh.mkdir()
     shutil.copy(os.path.join(out, "config.gin"), fresh / "config.gin")

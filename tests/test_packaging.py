@@ -66,7 +66,7 @@ def test_wheel_ships_configs_and_marker(wheel):
     assert configs == sorted(f for f in os.listdir(os.path.join(ROOT, "revtrain", "configs"))
                              if f.endswith(".gin"))
     assert "revtrain/py.typed" in names
-    assert not any(n.startswith(("tests/", "benchmarks/", "docs/")) for n in names)
+    assert not any(n.startswith(("tests/", "benchmarks/", "docs/", "examples/")) for n in names)
 
 
 def test_installed_wheel_trains_a_config_by_name(wheel, tmp_path):

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import jax
 
 from revtrain.training.builder import build_model, resolve_inputs
 from revtrain.training.checkpointer import Checkpointer
 from revtrain.training.config import RunConfig
-from revtrain.training.decoding import CachedDecoder, Decoder, decode_text
+from revtrain.training.decoding import (
+    DEFAULT_NEW_BYTES,
+    CachedDecoder,
+    Decoder,
+    decode_text,
+    new_bytes_for,
+)
 from revtrain.training.run_directory import CHECKPOINT_DIR
 from revtrain.training.run_files import write_atomic
 
@@ -64,25 +70,68 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
     return Decoder(run.model(mode="eval"), weights, state, max_len), step or 0
 
 
+def new_bytes_per_prompt(decoder: CachedDecoder | Decoder, prompts: Sequence[str],
+                         max_new_bytes: int | None) -> list[int]:
+    """How many bytes each prompt is continued by (`new_bytes_for`), every prompt checked
+    against the decoder's limit before any is decoded.
+
+    Raises:
+      ValueError: in one line naming the numbers and the fixes, when a prompt plus
+        ``max_new_bytes`` exceeds a `CachedDecoder`'s cache (or a prompt alone fills it).
+    """
+    lengths = []
+    for prompt in prompts:
+        n_prompt = len(prompt.encode("utf-8"))
+        lengths.append(new_bytes_for(decoder, n_prompt, max_new_bytes))
+        decoder.check_length(n_prompt, lengths[-1])
+    return lengths
+
+
+def default_length_note(decoder: CachedDecoder | Decoder, lengths: Sequence[int]) -> str:
+    """One line for a decode without ``--max_new_bytes``: how many bytes each prompt gets
+    (``lengths``, from `new_bytes_per_prompt`) and why; e.g. ``continuing the prompt by 124
+    bytes: as far as the model's key/value cache of 128 positions allows ...``."""
+    low, high = min(lengths), max(lengths)
+    count = f"{low} bytes" if low == high else f"{low}-{high} bytes each"
+    what = "the prompt" if len(lengths) == 1 else f"{len(lengths)} prompts"
+    if not isinstance(decoder, CachedDecoder):
+        return (f"continuing {what} by {count} (the default), recomputing a window of "
+                f"{decoder.length} positions for every byte; --max_new_bytes sets another "
+                f"length")
+    if high == DEFAULT_NEW_BYTES and low == high:
+        return (f"continuing {what} by {count} (the default; the model's key/value cache of "
+                f"{decoder.max_len} positions holds more); --max_new_bytes sets another "
+                f"length")
+    return (f"continuing {what} by {count}: as far as the model's key/value cache of "
+            f"{decoder.max_len} positions allows after the prompt (at most "
+            f"{DEFAULT_NEW_BYTES}); --max_new_bytes sets a shorter length, --nocache "
+            f"decodes past the cache with a sliding window")
+
+
 def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], path: str,
                    max_new_bytes: int | None, temperature: float = 0.0, seed: int = 0,
                    top_k: int | None = None, top_p: float | None = None) -> list[dict]:
     """Decodes each prompt (prompt ``i`` with ``fold_in(key(seed), i)``); writes ``path``.
 
+    ``max_new_bytes=None`` continues each prompt as far as `new_bytes_for` allows. Every
+    prompt's length is checked (`new_bytes_per_prompt`) before any is decoded.
+
     Returns:
       The records written, ``{"prompt", "continuation", "tokens"}`` each.
 
     Raises:
-      ValueError: ``prompts`` is empty (``path`` is left as it was).
+      ValueError: ``prompts`` is empty, or a prompt plus its new bytes exceeds the cache
+        (``path`` is left as it was).
       OSError: ``path`` could not be written; it is left as it was.
     """
     prompts = list(prompts)
     if not prompts:
         raise ValueError(f"no prompt to decode; {path} is left as it was")
+    lengths = new_bytes_per_prompt(decoder, prompts, max_new_bytes)
     records = []
-    for i, prompt in enumerate(prompts):
-        text, tokens = decode_text(decoder, prompt, max_new_bytes, temperature, seed + i,
-                                   top_k, top_p)
+    for i, (prompt, n_new) in enumerate(zip(prompts, lengths, strict=True)):
+        text, tokens = decode_text(decoder, prompt, n_new, temperature, seed + i, top_k,
+                                   top_p)
         records.append({"prompt": prompt, "continuation": text, "tokens": tokens})
     if jax.process_index() == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)

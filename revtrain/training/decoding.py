@@ -97,7 +97,7 @@ class _Sampling:
             raise ValueError("prompt is empty; give at least one token to continue")
         check_sampling(temperature, top_k, top_p)
         rng = jax.random.key(0) if rng is None else rng
-        self._check_length(len(prompt), max_new_tokens)
+        self.check_length(len(prompt), max_new_tokens)
         log_probs = self._start([int(t) for t in prompt])
         new = []
         for i in range(max_new_tokens):
@@ -108,8 +108,9 @@ class _Sampling:
                 log_probs = self._advance(token)
         return new
 
-    def _check_length(self, n_prompt: int, n_new: int) -> None:
-        pass
+    def check_length(self, n_prompt: int, n_new: int) -> None:
+        """Raises a one-line ValueError when ``n_prompt`` tokens plus ``n_new`` new ones
+        do not fit the decoder (only `CachedDecoder` has a limit: its cache)."""
 
 
 class Decoder(_Sampling):
@@ -176,14 +177,19 @@ class CachedDecoder(_Sampling):
 
         self._step = jax.jit(step)
 
-    def _check_length(self, n_prompt: int, n_new: int) -> None:
-        if n_prompt + n_new > self.max_len:
-            room = self.max_len - n_prompt
-            fix = (f"ask for at most {room} new ones (--max_new_bytes={room})" if room > 0
-                   else "shorten the prompt")
-            raise ValueError(f"prompt of {n_prompt} tokens plus {n_new} new ones exceeds the "
-                             f"cache of max_len={self.max_len}; {fix}, or decode without the "
-                             f"cache (--nocache: a sliding window)")
+    def check_length(self, n_prompt: int, n_new: int) -> None:
+        """Raises a one-line ValueError, naming both numbers, the cache and the fixes, when
+        ``n_prompt + n_new > max_len``."""
+        if n_prompt + n_new <= self.max_len:
+            return
+        room = self.max_len - n_prompt
+        fixes = [f"ask for at most {room} new ones (--max_new_bytes={room})"] if room > 0 else []
+        if n_new < self.max_len:
+            fixes.append(f"shorten the prompt to at most {self.max_len - n_new} tokens")
+        fixes.append("decode without the cache (--nocache: a sliding window)")
+        fix = ", ".join(fixes[:-1]) + ", or " + fixes[-1] if len(fixes) > 1 else fixes[0]
+        raise ValueError(f"prompt of {n_prompt} tokens plus {n_new} new ones exceeds the "
+                         f"cache of max_len={self.max_len}; {fix}")
 
     def _start(self, prompt: list[int]) -> jax.Array:
         self._state = self._initial_state

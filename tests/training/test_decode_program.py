@@ -8,7 +8,13 @@ import pytest
 from revtrain.data import TextFiles
 from revtrain.models import ReversibleTransformerLM
 from revtrain.training import CheckpointConfig, EvalConfig, LogConfig, RunConfig, build_loop
-from revtrain.training.decode_program import decode_to_file, load_decoder
+from revtrain.training.decode_program import (
+    decode_to_file,
+    default_length_note,
+    load_decoder,
+    new_bytes_per_prompt,
+)
+from revtrain.training.decoding import CachedDecoder, Decoder
 from tests.tree_utils import assert_trees_close
 
 
@@ -59,3 +65,27 @@ def test_a_checkpoints_decoder_builds_the_model_from_shapes_only(tmp_path, monke
     assert all(isinstance(leaf, jax.ShapeDtypeStruct)
                for leaf in jax.tree.leaves(built[0].model.weights))
     assert_trees_close(decoder._values[0], trained, rtol=0, atol=0)
+
+
+def test_every_prompt_is_checked_before_any_is_decoded_and_the_note_says_how_far():
+    model_fn = functools.partial(ReversibleTransformerLM, vocab_size=256, d_model=8, d_ff=16,
+                                 n_layers=1, n_heads=2, max_len=16, dropout=0.0)
+    model = model_fn(mode="train")
+    model.init(jax.ShapeDtypeStruct((1, 16), jax.numpy.int32), rng=jax.random.key(0))
+    cached = CachedDecoder(model_fn(mode="predict"), model.weights, 16)
+    assert new_bytes_per_prompt(cached, ["The ", "ab"], None) == [12, 14]
+    assert default_length_note(cached, [12, 14]).startswith(
+        "continuing 2 prompts by 12-14 bytes each: as far as the model's key/value cache of "
+        "16 positions allows after the prompt (at most 200)")
+    with pytest.raises(ValueError, match="prompt of 17 tokens plus 1 new ones"):
+        new_bytes_per_prompt(cached, ["ok", "x" * 17], None)  # The second prompt is too long.
+    decoded = []
+    cached.decode = lambda *args, **kwargs: decoded.append(args)
+    with pytest.raises(ValueError, match="prompt of 4 tokens plus 13 new ones"):
+        decode_to_file(cached, ["ab", "The "], "unused.jsonl", 13)
+    assert not decoded  # The first prompt would fit: nothing ran before the check.
+    uncached = Decoder(model_fn(mode="eval"), model.weights, model.state, 16)
+    assert new_bytes_per_prompt(uncached, ["The "], None) == [200]
+    assert default_length_note(uncached, [200]) == (
+        "continuing the prompt by 200 bytes (the default), recomputing a window of 16 "
+        "positions for every byte; --max_new_bytes sets another length")

@@ -89,6 +89,10 @@ def test_default_length_fills_what_the_cache_holds_and_too_much_names_the_fix():
     assert len(tokens) == 12 - 4
     uncached = Decoder(model_fn(mode="eval"), weights, state, length=12)
     assert len(decode_text(uncached, "The ", None)[1]) == 200  # a sliding window: no limit
-    with pytest.raises(ValueError, match=r"ask for at most 8 new ones \(--max_new_bytes=8\)"
-                                         r", or decode without the cache \(--nocache"):
+    with pytest.raises(ValueError, match=r"ask for at most 8 new ones \(--max_new_bytes=8\), "
+                                         r"shorten the prompt to at most 3 tokens, or decode "
+                                         r"without the cache \(--nocache"):
         decode_text(cached, "The ", 9)
+    with pytest.raises(ValueError, match=r"plus 1 new ones exceeds the cache of max_len=12; "
+                                         r"shorten the prompt to at most 11 tokens, or"):
+        decode_text(cached, "x" * 12, None)  # The prompt alone fills the cache.
