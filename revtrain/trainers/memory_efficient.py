@@ -135,7 +135,7 @@ class MemoryEfficientTrainer(BlockTrainer):
         super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
                          free_accelerators_on_step=free_accelerators_on_step,
                          keep_every=keep_every, clip_global_norm=clip_global_norm,
-                         mesh=mesh, fsdp=fsdp, placement=placement)
+                         mesh=mesh, fsdp=fsdp, placement=placement, scan_layers=False)
         self._memory_log = MemoryLog(self.placement.first_local_device, n_steps_per_log)
         self.observers.append(self._memory_log)
 
