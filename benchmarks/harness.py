@@ -99,6 +99,9 @@ flags.DEFINE_integer("seed", 0, "seed of the weights and the batch")
 flags.DEFINE_integer("keep_every", None, "block trainers keep an exact copy of the stack "
                      "every this many reversible layers (bounds bf16 reconstruction drift; "
                      "costs depth / keep_every stack copies)", lower_bound=1)
+flags.DEFINE_boolean("scan_layers", True, "ReversibleSerialTrainer runs each run of equal "
+                     "reversible layers as one forward and one reverse-and-fbo scan program "
+                     "(--noscan_layers: one program per layer)")
 flags.DEFINE_float("timeout", 3600.0, "seconds before a worker process is killed",
                    lower_bound=0.0)
 flags.DEFINE_integer("jobs", 1, "workers run at once; >1 only for quick checks (they share "
@@ -153,7 +156,7 @@ def parse_flags(argv: Sequence[str] | None, steps: int, warmup: int) -> SimpleNa
 def model_config(args: SimpleNamespace) -> dict[str, Any]:
     """The model and run settings shared by every configuration (JSON-serialisable)."""
     names = ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size", "dropout",
-             "steps", "warmup", "seed", "keep_every")
+             "steps", "warmup", "seed", "keep_every", "scan_layers")
     return {name: getattr(args, name) for name in names} | {
         "mask_bits": int(getattr(args, "mask_bits", 16) or 16),
         "n_devices": args.n_devices, "compilation_cache_dir": args.compilation_cache_dir,
@@ -360,8 +363,10 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
         return Trainer(whole, optimizer_fn, n_devices=n_devices), batch
     keep_every = config.get("keep_every")
     if kind == "reversible":
+        scan = ({} if config.get("scan_layers", True)
+                else {"scan_layers": False})  # An older checkout has no such argument.
         return ReversibleSerialTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
-                                       keep_every=keep_every, **fsdp), batch
+                                       keep_every=keep_every, **fsdp, **scan), batch
     if kind == "memory_efficient":
         return MemoryEfficientTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
                                       keep_every=keep_every, **fsdp), batch

@@ -38,7 +38,7 @@ from revtrain.trainers.executor import (
     run_step,
 )
 from revtrain.trainers.placement import Placement
-from revtrain.trainers.plan import build_plan, build_schedule
+from revtrain.trainers.plan import build_plan, build_schedule, runs_of
 from revtrain.trainers.precompile import (
     AbstractStore,
     CompileTimes,
@@ -51,6 +51,7 @@ from revtrain.trainers.precompile import (
 from revtrain.trainers.programs import ProgramCache
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 from revtrain.trainers.rngs import StepKeys
+from revtrain.trainers.scan_programs import ScanProgramCache, find_runs
 from revtrain.trainers.stores import ParamStore, StoreFactory
 
 
@@ -120,6 +121,14 @@ class BlockTrainer(TrainerBase):
         None (the default) does not clip.
       placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
+      scan_layers: run each run of consecutive reversible layers of equal structure (the
+        rule of `revtrain.layers.scan`: a `ReversibleTransformerLM`'s blocks) as one
+        forward and one reverse-and-fbo program, each a ``lax.scan`` with every layer's
+        own optimizer update inside, the run's values stacked in the store
+        (`revtrain.trainers.scan_programs`): a step dispatches the same few programs at
+        any depth. Results are those of ``scan_layers=False``, which runs one program per
+        layer and op (for debugging and comparison). Only for a store factory that
+        accepts runs (``make_store`` is given the schedule, whose scan ops name them).
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
@@ -131,7 +140,10 @@ class BlockTrainer(TrainerBase):
                  make_store: StoreFactory, n_devices: int | None = None,
                  free_accelerators_on_step: bool = False, keep_every: int | None = None,
                  clip_global_norm: float | None = None, mesh: jax.sharding.Mesh | None = None,
-                 fsdp: bool = False, placement: Placement | None = None):
+                 fsdp: bool = False, placement: Placement | None = None,
+                 scan_layers: bool = True):
+        if not isinstance(scan_layers, bool):
+            raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
         if clip_global_norm is not None and not clip_global_norm > 0:
             raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
         blocks = [(std, list(revs)) for std, revs in blocks]
@@ -147,8 +159,11 @@ class BlockTrainer(TrainerBase):
         self.free_accelerators_on_step = free_accelerators_on_step
         self._copy_batch = free_accelerators_on_step
         self.keep_every, self.clip_global_norm = keep_every, clip_global_norm
-        schedule = build_schedule([len(revs) for _, revs in blocks], keep_every,
-                                  clip_global_norm is not None)
+        self.scan_layers = scan_layers
+        block_sizes = [len(revs) for _, revs in blocks]
+        schedule = build_schedule(block_sizes, keep_every, clip_global_norm is not None,
+                                  find_runs(self.layers, block_sizes) if scan_layers else ())
+        self._runs = runs_of(schedule)
         optimizers = [optimizer_fn() for _ in self.layers]
         weights = tuple(layer.weights for layer in self.layers)
         initial = TrainState(weights, tuple(layer.state for layer in self.layers),
@@ -158,6 +173,7 @@ class BlockTrainer(TrainerBase):
             jax.eval_shape(opt.init, w) for opt, w in zip(optimizers, weights, strict=True))))
         self._store: ParamStore = make_store(self.placement, initial, schedule)
         self._programs = ProgramCache(self.placement, optimizers[0])
+        self._scans = ScanProgramCache(self.placement, optimizers[0])
         replicated = self.placement.replicated
         norm_of_norms, counted = global_norm_program(squared=False)
         sqrt_of_sum, counted_squared = global_norm_program(squared=True)
@@ -165,7 +181,7 @@ class BlockTrainer(TrainerBase):
         if clip_global_norm is not None:
             self._norm_counters["global_norm_squared"] = counted_squared
         self._step = BlockStep(
-            plan=build_plan(self.layers, schedule, self._programs.get),
+            plan=build_plan(self.layers, schedule, self._program),
             indices=tuple(jax.device_put(np.int32(i), replicated)
                           for i in range(len(self.layers))),
             max_norm=(None if clip_global_norm is None else
@@ -175,6 +191,11 @@ class BlockTrainer(TrainerBase):
         self._keys = StepKeys(self.placement, len(self.layers))
         self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self.compile_times: CompileTimes | None = None
+
+    def _program(self, op: Any, layer: Layer) -> Any:
+        if op.run is None:
+            return self._programs.get(op, layer)
+        return self._scans.get(op, self.layers[op.run.start:op.run.start + op.run.period])
 
     # ----------------------------------------------------------------------------------
     # The training values.
@@ -206,7 +227,7 @@ class BlockTrainer(TrainerBase):
         self._store.block_until_ready()
 
     def trace_counts(self) -> dict[str, int]:
-        return {**self._programs.trace_counts(),
+        return {**self._programs.trace_counts(), **self._scans.trace_counts(),
                 **{name: eqx.debug.get_num_traces(counted)
                    for name, counted in self._norm_counters.items()}}
 
@@ -302,7 +323,8 @@ class BlockTrainer(TrainerBase):
             abstract_learning_rate(placement, self._learning_rate_arg(learning_rate)))
         recorder = RecordingDispatcher(placement)
         start = time.perf_counter()
-        run_step(self._step, AbstractStore(placement, self._signature), recorder, inputs)
+        store = AbstractStore(placement, self._signature, self._runs)
+        run_step(self._step, store, recorder, inputs)
         trace_s = time.perf_counter() - start
         calls = [*recorder.calls.values(), self._keys.abstract_call()]
         _, compile_s = timed(compile_all, calls)

@@ -11,7 +11,9 @@ and the same walk traces every program without running anything.
 The step: forward ops move the stack up (stashing block inputs and ``keep_every`` copies);
 the loss op gives the final stack's cotangent; backward ops move the stack and its
 cotangent down, each reconstructing (``REVERSE``) or recomputing (``FBO``) its layer's
-input and updating the layer at once. With exact global-norm clipping a norm-only pass
+input and updating the layer at once. A scanned run of layers
+(`revtrain.trainers.plan.Run`) is one op each way, its values one stacked key of the store
+(`revtrain.trainers.scan_programs`). With exact global-norm clipping a norm-only pass
 first walks the backward ops without updating, and its global norm scales every update.
 """
 
@@ -37,6 +39,7 @@ from revtrain.trainers.programs import (
     Shared,
 )
 from revtrain.trainers.protocols import Observer
+from revtrain.trainers.scan_programs import ScanReverseArgs
 from revtrain.trainers.stores import ParamStore
 from revtrain.trainers.transfers import delete_arrays
 
@@ -180,6 +183,43 @@ def _loss_input(p: PlannedOp, store: ParamStore, stack: Any) -> Any:
     return stack
 
 
+def _scan_forward(p: PlannedOp, store: ParamStore, dispatcher: Dispatcher, stack: Any,
+                  inputs: StepInputs, shared: Shared, kept: dict[int, Any]) -> Any:
+    """A run's forward scan; its ``keep_every`` copies are stashed under its first layer."""
+    run = p.op.run
+    args = ForwardArgs(inputs_from_stack(stack, run.n_items), store.state(run), inputs.rngs)
+    y, new_state, copies = dispatcher.dispatch(p.op, p.program, args, store.weights(run),
+                                               shared)
+    store.keep_state(run, new_state)
+    if copies is not None:
+        kept[run.start] = store.stash(copies)
+    return outputs_onto_stack(y, stack, run.n_items)
+
+
+def _scan_reverse(p: PlannedOp, store: ParamStore, dispatcher: Dispatcher, stack: Any,
+                  ct: Any, inputs: StepInputs, shared: Shared, kept: dict[int, Any],
+                  stats: list, squared_norms: list) -> tuple[Any, Any]:
+    """A run's reverse scan (every layer updated, or norm-only); returns (stack, ct)."""
+    op, run = p.op, p.op.run
+    copies = None
+    if run.kept:
+        copies = store.unstash(kept[run.start] if op.norm_only else kept.pop(run.start))
+    n = run.n_items
+    args = ScanReverseArgs(inputs_from_stack(stack, n), inputs_from_stack(ct, n),
+                           store.state(run), store.new_state(run), inputs.rngs, copies)
+    if op.norm_only:
+        x, ct_x, squares = dispatcher.dispatch(op, p.program, args, store.weights(run),
+                                               shared)
+        squared_norms.extend(squares)
+    else:
+        x, ct_x, new_params, run_stats = dispatcher.dispatch(op, p.program, args,
+                                                             store.params(run), shared)
+        store.keep_params(run, new_params)
+        for i, layer_stats in zip(run.layers, run_stats, strict=True):
+            stats[i] = layer_stats
+    return outputs_onto_stack(x, stack, n), outputs_onto_stack(ct_x, ct, n)
+
+
 def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
              inputs: StepInputs) -> StepResult:
     """Runs ``step``'s plan once against ``store``; returns the loss and stats.
@@ -211,6 +251,13 @@ def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
             dispatcher.phase(p.phase)
         store.prepare(position)
         shared = Shared(step.indices[i], inputs.lr, clip)
+        if op.kind == OpKind.SCAN_FORWARD:
+            stack = _scan_forward(p, store, dispatcher, stack, inputs, shared, kept)
+            continue
+        if op.kind == OpKind.SCAN_REVERSE:
+            stack, ct = _scan_reverse(p, store, dispatcher, stack, ct, inputs, shared, kept,
+                                      stats, squared_norms)
+            continue
         if op.kind == OpKind.FORWARD:
             if op.starts_block or op.keep_point:
                 kept[i] = store.stash(stack)

@@ -23,6 +23,18 @@ only shards home, so each device holds ``1 / n_devices`` of the resident layers'
 and slots.
 
 Trax's ``trainer.MemoryEfficientTrainer`` is the model for this design.
+
+Every layer runs as its own program (no ``scan_layers``, unlike
+`ReversibleSerialTrainer`): a scanned run's program needs the run's values on the
+accelerator, stacked, for as long as it runs, against this trainer's bound of ``1 +
+n_async_layers`` layers resident. Windows of ``n_async_layers + 1`` layers per program
+would keep the bound but need the host buffers in the stacked layout and a copy-back per
+window that lands before the next window's put; that, or streaming the scanned values from
+JAX's ``pinned_host`` memory kind inside one program, is not built yet. On the CPU backend
+it would not pay either way: "device" memory is host memory, so the window's transfers are
+copies within one RAM, and a program's ``while`` loop holds the calling thread while it
+runs (measured: a 1000-iteration scan's call returns after 9 of its 13 ms), so scanning
+would save host dispatch time only where dispatch dominates.
 """
 
 from __future__ import annotations
@@ -135,7 +147,7 @@ class MemoryEfficientTrainer(BlockTrainer):
         super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
                          free_accelerators_on_step=free_accelerators_on_step,
                          keep_every=keep_every, clip_global_norm=clip_global_norm,
-                         mesh=mesh, fsdp=fsdp, placement=placement)
+                         mesh=mesh, fsdp=fsdp, placement=placement, scan_layers=False)
         self._memory_log = MemoryLog(self.placement.first_local_device, n_steps_per_log)
         self.observers.append(self._memory_log)
 

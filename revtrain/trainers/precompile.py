@@ -34,9 +34,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from revtrain.trainers import stacked
 from revtrain.trainers.batches import check_split
 from revtrain.trainers.placement import Placement
-from revtrain.trainers.plan import Op
+from revtrain.trainers.plan import Op, Run
 from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
 
 
@@ -71,22 +72,38 @@ class AbstractStore:
     compiled functions; new states are kept so that reverse ops see them; updates are
     dropped (their shapes do not change). Stashing is the identity.
 
+    The layers of each scanned run are one stacked entry keyed by the `Run`
+    (`revtrain.trainers.stacked`), as in `revtrain.trainers.device_store.DeviceStore`.
+
     Args:
       placement: the trainer's placement.
       signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
+      runs: the runs the trainer's plan scans.
     """
 
-    def __init__(self, placement: Placement, signature: TrainState):
+    def __init__(self, placement: Placement, signature: TrainState,
+                 runs: Sequence[Run] = ()):
         def placed(tree):
             return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(
                 np.shape(a), a.dtype, sharding=sharding), tree,
                 placement.weight_shardings(tree))
 
-        self._weights = [placed(w) for w in signature.weights]
-        self._slots = [placed(s) for s in signature.slots]
         rows = (placement.n_global_devices,)
-        self._states = [_sds(s, placement.per_device, rows) for s in signature.state]
-        self._new_states: list[Any] = [None] * len(self._states)
+        self._weights = {i: placed(w) for i, w in enumerate(signature.weights)}
+        self._slots = {i: placed(s) for i, s in enumerate(signature.slots)}
+        self._states = {i: _sds(s, placement.per_device, rows)
+                        for i, s in enumerate(signature.state)}
+        for run in runs:
+            first = [run.start + j for j in range(run.period)]
+            self._weights[run] = tuple(stacked.stacked_signature(
+                signature.weights[i], run.repeats, placement) for i in first)
+            self._slots[run] = tuple(stacked.stacked_signature(
+                signature.slots[i], run.repeats, placement) for i in first)
+            self._states[run] = tuple(jax.tree.map(
+                lambda a, n=run.repeats: jax.ShapeDtypeStruct((*rows, n, *np.shape(a)), a.dtype,
+                                               sharding=placement.per_device),
+                signature.state[i]) for i in first)
+        self._new_states: dict[Any, Any] = {}
 
     def begin_step(self) -> None:
         pass

@@ -17,6 +17,7 @@ from revtrain.trainers.base import OptimizerFn
 from revtrain.trainers.block_trainer import BlockTrainer
 from revtrain.trainers.device_store import DeviceStore
 from revtrain.trainers.placement import Placement
+from revtrain.trainers.plan import runs_of
 
 
 class ReversibleSerialTrainer(BlockTrainer):
@@ -46,6 +47,13 @@ class ReversibleSerialTrainer(BlockTrainer):
         `BlockTrainer`): per-device weight and slot bytes drop to about ``1 / n_devices``.
       placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
+      scan_layers: run each run of equal reversible layers (a `ReversibleTransformerLM`'s
+        blocks) as one forward and one reverse-and-fbo ``lax.scan`` program, its weights,
+        slots and states stacked on the devices, so a step dispatches the same few
+        programs at any depth (5 for a `ReversibleTransformerLM`, against ``6 * depth +
+        3`` with False); False runs one program per layer and op, for debugging and
+        comparison. The results and the public values (one entry per flat layer) are
+        the same either way. See `revtrain.trainers.scan_programs`.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
@@ -56,12 +64,12 @@ class ReversibleSerialTrainer(BlockTrainer):
                  n_devices: int | None = None, free_accelerators_on_step: bool = False,
                  keep_every: int | None = None, clip_global_norm: float | None = None,
                  mesh: Mesh | None = None, fsdp: bool = False,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, scan_layers: bool = True):
         def make_store(placement_, values, schedule):
-            del schedule
-            return DeviceStore(placement_, values)
+            return DeviceStore(placement_, values, runs_of(schedule))
 
         super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
                          free_accelerators_on_step=free_accelerators_on_step,
                          keep_every=keep_every, clip_global_norm=clip_global_norm,
-                         mesh=mesh, fsdp=fsdp, placement=placement)
+                         mesh=mesh, fsdp=fsdp, placement=placement,
+                         scan_layers=scan_layers)

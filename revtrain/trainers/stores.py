@@ -11,6 +11,13 @@ memory, a prefetch window: `MemoryEfficientTrainer`) and, for precompilation,
 `revtrain.trainers.precompile.AbstractStore` (shapes only). A custom store plugs into
 `revtrain.trainers.BlockTrainer` through a `StoreFactory`.
 
+Keys: the per-layer methods take a flat layer index ``i``; a store that holds a scanned
+`revtrain.trainers.plan.Run` stacked (`revtrain.trainers.device_store.DeviceStore`) also
+takes the run itself, for which each value is a tuple over the group's positions of
+stacked trees (`revtrain.trainers.stacked`). A store is given the runs by its
+`StoreFactory`'s schedule (`revtrain.trainers.plan.runs_of`); one that cannot hold them
+is built with a plan that has none (``scan_layers=False``).
+
 Donation: values given by `StepValues.params` are donated to the layer's fbo and must not
 be used again, so a layer's update cannot be taken back. A step that raises before its
 first `StepValues.keep_params` leaves every stored value as it was; one that raises later

@@ -9,6 +9,8 @@ def test_measure_reports_medians_for_the_flat_layers_of_the_model():
     assert 0 < result["median_dispatch_s"] <= result["median_step_s"]
     assert result["median_dispatch_thread_cpu_s"] > 0
     assert result["revtrain"].endswith("revtrain/__init__.py")
+    # Embedding block, one scan each way over the 2 x 4 reversible layers, the loss.
+    assert result["scan_layers"] and result["n_dispatches_per_step"] == 5
 
 
 def test_memory_efficient_trainer_is_measured_too():

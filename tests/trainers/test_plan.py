@@ -49,3 +49,27 @@ def test_clip_global_norm_runs_the_backward_ops_twice_first_norm_only():
 def test_keep_every_below_one_is_rejected():
     with pytest.raises(ValueError, match="keep_every=0"):
         build_schedule([2], keep_every=0)
+
+
+def test_a_run_is_one_scan_op_each_way_with_its_kept_offsets():
+    from revtrain.trainers.plan import Run, runs_of
+    run = Run(start=2, period=2, repeats=2, n_items=2)  # Reversible layers 1..4 of block 0.
+    ops = build_schedule([5, 1], keep_every=2, runs=[run])
+    assert [(op.kind, op.layer, op.label) for op in ops] == [
+        ("forward", 0, "forward/layer0"), ("forward", 1, "forward/layer1"),
+        ("scan_forward", 2, "forward/layers2-5"), ("forward", 6, "forward/layer6"),
+        ("forward", 7, "forward/layer7"), ("loss", 8, "loss/layer8"),
+        ("reverse", 7, "backward/layer7"), ("fbo", 6, "backward/layer6"),
+        ("scan_reverse", 2, "backward/layers2-5"), ("reverse", 1, "backward/layer1"),
+        ("fbo", 0, "backward/layer0")]
+    # Block positions 2 and 4 (flat 3 and 5) are kept: offsets 1 and 3 of the run.
+    assert runs_of(ops) == (run._replace(kept=(1, 3)),)
+    assert ops[2].run == ops[8].run and not any(op.keep_point for op in ops)
+
+
+def test_runs_outside_one_blocks_reversible_layers_are_rejected():
+    from revtrain.trainers.plan import Run
+    with pytest.raises(ValueError, match="inside one block"):
+        build_schedule([3, 2], runs=[Run(start=2, period=1, repeats=3, n_items=2)])
+    with pytest.raises(ValueError, match="overlaps"):
+        build_schedule([6], runs=[Run(1, 2, 2, 2), Run(3, 1, 2, 2)])

@@ -59,7 +59,8 @@ def test_host_store_keeps_at_most_the_window_on_the_device(free, batch):
 
 
 def test_observers_see_every_dispatch_and_the_phases(batch):
-    trainer = ReversibleSerialTrainer(*initialised_blocks("two", batch), adam, n_devices=1)
+    trainer = ReversibleSerialTrainer(*initialised_blocks("two", batch), adam, n_devices=1,
+                                      scan_layers=False)  # One program per layer and op.
     seen = []
 
     class Record:
