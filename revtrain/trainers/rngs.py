@@ -103,12 +103,13 @@ class StepKeys:
     def __init__(self, placement: Placement, n_layers: int | None):
         self._placement, self._n_layers = placement, n_layers
         local = placement.local_mesh
-        self._local_replicated = NamedSharding(local, P())
+        single = jax.process_count() == 1  # Then the table is made in its own sharding.
+        self._local_replicated = placement.replicated if single else NamedSharding(local, P())
         n_local = local.devices.size
         start = jax.process_index() * n_local
         self._table = jax.jit(
             lambda rng: _key_table(rng, placement.n_global_devices, start, n_local, n_layers),
-            out_shardings=NamedSharding(local, P(*placement.batch_axes)))
+            out_shardings=placement.per_device if single else placement.local_per_device)
 
     def signature(self) -> jax.ShapeDtypeStruct:
         """The shape, dtype and sharding of what a call gives (for precompilation)."""

@@ -15,9 +15,9 @@ from revtrain.layers.fused_head import fuse_loss_heads
 from revtrain.trainers import transfers
 from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.batches import device_weight_total, for_n_devices
-from revtrain.trainers.fsdp import DEV, REP, gather_weights, reduce_gradients
+from revtrain.trainers.fsdp import REP, gather_weights, reduce_gradients
 from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.placement import BATCH_AXIS, Placement
+from revtrain.trainers.placement import Placement
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 from revtrain.trainers.rngs import StepKeys
 from revtrain.trainers.updates import apply_optimizer
@@ -112,30 +112,34 @@ class Trainer(TrainerBase):
         self._init_learning_rate(self._slots)
 
     def _make_update(self):
-        model, optimizer = self._computed, self._optimizer
+        model, optimizer, placement = self._computed, self._optimizer, self.placement
         shardings = self._shardings
         specs = jax.tree.map(lambda s: s.spec, shardings["weights"])
+        axes, dev = placement.device_axes, placement.device_spec
 
         def gradients(batch, weights, state, rng):
+            context = placement.sequence_context(batch)
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
             rng = jax.random.wrap_key_data(rng[0])
             share = loss_share(device_weight_total(batch[2] if len(batch) >= 3 else None,
-                                                   BATCH_AXIS))
+                                                   axes), axes)
 
             def loss_fn(w):
                 loss, new_state = model.pure_fn(batch, w, state, rng)
                 check_scalar_loss(model, loss)
                 return share * loss.astype(jnp.float32), (loss, new_state)
 
-            full = gather_weights(weights, specs)
-            (_, (loss, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(full)
-            grads = reduce_gradients(grads, specs)
+            full = gather_weights(weights, specs, placement)
+            with context:
+                (_, (loss, new_state)), grads = jax.value_and_grad(loss_fn,
+                                                                   has_aux=True)(full)
+            grads = reduce_gradients(grads, specs, placement)
             new_state = jax.tree.map(lambda a: a[None], new_state)
-            return grads, global_loss(share, loss), new_state
+            return grads, global_loss(share, loss, axes), new_state
 
         mapped = jax.shard_map(gradients, mesh=self.mesh,
-                               in_specs=(DEV, specs, DEV, DEV),
-                               out_specs=(specs, REP, DEV))
+                               in_specs=(dev, specs, dev, dev),
+                               out_specs=(specs, REP, dev))
 
         def update(batch, weights, state, rng, slots, lr):
             grads, loss, new_state = mapped(batch, weights, state, rng)

@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain.trainers.placement import BATCH_AXIS
+from revtrain.trainers.placement import per_device_spec
 
 
 def _host(a: Any) -> np.ndarray:
@@ -82,12 +82,13 @@ def unreplicate(tree: Any) -> Any:
 
 
 def shard_per_device(tree: Any, mesh: Mesh) -> Any:
-    """Puts this process's ``[n_devices, ...]`` leaves on ``mesh``, one row per device.
+    """Puts this process's ``[n_devices, ...]`` leaves on ``mesh``, one row per device
+    (`revtrain.trainers.placement.per_device_spec`: in the mesh's row-major order).
 
     With several processes the result is a global array of ``n_devices * process_count``
     rows (``jax.make_array_from_process_local_data``).
     """
-    sharding = NamedSharding(mesh, P(BATCH_AXIS))
+    sharding = NamedSharding(mesh, per_device_spec(mesh))
     if jax.process_count() == 1:
         return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
     return jax.tree.map(
