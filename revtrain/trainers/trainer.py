@@ -27,8 +27,9 @@ class Trainer(TrainerBase):
     """Data-parallel training of a model that ends in its loss, one jitted update per step.
 
     The whole model runs under ``jax.grad`` (all activations of a step are stored), inside
-    ``jax.shard_map`` over the ``batch`` mesh axis: each device gets ``batch // n_devices``
-    examples and its own rng (``split(rng, n_devices)[d]``; the rng itself for one device).
+    ``jax.shard_map`` over the mesh: each device gets ``batch // n_devices`` examples (on a
+    named mesh ``batch // (data x fsdp)`` rows and ``length // seq`` positions) and its
+    own rng (``split(rng, n_devices)[d]``; the rng itself for one device).
     The optimizer update runs on the global weights, gradient and slots after it, in the
     same jitted program. Weight and slot buffers are donated. This is the baseline the
     reversible trainers must agree with.
@@ -66,15 +67,19 @@ class Trainer(TrainerBase):
       optimizer_fn: returns an optax ``GradientTransformation``; wrap it with
         ``optax.inject_hyperparams`` to set the learning rate per step.
       n_devices: devices to use (default: all local devices).
-      mesh: a one-axis ``jax.sharding.Mesh`` to use instead of ``n_devices`` (any axis
-        name; may span processes), see `revtrain.trainers.placement.resolve_mesh`.
-      fsdp: shard weights and optimizer slots over the mesh (see above).
+      mesh: a ``jax.sharding.Mesh`` to use instead of ``n_devices`` (may span processes):
+        a named mesh of axes among ``data``, ``fsdp``, ``seq`` (e.g.
+        ``jax.make_mesh((2, 2, 1), ('data', 'fsdp', 'seq'))``: rows over ``data x fsdp``,
+        weights and slots over ``fsdp``, the length over ``seq``) or a one-axis mesh of
+        another name (the batch axis); see `revtrain.trainers.mesh`.
+      fsdp: shard weights and optimizer slots over the mesh (see above; on a named mesh
+        its ``fsdp`` axis decides).
       placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
 
     Raises:
-      ValueError: for an uninitialised model, an impossible ``n_devices`` or a mesh that
-        is not one-axis.
+      ValueError: for an uninitialised model, an impossible ``n_devices``, or a mesh with
+        an axis outside ``data``/``fsdp``/``seq`` or that contradicts ``n_devices``.
       TypeError: for a non-bool ``fsdp`` or a ``mesh`` that is not a Mesh.
     """
 
