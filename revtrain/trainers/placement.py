@@ -18,10 +18,9 @@ Two kinds of mesh (`revtrain.trainers.mesh`):
   (`Placement.split_batch`; layers are traced inside `Placement.sequence_context`).
 
 Losses, batch-weight totals and weight gradients are summed over every mesh axis
-(`Placement.device_axes`), so the result does not depend on the mesh. Rngs: device ``g``
-of the mesh (row-major over its axes) gets ``split(rng, devices)[g]``
-(`revtrain.trainers.rngs`), whatever its axes: a dropout mask depends on how the batch
-*and* the sequence are split, as per-device keys did before named meshes.
+(`Placement.device_axes`), so the result does not depend on the mesh. Rngs are split over
+the batch's row slices (``data x fsdp``) and shared by each ``seq`` group
+(`revtrain.trainers.rngs`).
 
 Multi-host: ``n_devices`` counts *this process's* devices. The mesh spans the first
 ``n_devices`` devices of every process (``jax.process_count()`` of them under

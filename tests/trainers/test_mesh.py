@@ -116,12 +116,16 @@ def test_split_batch_permutes_the_length_axis_and_gives_each_seq_device_a_block(
                                           x[2 * b:2 * b + 2, ::-1][:, 4 * s:4 * s + 4])
 
 
-def test_each_device_of_the_mesh_gets_its_own_key_in_row_major_order():
+def test_each_row_slice_gets_its_own_key_shared_by_its_seq_group():
     p = Placement.resolve(mesh=named((2, 1, 2)))
-    table = StepKeys(p, None)(jax.random.key(3))
-    expected = jax.random.key_data(device_rngs(jax.random.key(3), 4))
-    np.testing.assert_array_equal(np.asarray(table), np.asarray(expected))
-    assert table.sharding == p.per_device
+    table = np.asarray(StepKeys(p, None)(jax.random.key(3)))
+    slices = np.asarray(jax.random.key_data(device_rngs(jax.random.key(3), 2)))
+    np.testing.assert_array_equal(table, np.repeat(slices, 2, axis=0))  # (d, 0, s): row 2d+s
+    seq_only = StepKeys(Placement.resolve(mesh=named((1, 1, 4))), 3)(jax.random.key(3))
+    one_device = StepKeys(Placement.resolve(n_devices=1), 3)(jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(seq_only),
+                                  np.repeat(np.asarray(one_device), 4, axis=0))
+    assert StepKeys(p, None)(jax.random.key(3)).sharding == p.per_device
 
 
 def _dense_model(batch):
