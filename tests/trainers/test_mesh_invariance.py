@@ -66,7 +66,7 @@ def test_every_mesh_trains_what_one_device_trains(one_device, trainer_name, mesh
 @pytest.mark.skipif(getattr(sequence_parallel, "STAND_IN", False),
                     reason="needs ring attention (revtrain.layers.sequence_parallel is the "
                            "stand-in)")
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 4), (1, 2, 2)])
-def test_a_sequence_split_transformer_trains_what_one_device_trains(mesh_shape):
+def test_a_sequence_split_transformer_trains_what_one_device_trains():
+    """Ring attention over seq = 2 with the weights sharded over fsdp = 2."""
     reference = _two_steps("ReversibleSerialTrainer", None, transformer)
-    _assert_same(_two_steps("ReversibleSerialTrainer", mesh_shape, transformer), reference)
+    _assert_same(_two_steps("ReversibleSerialTrainer", (1, 2, 2), transformer), reference)
