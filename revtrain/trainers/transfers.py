@@ -70,7 +70,10 @@ def put_sharded(tree: Any, shardings: Any, owned: bool = True) -> Any:
         if isinstance(a, jax.Array):
             return _copy(a if a.sharding == sharding else jax.device_put(a, sharding))
         host = np.asarray(a)
-        array = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        # This put is explicit; the guard counts the callback's slices as implicit ones.
+        with jax.transfer_guard_host_to_device("allow"):
+            array = jax.make_array_from_callback(host.shape, sharding,
+                                                 lambda index: host[index])
         return _copy(array) if owned else array
     return jax.tree.map(put, tree, shardings)
 
