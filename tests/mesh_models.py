@@ -61,10 +61,11 @@ def build(trainer_name, make_model=position_wise, **placement):
 
 
 def two_steps(trainer, batch):
-    """``(losses, global gradient norms, weights)`` of two steps on ``batch``."""
-    losses, norms = [], []
-    for step in range(2):
-        loss_value, stats = trainer.one_step(batch, jax.random.key(step))
-        losses.append(float(loss_value))
-        norms.append(float(stats["gradients_l2"]))
-    return losses, norms, trainer.weights
+    """``(losses, global gradient norms, weights)`` of two steps on ``batch``; the second
+    step runs under ``jax.transfer_guard('disallow')`` (explicit transfers only)."""
+    first, rng = trainer.one_step(batch, jax.random.key(0)), jax.random.key(1)
+    trainer.block_until_ready()
+    with jax.transfer_guard("disallow"):
+        second = trainer.one_step(batch, rng)
+    return ([float(loss) for loss, _ in (first, second)],
+            [float(stats["gradients_l2"]) for _, stats in (first, second)], trainer.weights)
