@@ -129,6 +129,11 @@ def make_mesh(n_devices: int) -> Mesh:
     return Mesh(np.array(_first_devices(resolve_n_devices(n_devices))), (BATCH_AXIS,))
 
 
+def _processes() -> str:
+    n = jax.process_count()
+    return f"{n} process" + ("es" if n > 1 else "")
+
+
 def _first_devices(n_devices: int) -> list[jax.Device]:
     """The first ``n_devices`` devices of every process, ordered by process."""
     by_process: dict[int, list] = {}
@@ -209,8 +214,8 @@ def mesh_from_shape(shape: Mapping[str, int], n_devices: int | None = None,
     chosen = _first_devices(local)
     if math.prod(sizes.values()) != len(chosen):
         raise ValueError(f"{binding}={dict(shape)!r} has {math.prod(sizes.values())} devices "
-                         f"but the run has {len(chosen)} ({jax.process_count()} processes x "
-                         f"{local} devices); give axis sizes whose product is {len(chosen)}")
+                         f"but the run has {len(chosen)} ({_processes()} x {local} devices); "
+                         f"give axis sizes whose product is {len(chosen)}")
     mesh = Mesh(np.array(chosen).reshape([sizes[n] for n in MESH_AXES]), MESH_AXES)
     local_device_count(mesh)
     return mesh
