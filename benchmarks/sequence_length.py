@@ -241,19 +241,20 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         trainer.block_until_ready()
         if step == 0:
             first = time.perf_counter() - start
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     with memory.track_peak(trainer) as peak:
         for step in range(config["warmup"], config["warmup"] + config["steps"]):
-            begin = time.perf_counter()
+            begin, cpu_begin = time.perf_counter(), time.process_time()
             loss, _ = trainer.one_step(batch, jax.random.key(step), step=step)
             trainer.block_until_ready()
             times.append(time.perf_counter() - begin)
+            cpu_times.append(time.process_time() - cpu_begin)
             losses.append(float(loss))
     step_s = statistics.median(times)
     if "mesh" in config:
         return {"method": peak.method, "peak_bytes": peak.peak_bytes, "step_s": step_s,
-                "step_times_s": times, "losses": losses, "first_step_s": first,
-                **sequence_mesh.footprint(trainer)}
+                "step_times_s": times, "step_cpu_s": statistics.median(cpu_times),
+                "losses": losses, "first_step_s": first, **sequence_mesh.footprint(trainer)}
     flops = model_flops(config)
     matmul = matmul_flops_per_second()
     return {"method": peak.method, "peak_bytes": peak.peak_bytes,
