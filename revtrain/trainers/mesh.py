@@ -146,8 +146,8 @@ def resolve_mesh(n_devices: int | None, mesh: Mesh | None) -> tuple[Mesh, int]:
     """The trainer's mesh and its devices per process, from either argument.
 
     Without ``mesh``, `make_mesh(n_devices)`. A named ``mesh`` (several axes, or the one
-    axis ``fsdp`` or ``seq``: `revtrain.trainers.mesh.is_named`) becomes its canonical
-    ``('data', 'fsdp', 'seq')`` mesh (`revtrain.trainers.mesh.canonical_mesh`); any other
+    axis ``fsdp`` or ``seq``: `is_named`) becomes its canonical ``('data', 'fsdp',
+    'seq')`` mesh (`canonical_mesh`); any other
     one-axis `jax.sharding.Mesh` (e.g. ``'data'``) keeps today's meaning: its devices, in
     its order, become the ``batch`` axis. Under ``jax.distributed`` either may span
     processes.
@@ -156,7 +156,7 @@ def resolve_mesh(n_devices: int | None, mesh: Mesh | None) -> tuple[Mesh, int]:
       ValueError: for an axis name outside ``data``/``fsdp``/``seq`` on a mesh of several
         axes; a mesh that holds no device of this process, a different number of devices
         of each process, a process's devices not consecutive, or a ``seq`` group split
-        over processes (`revtrain.trainers.mesh.local_device_count`); or an ``n_devices``
+        over processes (`local_device_count`); or an ``n_devices``
         that contradicts ``mesh``.
       TypeError: when ``mesh`` is not a ``jax.sharding.Mesh``.
     """
