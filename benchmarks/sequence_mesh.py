@@ -7,9 +7,10 @@ CPU; a GPU/TPU machine's own devices otherwise), the model of ``sequence_length.
 
 * **Sequence parallelism.** Batch 1 at ``--mesh_length`` (default 65,536) on the mesh
   ``(data, fsdp, seq) = (1, 1, 1)`` (one device of the four) and ``(1, 1, 4)`` (ring
-  attention over four): the per-device peak (`revtrain.memory.track_peak` on the mesh's
-  first device) with ``seq = 4`` against ``seq = 1``. Target: <= 0.3x.
-* **Hybrid sharding.** Batch 4 at ``--hybrid_length`` (default 4,096) on ``(2, 2, 1)``
+  attention over four), ``--warmup`` steps then one measured step: the per-device peak
+  (`revtrain.memory.track_peak` on the mesh's first device) with ``seq = 4`` against
+  ``seq = 1``. Target: <= 0.3x.
+* **Hybrid sharding.** Batch 4 at ``--hybrid_length`` (default 1,024) on ``(2, 2, 1)``
   (weights and slots sharded over ``fsdp = 2``, replicated over ``data = 2``) and on
   ``(1, 4, 1)`` (``fsdp = 4``), interleaved over ``--mesh_rounds`` rounds so both see the
   same machine load: the weight + slot bytes on one device (``device_footprint``) against
@@ -43,8 +44,8 @@ flags.DEFINE_boolean("mesh", False, "run the named-mesh measurements instead (se
 flags.DEFINE_integer("mesh_length", None, "sequence length of the seq=1/seq=4 runs "
                      "(default 65536; 256 with --quick)", lower_bound=4)
 flags.DEFINE_integer("hybrid_length", None, "sequence length of the (2,2,1)/(1,4,1) runs "
-                     "(default 4096; 64 with --quick)", lower_bound=1)
-flags.DEFINE_integer("mesh_rounds", 3, "interleaved rounds of the hybrid runs",
+                     "(default 1024; 64 with --quick)", lower_bound=1)
+flags.DEFINE_integer("mesh_rounds", 5, "interleaved rounds of the hybrid runs",
                      lower_bound=1)
 flags.DEFINE_list("mesh_runs", ["sequence", "hybrid"], "which of the --mesh measurements "
                   "to run: sequence, hybrid")
@@ -60,12 +61,12 @@ def configurations(args: SimpleNamespace, base: dict[str, Any]) -> list[dict[str
     """The sequence runs, then the hybrid runs interleaved round by round."""
     quick, FLAGS = args.quick, flags.FLAGS
     length = FLAGS.mesh_length or (256 if quick else 65536)
-    hybrid = FLAGS.hybrid_length or (64 if quick else 4096)
+    hybrid = FLAGS.hybrid_length or (64 if quick else 1024)
     base = base | {"variant": "default", "n_devices": N_DEVICES}
     configs = []
     if "sequence" in FLAGS.mesh_runs:
         configs += [base | {"kind": "sequence", "mesh": _mesh(m), "seq_len": length,
-                            "batch_size": 1} for m in SEQUENCE_MESHES]
+                            "batch_size": 1, "steps": 1} for m in SEQUENCE_MESHES]
     for k in range(FLAGS.mesh_rounds if "hybrid" in FLAGS.mesh_runs else 0):
         configs += [base | {"kind": "hybrid", "mesh": _mesh(m), "seq_len": hybrid,
                             "batch_size": N_DEVICES, "round": k} for m in HYBRID_MESHES]
@@ -161,8 +162,8 @@ def run(args: SimpleNamespace, base: dict[str, Any], script: str) -> dict[str, A
         print(f"[{k}/{len(configs)}] {config['kind']} {label(config)}, length "
               f"{config['seq_len']:,}: {outcome}", flush=True)
         results.append(result)
-    payload = {"benchmark": NAME, "machine": harness.machine_info(), "config": configs[0],
-               "results": results}
+    payload = {"benchmark": NAME, "machine": harness.machine_info(args.command),
+               "config": configs[0], "results": results}
     report.write_json(args.out_dir / f"{NAME}.json", payload)
     (args.out_dir / f"{NAME}.md").write_text(markdown(payload))
     print(markdown(payload))
