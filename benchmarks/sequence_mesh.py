@@ -121,15 +121,19 @@ def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    """The results and targets as Markdown tables."""
+    """The results and targets as Markdown tables, after a settings header."""
     c, info = payload["config"], payload["machine"]
-    lines = [f"Named meshes of {N_DEVICES} devices: {c['trainer']} trainer, d_model "
-             f"{c['d_model']}, d_ff {c['d_ff']}, {c['n_layers']} layers, {c['n_heads']} "
-             f"heads, vocab {c['vocab_size']}, blockwise attention (block {c['block_size']})"
-             f" + ff chunks {c['ff_chunk_size']}, Adam, dropout {c['dropout']}.",
-             f"Measured {info['date']} on {info['processor']} ({info['cpu_count']} CPUs), "
-             f"jax {info['jax']}; each row a fresh process.", ""]
-    rows = []
+    return (f"Named meshes of {N_DEVICES} devices: {c['trainer']} trainer, d_model "
+            f"{c['d_model']}, d_ff {c['d_ff']}, {c['n_layers']} layers, {c['n_heads']} "
+            f"heads, vocab {c['vocab_size']}, blockwise attention (block {c['block_size']})"
+            f" + ff chunks {c['ff_chunk_size']}, Adam, dropout {c['dropout']}.\n"
+            f"Measured {info['date']} on {info['processor']} ({info['cpu_count']} CPUs), "
+            f"jax {info['jax']}; each row a fresh process.\n\n" + tables(payload))
+
+
+def tables(payload: dict[str, Any]) -> str:
+    """The results table and the targets table (`benchmarks.render_tables` shows them)."""
+    lines, rows = [], []
     for r in payload["results"]:
         if "error" in r:
             rows.append([r["kind"], label(r), f"{r['seq_len']:,}", "failed", "", "", "", ""])

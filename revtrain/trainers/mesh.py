@@ -34,8 +34,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from revtrain.layers.sequence_parallel import SEQ_AXIS
+
 BATCH_AXIS = "batch"
-DATA_AXIS, FSDP_AXIS, SEQ_AXIS = "data", "fsdp", "seq"
+DATA_AXIS, FSDP_AXIS = "data", "fsdp"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, SEQ_AXIS)
 EXAMPLE = "jax.make_mesh((2, 2, 1), ('data', 'fsdp', 'seq'))"
 

@@ -3,9 +3,9 @@
 Run as ``python -m tests.trainers.mesh_processes COORDINATOR PROCESS_ID OUT_DIR`` by
 ``tests/trainers/test_mesh_processes.py`` (two processes of two CPU devices each, through
 ``jax.distributed``). Each process feeds its half of `tests.mesh_models.global_batch`;
-every trainer takes two steps; process 0 writes ``result.json``: per trainer the losses,
-gradient norms, weights and (for the `OBSERVED` ones), per collective of every compiled
-program, the processes of each replica group. ``ReversibleSerialTrainer``'s values are
+each of `TRAINERS` takes two steps; process 0 writes ``result.json``: per trainer the
+losses, gradient norms, weights and, per collective of every compiled program, the
+processes of each replica group. ``ReversibleSerialTrainer``'s values are
 also saved as a sharded checkpoint in ``OUT_DIR/checkpoint`` (each process writes its
 shards).
 """
@@ -16,9 +16,10 @@ import sys
 import jax
 import numpy as np
 
-OBSERVED = ("Trainer", "ReversibleSerialTrainer")
-"""The trainers whose programs' HLO is read (`MemoryEfficientTrainer` runs the same
-per-layer programs as `ReversibleSerialTrainer`)."""
+TRAINERS = ("Trainer", "ReversibleSerialTrainer")
+"""The trainers run, and whose programs' HLO is read (`MemoryEfficientTrainer` runs the
+same per-layer programs as `ReversibleSerialTrainer`, and reads its values back with the
+same `revtrain.trainers.transfers.host_value`; it runs on the 4-device meshes)."""
 
 
 class _Collectives:
@@ -52,11 +53,10 @@ def main(coordinator: str, process_id: int, out_dir: str) -> None:
     batch = tuple(b[process_id * half:(process_id + 1) * half]
                   for b in mesh_models.global_batch())
     results = {}
-    for name in mesh_models.TRAINERS:
+    for name in TRAINERS:
         trainer = mesh_models.build(name, mesh=mesh)
         collectives = _Collectives(trainer.mesh)
-        if name in OBSERVED:
-            trainer.observers.append(collectives)
+        trainer.observers.append(collectives)
         losses, norms, weights = mesh_models.two_steps(trainer, batch)
         results[name] = {"losses": losses, "norms": norms,
                          "weights": [np.asarray(w).tolist() for w in jax.tree.leaves(weights)],

@@ -2,7 +2,8 @@
 
 Two local processes (jax.distributed, gloo collectives; the harness of
 ``tests/training/test_multihost.py``) run `tests.trainers.mesh_processes`. Checked here:
-every trainer trains what one device trains on the same global batch; in every compiled
+`Trainer` and `ReversibleSerialTrainer` train what one device trains on the same global
+batch; in every compiled
 program each weight all-gather and gradient reduce-scatter runs within one process (its
 replica groups, read from the HLO), while the gradient all-reduce crosses them; and the
 checkpoint the two processes saved restores on one device.
@@ -58,7 +59,7 @@ def one_device():
     return mesh_models.two_steps(trainer, mesh_models.global_batch())
 
 
-@pytest.mark.parametrize("trainer_name", list(mesh_models.TRAINERS))
+@pytest.mark.parametrize("trainer_name", mesh_processes.TRAINERS)
 def test_two_processes_train_what_one_device_trains(run, one_device, trainer_name):
     result = run[1][trainer_name]
     np.testing.assert_allclose(result["losses"], one_device[0], rtol=1e-5)
@@ -67,7 +68,7 @@ def test_two_processes_train_what_one_device_trains(run, one_device, trainer_nam
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("trainer_name", mesh_processes.OBSERVED)
+@pytest.mark.parametrize("trainer_name", mesh_processes.TRAINERS)
 def test_weight_collectives_stay_inside_a_process(run, trainer_name):
     collectives = run[1][trainer_name]["collectives"]
     for op in ("all-gather", "reduce-scatter"):
