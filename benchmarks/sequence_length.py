@@ -5,6 +5,7 @@ Usage (from the repository root, after ``pip install -e '.[bench]'``)::
     python benchmarks/sequence_length.py                 # 1K..64K, the issue's model
     python benchmarks/sequence_length.py --quick         # tiny sizes, seconds
     python benchmarks/sequence_length.py --trax_python=/tmp/traxenv/bin/python  # + Trax
+    python benchmarks/sequence_length.py --mesh          # named meshes of 4 devices
 
 The model is the long-context one of ``configs/reversible_lm_64k.gin`` at benchmark sizes:
 `ReversibleTransformerLM` (vocab 256, d_model 128, d_ff 512, 2 layers, 4 heads, dropout 0)
@@ -52,7 +53,7 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 
 from absl import flags  # noqa: E402
 
-from benchmarks import harness, report  # noqa: E402
+from benchmarks import harness, report, sequence_mesh  # noqa: E402
 
 NAME = "sequence_length"
 VARIANTS = {
@@ -120,14 +121,18 @@ def parse_flags(argv: Sequence[str] | None) -> SimpleNamespace:
     return args
 
 
-def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
-    """One config per (length, variant), length-major; Trax's runs beside revtrain's."""
+def base_config(args: SimpleNamespace) -> dict[str, Any]:
+    """The model and run settings every configuration shares."""
     base = {name: getattr(args, name) for name in (
         "d_model", "d_ff", "n_heads", "n_layers", "vocab_size", "batch_size", "dropout",
         "block_size", "ff_chunk_size", "chunk_len", "n_hashes", "steps", "warmup", "seed",
         "trainer")}
-    base |= {"n_devices": 1, "host_allocator": harness.host_heap.host_allocator_choice()}
-    configs = []
+    return base | {"n_devices": 1, "host_allocator": harness.host_heap.host_allocator_choice()}
+
+
+def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
+    """One config per (length, variant), length-major; Trax's runs beside revtrain's."""
+    base, configs = base_config(args), []
     for length in args.lengths:
         for variant in args.attention_kinds:
             if variant == "full" and length > args.full_max_length:
@@ -176,6 +181,7 @@ def matmul_flops_per_second(n: int = 4096, repeats: int = 3) -> float:
 def build(config: dict[str, Any]):
     """The configured trainer on the long-context model, and a batch."""
     import functools
+    import math
 
     import jax
     import optax
@@ -183,6 +189,7 @@ def build(config: dict[str, Any]):
     from revtrain import layers as tl
     from revtrain.models import ReversibleTransformerLM
     from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
+    from revtrain.trainers.mesh import mesh_from_shape
 
     variant = config["variant"]
     implementation = {"full": "xla", "default": None}.get(variant, "blockwise")
@@ -209,12 +216,16 @@ def build(config: dict[str, Any]):
     def optimizer_fn():
         return optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
 
+    # ``--mesh`` runs: a named mesh of the worker's devices (`sequence_mesh`).
+    mesh = None
+    if "mesh" in config:  # Over the first devices of the worker's (its seq=1 run: one).
+        mesh = mesh_from_shape(config["mesh"], n_devices=math.prod(config["mesh"].values()))
     if config["trainer"] == "trainer":
         return Trainer(tl.fuse_loss_heads(tl.Serial(tl.blocks_to_layers(blocks, loss))),
-                       optimizer_fn), batch
+                       optimizer_fn, mesh=mesh), batch
     cls = {"reversible": ReversibleSerialTrainer,
            "memory_efficient": MemoryEfficientTrainer}[config["trainer"]]
-    return cls(blocks, loss, optimizer_fn), batch
+    return cls(blocks, loss, optimizer_fn, mesh=mesh), batch
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:
@@ -230,15 +241,20 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
         trainer.block_until_ready()
         if step == 0:
             first = time.perf_counter() - start
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     with memory.track_peak(trainer) as peak:
         for step in range(config["warmup"], config["warmup"] + config["steps"]):
-            begin = time.perf_counter()
+            begin, cpu_begin = time.perf_counter(), time.process_time()
             loss, _ = trainer.one_step(batch, jax.random.key(step), step=step)
             trainer.block_until_ready()
             times.append(time.perf_counter() - begin)
+            cpu_times.append(time.process_time() - cpu_begin)
             losses.append(float(loss))
     step_s = statistics.median(times)
+    if "mesh" in config:
+        return {"method": peak.method, "peak_bytes": peak.peak_bytes, "step_s": step_s,
+                "step_times_s": times, "step_cpu_s": statistics.median(cpu_times),
+                "losses": losses, "first_step_s": first, **sequence_mesh.footprint(trainer)}
     flops = model_flops(config)
     matmul = matmul_flops_per_second()
     return {"method": peak.method, "peak_bytes": peak.peak_bytes,
@@ -458,6 +474,8 @@ def write(out_dir: Path, payload: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs (or, with ``--render_only``, re-renders) the benchmark; returns the payload."""
     args = parse_flags(argv)
+    if FLAGS.mesh:
+        return sequence_mesh.run(args, base_config(args), __file__)
     if args.render_only:
         payload = report.read_json(args.out_dir / f"{NAME}.json")
         write(args.out_dir, payload)

@@ -18,7 +18,6 @@ from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
 from revtrain.trainers import transfers
-from revtrain.trainers.batches import reshape_by_device
 from revtrain.trainers.inflight import InflightLimit
 from revtrain.trainers.placement import Placement
 from revtrain.trainers.protocols import DeviceFootprint, Observer, TrainState
@@ -292,15 +291,15 @@ class TrainerBase:
     # Batches.
 
     def _shard_batch(self, batch: Any) -> Any:
-        """``[batch, ...]`` leaves -> per-device ``[n_devices, batch // n, ...]`` arrays."""
+        """``[batch, ...]`` leaves -> per-device arrays (`Placement.split_batch`)."""
         if not isinstance(batch, (tuple, list)):
             raise TypeError(f"batch must be a tuple of arrays (inputs, targets, weights); got "
                             f"{type(batch).__name__}")
         if self._copy_batch:
             # Host copies first, so every device buffer of the step is the trainer's own.
             batch = tuple(transfers.on_cpu(b) for b in batch)
-        reshaped = reshape_by_device(tuple(batch), self.n_devices)
-        return transfers.shard_per_device(reshaped, self.mesh)
+        split = self.placement.split_batch(tuple(batch))
+        return transfers.shard_per_device(split, self.mesh)
 
 
 def _shape_dtype(a: Any) -> jax.ShapeDtypeStruct:

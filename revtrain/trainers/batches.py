@@ -87,17 +87,49 @@ def for_n_devices(x: Any, n_devices: int) -> Any:
 
 
 
-def device_weight_total(weights: Any | None, axis_name: str) -> jax.Array:
+def split_sequence(x: Any, n_seq: int, layout: np.ndarray) -> Any:
+    """Splits the length axis of per-device leaves over ``n_seq`` more devices.
+
+    Each leaf ``[shards, rows, length, ...]`` (numpy or jax) is permuted along its length
+    axis by ``layout`` (a permutation of ``range(length)``, e.g.
+    `revtrain.layers.sequence_parallel.sequence_layout`), cut into ``n_seq`` contiguous
+    blocks, and returned as ``[shards * n_seq, rows, length // n_seq, ...]``: row ``b *
+    n_seq + s`` is block ``s`` of shard ``b`` (the row-major order of a ``(data, fsdp,
+    seq)`` mesh's devices).
+
+    Raises:
+      ValueError: for a leaf without a length axis or whose length ``n_seq`` does not
+        divide, or a ``layout`` of another length.
+    """
+    layout = np.asarray(layout)
+    identity = np.array_equal(layout, np.arange(layout.size))
+
+    def split(a):
+        a = a if hasattr(a, "reshape") else np.asarray(a)
+        if a.ndim < 3 or a.shape[2] % n_seq or a.shape[2] != layout.size:
+            raise ValueError(f"a per-device leaf of shape {a.shape} has no length axis "
+                             f"of {layout.size} positions divisible by n_seq={n_seq}")
+        if not identity:
+            a = a[:, :, layout]
+        shards, rows, length = a.shape[:3]
+        a = a.reshape((shards, rows, n_seq, length // n_seq) + tuple(a.shape[3:]))
+        a = a.swapaxes(1, 2)
+        return a.reshape((shards * n_seq, rows, length // n_seq) + tuple(a.shape[4:]))
+    return jax.tree.map(split, x)
+
+
+def device_weight_total(weights: Any | None, axis_name: str | tuple[str, ...]) -> jax.Array:
     """Inside ``shard_map``: the total of this device's batch weights, float32 scalar.
 
     The on-device form of `weight_totals_by_device`. ``weights`` is the device's slice of
     the batch's third item: integer and boolean weights are summed exactly (int32), float
     ones in float32 (for fractional weights an ulp from `weight_totals_by_device`'s
     float64 sum; 0/1 masks are exact up to 2**24 positions per device). For a batch
-    without weights (None) the total is 1: every device has the same number of rows, so
-    each device's share of the loss (`revtrain.trainers.global_loss.loss_share`) is
-    ``1 / devices`` either way, whatever the stack holds. ``axis_name`` is the mesh axis
-    the batch is split over (the total varies over it).
+    without weights (None) the total is 1: every device has the same number of rows (and
+    positions), so each device's share of the loss
+    (`revtrain.trainers.global_loss.loss_share`) is ``1 / devices`` either way, whatever
+    the stack holds. ``axis_name`` is the mesh axis, or axes, the batch is split over (the
+    total varies over them: `revtrain.trainers.placement.Placement.device_axes`).
     """
     if weights is None:
         return jax.lax.pcast(jnp.float32(1.0), axis_name, to="varying")
@@ -107,4 +139,4 @@ def device_weight_total(weights: Any | None, axis_name: str) -> jax.Array:
 
 
 __all__ = ["check_split", "device_weight_total", "for_n_devices", "reshape_by_device",
-           "weight_totals_by_device"]
+           "split_sequence", "weight_totals_by_device"]

@@ -92,8 +92,9 @@ class BlockTrainer(TrainerBase):
       make_store: a `revtrain.trainers.stores.StoreFactory`, ``(placement, initial
         TrainState, schedule) -> ParamStore``.
       n_devices: devices to use (default: all local devices).
-      mesh: a one-axis ``jax.sharding.Mesh`` to use instead of ``n_devices`` (see
-        `revtrain.trainers.placement.resolve_mesh`).
+      mesh: a ``jax.sharding.Mesh`` to use instead of ``n_devices``: a named mesh of axes
+        among ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer` and
+        `revtrain.trainers.mesh`).
       fsdp: shard weights and optimizer slots over the mesh
         (`revtrain.trainers.placement.fsdp_spec`). Results
         do not change (the invariance); any optax transformation works, the non-elementwise

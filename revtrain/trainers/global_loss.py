@@ -1,6 +1,7 @@
 """The loss over the global batch: each device's share of it, and the sum of the shares.
 
-Device ``d``'s loss ``L_d`` is the weighted mean over its rows; weighted by ``W_d / sum W``
+Device ``d``'s loss ``L_d`` is the weighted mean over its rows (and, on a mesh with a
+``seq`` axis, its positions); weighted by ``W_d / sum W``
 (its share of the global batch weights) and summed over devices it is the weighted mean
 over the global batch, ``sum(w * loss) / sum(w)``, whatever the device or process count.
 Every trainer's loss and loss cotangent come from these functions (the invariance).
@@ -26,24 +27,29 @@ def check_scalar_loss(layer: Layer, loss: Any) -> None:
                          f"CrossEntropyLoss)")
 
 
-def loss_share(weight_total: jax.Array) -> jax.Array:
+def loss_share(weight_total: jax.Array,
+               axes: str | tuple[str, ...] = BATCH_AXIS) -> jax.Array:
     """This device's share ``W_d / sum_d W_d`` of the global loss (0 when ``sum W`` is 0).
 
     Args:
       weight_total: float32 scalar, the total of this device's batch weights (from
         `revtrain.trainers.batches.device_weight_total`).
+      axes: the mesh axes the sums run over: every axis that splits the batch's rows or
+        positions (`revtrain.trainers.placement.Placement.device_axes`).
 
     Returns:
       float32 scalar; ``share * L_d`` summed over devices is the loss over the global batch.
     """
-    total = jax.lax.psum(weight_total, BATCH_AXIS)
+    total = jax.lax.psum(weight_total, axes)
     safe = jnp.where(total > 0, total, 1.0)
     return jnp.where(total > 0, weight_total / safe, 0.0).astype(jnp.float32)
 
 
-def global_loss(share: jax.Array, loss: jax.Array) -> jax.Array:
-    """``sum_d share_d * L_d``: the weighted-mean loss over the global batch."""
-    return jax.lax.psum(share * loss.astype(jnp.float32), BATCH_AXIS)
+def global_loss(share: jax.Array, loss: jax.Array,
+                axes: str | tuple[str, ...] = BATCH_AXIS) -> jax.Array:
+    """``sum_d share_d * L_d`` over the mesh ``axes``: the weighted-mean loss over the
+    global batch."""
+    return jax.lax.psum(share * loss.astype(jnp.float32), axes)
 
 
 

@@ -116,7 +116,8 @@ class MemoryEfficientTrainer(BlockTrainer):
         any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
         norm-only backward pass that moves weights but no slots; see `BlockTrainer`);
         None does not clip.
-      mesh: a one-axis ``jax.sharding.Mesh`` instead of ``n_devices``.
+      mesh: a ``jax.sharding.Mesh`` instead of ``n_devices``: a named mesh of axes among
+        ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer`).
       fsdp: move weights and slots to the devices as shards (FSDP / ZeRO-3; see
         `BlockTrainer` and `HostStore`).
       placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,

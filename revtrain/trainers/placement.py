@@ -1,17 +1,26 @@
 """`Placement`: a trainer's mesh and what is split over which of its axes.
 
-Every trainer runs data-parallel: the global batch is split over the mesh's batch axes,
-each device getting ``batch // n_devices`` rows (a per-device value has a leading axis over
-those axes, the layout ``jax.pmap`` used, which keeps Trax's per-device rng semantics).
-Weights and optimizer slots are replicated, or with ``fsdp`` sharded over the weight axes
-(ZeRO-3 / FSDP). A `Placement` holds that decision once; the stores, the compiled
-programs and `Trainer` ask it for shardings and partition specs, so the sharding rule is
-written only here (`fsdp_spec`).
+Every trainer runs data-parallel: the global batch is split over the mesh's batch axes and
+a per-device value has a leading axis over *every* mesh axis, one row per device (the
+layout ``jax.pmap`` used, which keeps Trax's per-device rng semantics). Weights and
+optimizer slots are replicated, or with ``fsdp`` sharded over the weight axis (ZeRO-3 /
+FSDP). A `Placement` holds that decision once; the stores, the compiled programs and
+`Trainer` ask it for shardings, partition specs and the per-device batch, so the sharding
+rule is written only here (`fsdp_spec`, `per_device_spec`, `Placement.split_batch`).
 
-Today the mesh has one axis, ``batch`` (`BATCH_AXIS`), which is both the batch axis and,
-with ``fsdp``, the weight axis; `Placement.batch_axes` and `Placement.weight_axes` name
-them so that a mesh with separate ``data``/``fsdp``/``seq`` axes extends this class rather
-than every signature.
+Two kinds of mesh (`revtrain.trainers.mesh`):
+
+* the one axis ``batch`` (`BATCH_AXIS`; from ``n_devices=``, ``fsdp=`` or a one-axis
+  user mesh): the batch and, with ``fsdp``, the weights are split over it;
+* the named axes ``('data', 'fsdp', 'seq')``: rows of the batch over ``data x fsdp``,
+  weights and slots over ``fsdp`` only (replicated over ``data``: hybrid sharding), and
+  the length axis of the batch and of every activation over ``seq``
+  (`Placement.split_batch`; layers are traced inside `Placement.sequence_context`).
+
+Losses, batch-weight totals and weight gradients are summed over every mesh axis
+(`Placement.device_axes`), so the result does not depend on the mesh. Rngs are split over
+the batch's row slices (``data x fsdp``) and shared by each ``seq`` group
+(`revtrain.trainers.rngs`).
 
 Multi-host: ``n_devices`` counts *this process's* devices. The mesh spans the first
 ``n_devices`` devices of every process (``jax.process_count()`` of them under
@@ -21,6 +30,7 @@ global batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -30,87 +40,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-BATCH_AXIS = "batch"
+from revtrain.batch_checks import check_divisible
+from revtrain.layers import sequence_parallel
+from revtrain.trainers import mesh as mesh_lib
+from revtrain.trainers.batches import check_split, reshape_by_device, split_sequence
+from revtrain.trainers.mesh import BATCH_AXIS, make_mesh, resolve_mesh, resolve_n_devices
 
 FSDP_MIN_SIZE = 1024
 """Leaves with fewer elements than this stay replicated under ``fsdp=True``: biases, norms
 and optimizer counters are too small for sharding to save memory worth a collective."""
 
 
-def resolve_n_devices(n_devices: int | None) -> int:
-    """Returns ``n_devices`` or, when None, the number of local devices.
-
-    Raises:
-      TypeError: for a non-int ``n_devices``.
-      ValueError: when ``n_devices`` is < 1 or more than the local devices.
-    """
-    available = jax.local_device_count()
-    if n_devices is None:
-        return available
-    if isinstance(n_devices, bool) or not isinstance(n_devices, (int, np.integer)):
-        raise TypeError(f"n_devices={n_devices!r} must be an int; use 1 <= n_devices <= "
-                        f"{available} or None for all devices")
-    if not 1 <= n_devices <= available:
-        raise ValueError(f"n_devices={n_devices} but this process has {available} devices; "
-                         f"use 1 <= n_devices <= {available}")
-    return int(n_devices)
-
-
-def make_mesh(n_devices: int) -> Mesh:
-    """A one-axis mesh named ``batch`` over the first ``n_devices`` devices of each process.
-
-    With one process these are the first ``n_devices`` local devices; under
-    ``jax.distributed`` the mesh has ``n_devices * jax.process_count()`` devices, ordered by
-    process.
-    """
-    n_devices = resolve_n_devices(n_devices)
-    by_process: dict[int, list] = {}
-    for device in jax.devices():
-        by_process.setdefault(device.process_index, []).append(device)
-    chosen = [d for p in sorted(by_process) for d in by_process[p][:n_devices]]
-    return Mesh(np.array(chosen), (BATCH_AXIS,))
-
-
-def resolve_mesh(n_devices: int | None, mesh: Mesh | None) -> tuple[Mesh, int]:
-    """The trainer's ``batch`` mesh and its devices per process, from either argument.
-
-    ``mesh`` is a user's one-axis `jax.sharding.Mesh` (any axis name, e.g. ``'data'``;
-    under ``jax.distributed`` it may span processes): its devices, in its order, become the
-    trainer's ``batch`` axis. Without it, `make_mesh(n_devices)`.
-
-    Raises:
-      ValueError: for a mesh with more than one axis of size > 1; one that holds no device
-        of this process, a different number of devices of each process, or a process's
-        devices not consecutive; or an ``n_devices`` that contradicts ``mesh``.
-      TypeError: when ``mesh`` is not a ``jax.sharding.Mesh``.
-    """
-    if mesh is None:
-        n_devices = resolve_n_devices(n_devices)
-        return make_mesh(n_devices), n_devices
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r} is not a jax.sharding.Mesh; pass a one-axis Mesh or "
-                        f"use n_devices")
-    big_axes = [(name, size) for name, size in mesh.shape.items() if size > 1]
-    if len(big_axes) > 1:
-        raise ValueError(f"mesh has axes {dict(mesh.shape)}; revtrain splits the batch (and, "
-                         f"with fsdp=True, the weights) over one axis: pass a one-axis mesh")
-    flat = list(mesh.devices.flat)
-    counts: dict[int, int] = {}
-    for device in flat:
-        counts[device.process_index] = counts.get(device.process_index, 0) + 1
-    local = counts.get(jax.process_index(), 0)
-    if local == 0 or len(set(counts.values())) != 1:
-        raise ValueError(f"mesh holds {counts} devices per process index; it must hold the "
-                         f"same number (> 0) of devices of every process")
-    order = [d.process_index for d in flat]
-    if sum(a != b for a, b in zip(order, order[1:], strict=False)) != len(counts) - 1:
-        raise ValueError(f"mesh devices belong to processes {order} in that order; each "
-                         f"process's devices must be consecutive along the mesh axis (each "
-                         f"process feeds one contiguous slice of the global batch)")
-    if n_devices is not None and n_devices != local:
-        raise ValueError(f"n_devices={n_devices} but mesh holds {local} devices of this "
-                         f"process; pass only one of them")
-    return Mesh(np.array(flat), (BATCH_AXIS,)), local
+def per_device_spec(mesh: Mesh) -> P:
+    """The ``PartitionSpec`` of a per-device value on ``mesh``: its leading axis split over
+    every mesh axis (``P('batch')``, or ``P(('data', 'fsdp', 'seq'))``), one row per
+    device in the mesh's row-major order."""
+    names = tuple(mesh.axis_names)
+    return P(names[0]) if len(names) == 1 else P(names)
 
 
 def fsdp_spec(shape: tuple[int, ...], n_shards: int, min_size: int = FSDP_MIN_SIZE,
@@ -150,48 +96,101 @@ class Placement:
     arguments); it is immutable and shared by everything a trainer builds.
 
     Attributes:
-      mesh: the trainer's mesh (axis `BATCH_AXIS`).
-      n_devices: this process's devices in the mesh (the batch each process passes is
-        split into that many per-device slices).
+      mesh: the trainer's mesh: the one axis `BATCH_AXIS`, or the named axes ``('data',
+        'fsdp', 'seq')`` (`revtrain.trainers.mesh`).
+      n_devices: this process's devices in the mesh (the rows of this process's
+        per-device values; its batch is split into ``n_devices // seq`` slices of rows).
       fsdp: weights and optimizer slots are sharded over `weight_axes` by `fsdp_spec`
-        instead of replicated.
+        instead of replicated (on a named mesh: exactly when its ``fsdp`` axis is > 1).
+
+    Raises:
+      ValueError: for a mesh of other axes, or an ``fsdp`` that contradicts a named mesh.
     """
 
     mesh: Mesh
     n_devices: int
     fsdp: bool = False
 
+    def __post_init__(self):
+        names = tuple(self.mesh.axis_names)
+        if names not in ((BATCH_AXIS,), mesh_lib.MESH_AXES):
+            raise ValueError(f"Placement of {mesh_lib.describe(self.mesh)}: build it with "
+                             f"Placement.resolve, which names the axes")
+        if self.named and self.fsdp != (self.mesh.shape[mesh_lib.FSDP_AXIS] > 1):
+            raise ValueError(f"fsdp={self.fsdp} contradicts {mesh_lib.describe(self.mesh)}: "
+                             f"on a named mesh its 'fsdp' axis shards the weights; build "
+                             f"the Placement with Placement.resolve")
+
     @classmethod
     def resolve(cls, n_devices: int | None = None, mesh: Mesh | None = None,
                 fsdp: bool = False) -> Placement:
         """The placement of a trainer built with these arguments.
 
+        On a named mesh its ``fsdp`` axis decides the weight sharding; ``fsdp=True`` is
+        then only accepted when that axis is larger than 1.
+
         Raises:
           TypeError: for a non-bool ``fsdp`` and as `resolve_mesh`.
-          ValueError: as `resolve_mesh`.
+          ValueError: as `resolve_mesh`, and for ``fsdp=True`` on a named mesh whose
+            ``fsdp`` axis is 1.
         """
         if not isinstance(fsdp, bool):
             raise TypeError(f"fsdp={fsdp!r} must be True or False")
         mesh, n_devices = resolve_mesh(n_devices, mesh)
+        if tuple(mesh.axis_names) == mesh_lib.MESH_AXES:
+            if fsdp and mesh.shape[mesh_lib.FSDP_AXIS] == 1:
+                raise ValueError(f"fsdp=True but {mesh_lib.describe(mesh)} has fsdp=1; on a "
+                                 f"named mesh the 'fsdp' axis shards the weights: give it "
+                                 f"the devices to shard over, or drop fsdp=True")
+            fsdp = mesh.shape[mesh_lib.FSDP_AXIS] > 1
         return cls(mesh, n_devices, fsdp)
 
     # ----------------------------------------------------------------------------------
     # Axes.
 
     @property
+    def named(self) -> bool:
+        """Whether the mesh has the named axes ``('data', 'fsdp', 'seq')``."""
+        return tuple(self.mesh.axis_names) == mesh_lib.MESH_AXES
+
+    @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch (and every per-device value) is split over."""
-        return (BATCH_AXIS,)
+        """The mesh axes the batch's rows are split over (``data`` and ``fsdp``)."""
+        return (mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS) if self.named else (BATCH_AXIS,)
 
     @property
     def weight_axes(self) -> tuple[str, ...]:
         """The mesh axes weights and slots are sharded over (none without ``fsdp``)."""
-        return (BATCH_AXIS,) if self.fsdp else ()
+        if not self.fsdp:
+            return ()
+        return (mesh_lib.FSDP_AXIS,) if self.named else (BATCH_AXIS,)
+
+    @property
+    def seq_axis(self) -> str | None:
+        """The mesh axis the length axis is split over (None on a ``batch`` mesh)."""
+        return mesh_lib.SEQ_AXIS if self.named else None
+
+    @property
+    def n_seq(self) -> int:
+        """The size of `seq_axis` (1 without one)."""
+        return self.mesh.shape[mesh_lib.SEQ_AXIS] if self.named else 1
+
+    @property
+    def device_axes(self) -> tuple[str, ...]:
+        """Every mesh axis: the leading axis of per-device values is split over them, and
+        losses, batch-weight totals and weight gradients are summed over them (the
+        invariance: every device holds its own rows and positions)."""
+        return tuple(self.mesh.axis_names)
 
     @property
     def n_global_devices(self) -> int:
         """Devices of the mesh, over all processes."""
         return self.mesh.devices.size
+
+    @property
+    def n_batch_shards(self) -> int:
+        """How many slices of rows the global batch is split into (``data x fsdp``)."""
+        return self.n_global_devices // self.n_seq
 
     # ----------------------------------------------------------------------------------
     # Shardings.
@@ -200,7 +199,8 @@ class Placement:
         """The ``PartitionSpec`` of one stored weight or slot leaf of global ``shape``."""
         if not self.fsdp:
             return P()
-        return fsdp_spec(tuple(shape), self.n_global_devices, axis=BATCH_AXIS)
+        axis = self.weight_axes[0]
+        return fsdp_spec(tuple(shape), self.mesh.shape[axis], axis=axis)
 
     def weight_specs(self, tree: Any) -> Any:
         """Per-leaf `weight_spec` of ``tree`` (arrays or ``ShapeDtypeStruct`` s)."""
@@ -216,16 +216,27 @@ class Placement:
         """The sharding of a value held whole on every device."""
         return NamedSharding(self.mesh, P())
 
+    @property
+    def device_spec(self) -> P:
+        """The ``PartitionSpec`` of a per-device value (`per_device_spec`)."""
+        return per_device_spec(self.mesh)
+
     @functools.cached_property
     def per_device(self) -> NamedSharding:
         """The sharding of a value whose leading axis is the device axis."""
-        return NamedSharding(self.mesh, P(*self.batch_axes))
+        return NamedSharding(self.mesh, self.device_spec)
 
     @functools.cached_property
     def local_mesh(self) -> Mesh:
-        """This process's devices of the mesh, in the mesh's order."""
+        """This process's devices of the mesh, in the mesh's row-major order, as one axis
+        named `BATCH_AXIS`."""
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         return Mesh(np.array(local), (BATCH_AXIS,))
+
+    @functools.cached_property
+    def local_per_device(self) -> NamedSharding:
+        """This process's rows of a per-device value, one per device of `local_mesh`."""
+        return NamedSharding(self.local_mesh, P(BATCH_AXIS))
 
     @property
     def first_local_device(self) -> jax.Device:
@@ -240,6 +251,87 @@ class Placement:
         return self.n_global_devices > 1 and all(d.platform == "cpu"
                                                  for d in self.mesh.devices.flat)
 
+    # ----------------------------------------------------------------------------------
+    # Batches.
+
+    def per_device_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The global shape of a per-device batch leaf from this process's ``[batch,
+        length, ...]`` leaf: ``(devices of the mesh, batch // (n_devices // seq), length //
+        seq, ...)``.
+
+        Raises:
+          ValueError: as `split_batch`.
+        """
+        shape = tuple(shape)
+        self._check_batch([shape])
+        rows = shape[0] // (self.n_devices // self.n_seq)
+        rest = shape[1:] if self.n_seq == 1 else (shape[1] // self.n_seq, *shape[2:])
+        return (self.n_global_devices, rows, *rest)
+
+    def split_batch(self, batch: Any) -> Any:
+        """This process's batch, each leaf ``[batch, length, ...]``, as per-device values
+        ``[n_devices, batch // (n_devices // seq), length // seq, ...]`` (same array kind).
+
+        Device ``(d, f, s)`` of the mesh gets the rows of batch slice ``d * fsdp + f`` and,
+        with ``seq > 1``, the ``s``-th contiguous block of the length axis after it is
+        permuted by ``revtrain.layers.sequence_parallel.sequence_layout(seq, length)``
+        (`revtrain.trainers.batches.split_sequence`). Nothing is put on a device.
+
+        Raises:
+          ValueError: one line naming the mesh, the value and the fix, for rows that
+            ``data x fsdp`` (this process's share) does not divide, and with ``seq > 1``
+            for a leaf without a length axis or a length that ``seq`` does not divide; and
+            as `revtrain.trainers.batches.reshape_by_device`.
+        """
+        self._check_batch([np.shape(a) for a in jax.tree.leaves(batch)])
+        shards = reshape_by_device(batch, self.n_devices // self.n_seq)
+        if self.n_seq == 1:
+            return shards
+        length = np.shape(jax.tree.leaves(batch)[0])[1]
+        layout = sequence_parallel.sequence_layout(self.n_seq, length)
+        return split_sequence(shards, self.n_seq, layout)
+
+    def _check_batch(self, shapes: list[tuple[int, ...]]) -> None:
+        if not self.named:
+            check_split(shapes[0][0] if shapes and shapes[0] else None, self.n_devices)
+            return
+        where = mesh_lib.describe(self.mesh)
+        rows = {s[0] if s else None for s in shapes}
+        if len(rows) == 1 and None not in rows:
+            by = "data x fsdp" if jax.process_count() == 1 else "this process's data x fsdp"
+            check_divisible(rows.pop(), self.n_devices // self.n_seq, by=by,
+                            fix=f"{where} splits the batch {self.n_batch_shards} ways: use "
+                                f"a global batch that is a multiple of {self.n_batch_shards}")
+        if self.n_seq == 1:
+            return
+        if len({s[1] for s in shapes if len(s) >= 2}) > 1:
+            raise ValueError(f"batch leaves have lengths {[s[1:2] for s in shapes]} but "
+                             f"{where} splits one length axis over seq={self.n_seq}; give "
+                             f"every batch item the same length or use seq=1")
+        for k, shape in enumerate(shapes):
+            if len(shape) < 2:
+                raise ValueError(f"batch leaf {k} has shape {shape} without a length axis but "
+                                 f"{where} splits axis 1 over seq={self.n_seq}; give every "
+                                 f"batch item a [batch, length, ...] shape or use seq=1")
+            if shape[1] % self.n_seq:
+                raise ValueError(f"sequence length {shape[1]} (batch leaf {k}) is not "
+                                 f"divisible by seq={self.n_seq} of {where}; use a length "
+                                 f"that is a multiple of {self.n_seq} or another seq size")
+
+    def sequence_context(self, stack: Any) -> contextlib.AbstractContextManager:
+        """What layers are traced inside, in a program body on the mesh.
+
+        With ``seq > 1``: ``sequence_sharded('seq', seq, length)``
+        (`revtrain.layers.sequence_parallel`), the global ``length`` read from the first
+        leaf of ``stack`` with a length axis (``[1, rows, length // seq, ...]`` inside
+        ``shard_map``); otherwise (or without such a leaf) nothing.
+        """
+        lengths = [np.shape(a)[2] for a in jax.tree.leaves(stack) if np.ndim(a) >= 3]
+        if self.n_seq == 1 or not lengths:
+            return contextlib.nullcontext()
+        return sequence_parallel.sequence_sharded(mesh_lib.SEQ_AXIS, self.n_seq,
+                                                  lengths[0] * self.n_seq)
+
 
 __all__ = ["BATCH_AXIS", "FSDP_MIN_SIZE", "Placement", "fsdp_spec", "make_mesh",
-           "resolve_mesh", "resolve_n_devices"]
+           "per_device_spec", "resolve_mesh", "resolve_n_devices"]

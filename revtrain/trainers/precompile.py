@@ -35,7 +35,6 @@ import jax
 import numpy as np
 
 from revtrain.trainers import stacked
-from revtrain.trainers.batches import check_split
 from revtrain.trainers.placement import Placement
 from revtrain.trainers.plan import Op, Run
 from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
@@ -152,21 +151,16 @@ class AbstractStore:
 
 
 def abstract_batch(batch_signature: Sequence[Any], placement: Placement) -> tuple:
-    """The abstract per-device batch ``[devices of the mesh, batch // n_devices, ...]``
-    (``batch`` is this process's; ``n_devices`` its devices).
+    """The abstract per-device batch (`Placement.per_device_shape` of each item:
+    ``[devices of the mesh, batch // (n_devices // seq), length // seq, ...]``, ``batch``
+    this process's).
 
     Raises:
-      ValueError: when the batch size is not divisible by ``n_devices``
-        (`revtrain.trainers.batches.check_split`).
+      ValueError: when the batch does not split over the mesh (`Placement.split_batch`).
     """
-    n_devices, out = placement.n_devices, []
-    for item in batch_signature:
-        shape = tuple(np.shape(item))
-        check_split(shape[0] if shape else None, n_devices)
-        out.append(jax.ShapeDtypeStruct((placement.n_global_devices, shape[0] // n_devices)
-                                        + shape[1:], np.dtype(item.dtype),
-                                        sharding=placement.per_device))
-    return tuple(out)
+    return tuple(jax.ShapeDtypeStruct(placement.per_device_shape(np.shape(item)),
+                                      np.dtype(item.dtype), sharding=placement.per_device)
+                 for item in batch_signature)
 
 
 def abstract_learning_rate(placement: Placement, lr: Any) -> jax.ShapeDtypeStruct | None:

@@ -5,8 +5,8 @@ gradients across devices, applies the layer's optimizer update and returns the n
 new optimizer slots, the input cotangents and stats -- so the gradients of the whole model
 are never held at once (Trax's ``ReversibleSerialTrainer`` idea). Every program here is
 ``jax.jit(jax.shard_map(...))`` over the mesh: per-device values (activations, cotangents,
-layer state, rngs) have a leading device axis, weights and slots are replicated (or, with
-``fsdp``, sharded: `revtrain.trainers.fsdp`).
+layer state, rngs) have a leading device axis (over every mesh axis), weights and slots are
+replicated (or, with ``fsdp``, sharded: `revtrain.trainers.fsdp`).
 
 Every program is called as ``program(args, weights_or_params, shared)``: ``args`` one of
 the per-device argument types below (`ForwardArgs`, `FboArgs`, `ReverseArgs`, `LossArgs`),
@@ -28,6 +28,7 @@ Programs are shared between layers of one structure (`ProgramCache`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -42,7 +43,7 @@ from revtrain.trainers import fsdp
 from revtrain.trainers.batches import device_weight_total
 from revtrain.trainers.fsdp import DEV, REP
 from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.placement import BATCH_AXIS, Placement
+from revtrain.trainers.placement import Placement
 from revtrain.trainers.plan import Op, OpKind
 from revtrain.trainers.protocols import Params
 from revtrain.trainers.updates import apply_optimizer, clip_by_given_global_norm, squared_norm
@@ -179,16 +180,18 @@ def _reverse_grads(layer: Layer, args: ReverseArgs, weights, index) -> tuple[tup
     return (_unsqueeze(x), _unsqueeze(_placeholders(ct_x))), ct_w
 
 
-def _loss_grads(layer: Layer, args: LossArgs, weights, index) -> tuple[tuple, Any]:
-    """The loss layer's ``((global loss, ct_x, new_state), ct_w)``."""
+def _loss_grads(layer: Layer, args: LossArgs, weights, index, *,
+                axes: tuple[str, ...]) -> tuple[tuple, Any]:
+    """The loss layer's ``((global loss, ct_x, new_state), ct_w)``, the loss combined over
+    the mesh ``axes`` (`Placement.device_axes`)."""
     x, state = _squeeze(args.x), _squeeze(args.state)
     fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _layer_key(args.rngs, index))
     loss, vjp_fn, new_state = jax.vjp(fn, x, weights, has_aux=True)
     check_scalar_loss(layer, loss)
     weights_item = None if args.batch_weights is None else _squeeze(args.batch_weights)
-    share = loss_share(device_weight_total(weights_item, BATCH_AXIS))
+    share = loss_share(device_weight_total(weights_item, axes), axes)
     ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
-    return (global_loss(share, loss), _unsqueeze(_placeholders(ct_x)),
+    return (global_loss(share, loss, axes), _unsqueeze(_placeholders(ct_x)),
             _unsqueeze(new_state)), ct_w
 
 
@@ -228,6 +231,8 @@ def make_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransforma
             lambda a, w, i: _forward(layer, a, w, i), placement, (DEV, DEV), with_grads=False)
         return jax.jit(lambda args, weights, shared: run(args, weights, shared.index)), counted
     body, out_specs, place, norm_outs = _GRAD_KINDS[kind]
+    if kind == OpKind.LOSS:
+        body = functools.partial(body, axes=placement.device_axes)
     run, counted = fsdp.gathering_shard_map(lambda a, w, i: body(layer, a, w, i), placement,
                                             out_specs, with_grads=True)
     if norm_only:

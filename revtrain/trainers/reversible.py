@@ -42,7 +42,8 @@ class ReversibleSerialTrainer(BlockTrainer):
       clip_global_norm: clip the whole model's gradient to this global L2 norm before
         any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
         norm-only backward pass; see `BlockTrainer`); None does not clip.
-      mesh: a one-axis ``jax.sharding.Mesh`` instead of ``n_devices``.
+      mesh: a ``jax.sharding.Mesh`` instead of ``n_devices``: a named mesh of axes among
+        ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer`).
       fsdp: keep weights and slots sharded over the mesh (FSDP / ZeRO-3; see
         `BlockTrainer`): per-device weight and slot bytes drop to about ``1 / n_devices``.
       placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,

@@ -5,6 +5,14 @@ Device ``d`` of ``n`` gets ``split(rng, n)[d]`` (the rng itself for one device) 
 gives its sublayers from the device key, so every trainer draws the same keys.
 `StepKeys` derives a step's table on the devices (no host round trip); `per_device_rngs`
 is the same table computed on the host CPU.
+
+On a mesh with a ``seq`` axis the keys are split over the batch's row slices only: every
+device of one ``seq`` group (the devices holding the positions of the same rows) gets the
+same key, ``split(rng, data x fsdp)[d * fsdp + f]``, as the sequence-parallel layers
+expect (`revtrain.layers.sequence_parallel`): attention dropout hashes a probability's
+global position, so it does not depend on the split, and `Dropout` folds in the shard
+index, so shards draw independent masks (a position's mask then depends on ``seq``, as
+per-device keys make masks depend on the device count).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -78,9 +87,11 @@ def per_device_keys(rng: jax.Array, n_devices: int, process_index: int = 0,
 
 
 
-def _key_table(rng: jax.Array, n_total: int, start: int, n_local: int,
+def _key_table(rng: jax.Array, n_total: int, n_seq: int, start: int, n_local: int,
                n_layers: int | None) -> jax.Array:
-    keys = device_rngs(rng, n_total)[start:start + n_local]
+    """Rows ``start..start + n_local`` of the mesh's ``n_total`` device keys: one key per
+    row slice of the batch, repeated over its ``n_seq`` devices."""
+    keys = jnp.repeat(device_rngs(rng, n_total // n_seq), n_seq, axis=0)[start:start + n_local]
     if n_layers is not None:
         keys = jax.vmap(lambda k: jax.random.split(k, n_layers))(keys)
     return jax.random.key_data(keys)
@@ -91,8 +102,9 @@ class StepKeys:
 
     Calling it with a key gives uint32 key data ``[devices of the mesh, n_layers,
     *key_shape]`` (``[devices, *key_shape]`` when ``n_layers`` is None), sharded one row
-    per device (`Placement.per_device`): the rows `per_device_rngs` computes on the host,
-    without the host reading anything. Each process computes only its own rows, on its
+    per device (`Placement.per_device`): the rows `per_device_rngs` computes on the host
+    (on a ``seq`` mesh, each row slice's key repeated over its ``seq`` group), without the
+    host reading anything. Each process computes only its own rows, on its
     own devices, and the global array is assembled from them (no collective).
 
     Args:
@@ -103,12 +115,14 @@ class StepKeys:
     def __init__(self, placement: Placement, n_layers: int | None):
         self._placement, self._n_layers = placement, n_layers
         local = placement.local_mesh
-        self._local_replicated = NamedSharding(local, P())
+        single = jax.process_count() == 1  # Then the table is made in its own sharding.
+        self._local_replicated = placement.replicated if single else NamedSharding(local, P())
         n_local = local.devices.size
         start = jax.process_index() * n_local
         self._table = jax.jit(
-            lambda rng: _key_table(rng, placement.n_global_devices, start, n_local, n_layers),
-            out_shardings=NamedSharding(local, P(*placement.batch_axes)))
+            lambda rng: _key_table(rng, placement.n_global_devices, placement.n_seq, start,
+                                   n_local, n_layers),
+            out_shardings=placement.per_device if single else placement.local_per_device)
 
     def signature(self) -> jax.ShapeDtypeStruct:
         """The shape, dtype and sharding of what a call gives (for precompilation)."""

@@ -15,9 +15,9 @@ from revtrain.layers.fused_head import fuse_loss_heads
 from revtrain.trainers import transfers
 from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.batches import device_weight_total, for_n_devices
-from revtrain.trainers.fsdp import DEV, REP, gather_weights, reduce_gradients
+from revtrain.trainers.fsdp import REP, gather_weights, reduce_gradients
 from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.placement import BATCH_AXIS, Placement
+from revtrain.trainers.placement import Placement
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 from revtrain.trainers.rngs import StepKeys
 from revtrain.trainers.updates import apply_optimizer
@@ -27,8 +27,9 @@ class Trainer(TrainerBase):
     """Data-parallel training of a model that ends in its loss, one jitted update per step.
 
     The whole model runs under ``jax.grad`` (all activations of a step are stored), inside
-    ``jax.shard_map`` over the ``batch`` mesh axis: each device gets ``batch // n_devices``
-    examples and its own rng (``split(rng, n_devices)[d]``; the rng itself for one device).
+    ``jax.shard_map`` over the mesh: each device gets ``batch // n_devices`` examples (on a
+    named mesh ``batch // (data x fsdp)`` rows and ``length // seq`` positions) and its
+    own rng (``split(rng, n_devices)[d]``; the rng itself for one device).
     The optimizer update runs on the global weights, gradient and slots after it, in the
     same jitted program. Weight and slot buffers are donated. This is the baseline the
     reversible trainers must agree with.
@@ -66,15 +67,19 @@ class Trainer(TrainerBase):
       optimizer_fn: returns an optax ``GradientTransformation``; wrap it with
         ``optax.inject_hyperparams`` to set the learning rate per step.
       n_devices: devices to use (default: all local devices).
-      mesh: a one-axis ``jax.sharding.Mesh`` to use instead of ``n_devices`` (any axis
-        name; may span processes), see `revtrain.trainers.placement.resolve_mesh`.
-      fsdp: shard weights and optimizer slots over the mesh (see above).
+      mesh: a ``jax.sharding.Mesh`` to use instead of ``n_devices`` (may span processes):
+        a named mesh of axes among ``data``, ``fsdp``, ``seq`` (e.g.
+        ``jax.make_mesh((2, 2, 1), ('data', 'fsdp', 'seq'))``: rows over ``data x fsdp``,
+        weights and slots over ``fsdp``, the length over ``seq``) or a one-axis mesh of
+        another name (the batch axis); see `revtrain.trainers.mesh`.
+      fsdp: shard weights and optimizer slots over the mesh (see above; on a named mesh
+        its ``fsdp`` axis decides).
       placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
 
     Raises:
-      ValueError: for an uninitialised model, an impossible ``n_devices`` or a mesh that
-        is not one-axis.
+      ValueError: for an uninitialised model, an impossible ``n_devices``, or a mesh with
+        an axis outside ``data``/``fsdp``/``seq`` or that contradicts ``n_devices``.
       TypeError: for a non-bool ``fsdp`` or a ``mesh`` that is not a Mesh.
     """
 
@@ -112,30 +117,34 @@ class Trainer(TrainerBase):
         self._init_learning_rate(self._slots)
 
     def _make_update(self):
-        model, optimizer = self._computed, self._optimizer
+        model, optimizer, placement = self._computed, self._optimizer, self.placement
         shardings = self._shardings
         specs = jax.tree.map(lambda s: s.spec, shardings["weights"])
+        axes, dev = placement.device_axes, placement.device_spec
 
         def gradients(batch, weights, state, rng):
+            context = placement.sequence_context(batch)
             batch, state = jax.tree.map(lambda a: a[0], (batch, state))
             rng = jax.random.wrap_key_data(rng[0])
             share = loss_share(device_weight_total(batch[2] if len(batch) >= 3 else None,
-                                                   BATCH_AXIS))
+                                                   axes), axes)
 
             def loss_fn(w):
                 loss, new_state = model.pure_fn(batch, w, state, rng)
                 check_scalar_loss(model, loss)
                 return share * loss.astype(jnp.float32), (loss, new_state)
 
-            full = gather_weights(weights, specs)
-            (_, (loss, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(full)
-            grads = reduce_gradients(grads, specs)
+            full = gather_weights(weights, specs, placement)
+            with context:
+                (_, (loss, new_state)), grads = jax.value_and_grad(loss_fn,
+                                                                   has_aux=True)(full)
+            grads = reduce_gradients(grads, specs, placement)
             new_state = jax.tree.map(lambda a: a[None], new_state)
-            return grads, global_loss(share, loss), new_state
+            return grads, global_loss(share, loss, axes), new_state
 
         mapped = jax.shard_map(gradients, mesh=self.mesh,
-                               in_specs=(DEV, specs, DEV, DEV),
-                               out_specs=(specs, REP, DEV))
+                               in_specs=(dev, specs, dev, dev),
+                               out_specs=(specs, REP, dev))
 
         def update(batch, weights, state, rng, slots, lr):
             grads, loss, new_state = mapped(batch, weights, state, rng)

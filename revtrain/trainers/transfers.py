@@ -7,6 +7,7 @@ that should not touch the host shows up under ``jax.transfer_guard('disallow')``
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -16,7 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain.trainers.placement import BATCH_AXIS
+from revtrain.trainers.placement import per_device_spec
 
 
 def _host(a: Any) -> np.ndarray:
@@ -70,7 +71,10 @@ def put_sharded(tree: Any, shardings: Any, owned: bool = True) -> Any:
         if isinstance(a, jax.Array):
             return _copy(a if a.sharding == sharding else jax.device_put(a, sharding))
         host = np.asarray(a)
-        array = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        # This put is explicit; the guard counts the callback's slices as implicit ones.
+        with jax.transfer_guard_host_to_device("allow"):
+            array = jax.make_array_from_callback(host.shape, sharding,
+                                                 lambda index: host[index])
         return _copy(array) if owned else array
     return jax.tree.map(put, tree, shardings)
 
@@ -82,16 +86,18 @@ def unreplicate(tree: Any) -> Any:
 
 
 def shard_per_device(tree: Any, mesh: Mesh) -> Any:
-    """Puts this process's ``[n_devices, ...]`` leaves on ``mesh``, one row per device.
+    """Puts this process's ``[n_devices, ...]`` leaves on ``mesh``, one row per device
+    (`revtrain.trainers.placement.per_device_spec`: in the mesh's row-major order).
 
     With several processes the result is a global array of ``n_devices * process_count``
     rows (``jax.make_array_from_process_local_data``).
     """
-    sharding = NamedSharding(mesh, P(BATCH_AXIS))
+    sharding = NamedSharding(mesh, per_device_spec(mesh))
     if jax.process_count() == 1:
         return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
-    return jax.tree.map(
-        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), tree)
+    with jax.transfer_guard_host_to_device("allow"):  # Explicit, as device_put above.
+        return jax.tree.map(
+            lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), tree)
 
 
 def local_rows(tree: Any) -> Any:
@@ -137,8 +143,10 @@ def host_value(a: Any) -> np.ndarray:
     """The whole (global) value of one leaf in host memory.
 
     A replicated ``jax.Array`` is read from this process's first copy; a sharded one is
-    assembled from its shards (all-gathered over processes when not all are addressable:
-    a collective every process must reach).
+    assembled from its shards: this process's own when they cover the whole value on
+    every process (`covered_by_every_process`: e.g. weights sharded over ``fsdp`` inside
+    each process and replicated over ``data`` across processes), else all-gathered over
+    processes (a collective every process reaches, as each takes the same branch).
     """
     if not isinstance(a, jax.Array):
         return np.asarray(a)
@@ -146,7 +154,25 @@ def host_value(a: Any) -> np.ndarray:
         return _host(a.addressable_shards[0].data)
     if a.is_fully_addressable:
         return _host(a)
+    if covered_by_every_process(a.sharding, a.shape):
+        out = np.empty(a.shape, a.dtype)
+        for shard in a.addressable_shards:
+            out[shard.index] = _host(shard.data)
+        return out
     return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+@functools.lru_cache(maxsize=256)
+def covered_by_every_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+    """Whether each process's devices hold every element of an array of ``shape`` laid
+    out by ``sharding`` (the same answer on every process: it reads the global layout)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    cover: dict[int, dict[tuple, int]] = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
+        cover.setdefault(device.process_index, {})[key] = int(np.prod(
+            [len(range(*k)) for k in key], dtype=np.int64))
+    return all(sum(blocks.values()) == size for blocks in cover.values())
 
 
 def block_until_ready_live(tree: Any) -> None:

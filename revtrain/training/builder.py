@@ -34,7 +34,11 @@ from revtrain.training.evaluation import Evaluator
 from revtrain.training.loop import Loop
 from revtrain.training.metrics_writer import MetricsWriter
 from revtrain.training.run_directory import CHECKPOINT_DIR
-from revtrain.training.validation import check_batch_divides, check_first_batch
+from revtrain.training.validation import (
+    check_batch_divides,
+    check_first_batch,
+    check_mesh_divides,
+)
 
 
 def build_trainer(trainer_class: Callable[..., Any], model: Layer, loss_layer: Layer,
@@ -119,7 +123,11 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
     batch = next(iter(inputs.train_stream(start_step=0)))
     check_first_batch(batch, model, inputs)
     signature = signature_of(tuple(batch))
-    check_batch_divides(signature[0].shape[0], run.n_devices, inputs)
+    if run.mesh_shape is None:
+        check_batch_divides(signature[0].shape[0], run.n_devices, inputs)
+    else:
+        run.mesh()  # Its size against the devices, before anything is built.
+        check_mesh_divides(signature, run.mesh_shape, inputs)
     init_rng, _ = jax.random.split(jax.random.key(run.seed))
     if abstract:
         # A fresh model is traced, so no layer object of ``model`` ever holds a tracer.
@@ -136,7 +144,7 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
 def build_evaluator(run: RunConfig, built: BuiltModel, inputs: Inputs) -> Evaluator:
     """The eval-mode model scored by ``{'loss', 'accuracy'}`` on the run's devices."""
     return Evaluator(run.model(mode="eval"), {"loss": built.loss, "accuracy": Accuracy()},
-                     byte_level=inputs.byte_level, n_devices=run.n_devices)
+                     byte_level=inputs.byte_level, n_devices=run.eval_devices())
 
 
 def _schedule(run: RunConfig) -> optax.Schedule | None:

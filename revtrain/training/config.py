@@ -23,11 +23,14 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import optax
+from jax.sharding import Mesh
 
 from revtrain.data.inputs import Inputs
 from revtrain.layers import Layer
 from revtrain.trainers import Trainer
+from revtrain.trainers.mesh import check_mesh_shape, mesh_from_shape
 from revtrain.training.optimizers import optimizer_fn
 from revtrain.training.validation import check_arguments
 
@@ -72,12 +75,24 @@ class RunConfig:
       fsdp: shard the weights and optimizer slots over the devices (FSDP / ZeRO-3; the
         trainer's ``fsdp`` argument, passed only when True). Checkpoints restore across
         this setting and the device count.
+      mesh_shape: the trainer's named mesh as axis sizes by name, e.g. ``{'data': 2,
+        'fsdp': 2}`` (axes ``data``, ``fsdp``, ``seq``; a missing one is 1): rows of the
+        batch over ``data x fsdp``, weights and slots over ``fsdp`` (replicated over
+        ``data``), the length axis over ``seq``
+        (`revtrain.trainers.mesh.mesh_from_shape`: the first ``n_devices`` devices of
+        every process, ordered by process, ``seq`` then ``fsdp`` fastest, so ``{'data':
+        processes, 'fsdp': devices per process}`` keeps each ``fsdp`` group in one
+        process). The sizes must multiply to the run's devices. Evaluation splits rows
+        over this process's ``data x fsdp`` devices (not the length). Checkpoints
+        restore across mesh shapes. None: ``n_devices`` and ``fsdp``.
       trainer_kwargs: extra keyword arguments of ``trainer_class``.
 
     Raises:
       ValueError: for a negative ``seed``, ``n_devices`` < 1 or above the local device
-        count, a float ``schedule`` that is not finite and > 0, a non-bool ``fsdp``, or
-        ``fsdp`` given both here and in ``trainer_kwargs``.
+        count, a float ``schedule`` that is not finite and > 0, a non-bool ``fsdp``,
+        ``fsdp`` given both here and in ``trainer_kwargs``, a ``mesh_shape`` with an axis
+        outside ``data``/``fsdp``/``seq`` or a size < 1, or ``mesh_shape`` with ``fsdp`` or
+        a ``mesh`` in ``trainer_kwargs``.
     """
 
     model: Callable[..., Layer] | None = None
@@ -89,6 +104,7 @@ class RunConfig:
     seed: int = 0
     n_devices: int | None = None
     fsdp: bool = False
+    mesh_shape: Mapping[str, int] | None = None
     trainer_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self):
@@ -99,11 +115,45 @@ class RunConfig:
         if self.fsdp and "fsdp" in (self.trainer_kwargs or {}):
             raise ValueError("RunConfig.fsdp=True and RunConfig.trainer_kwargs['fsdp'] are "
                              "both set; bind only RunConfig.fsdp")
+        if self.mesh_shape is not None:
+            check_mesh_shape(self.mesh_shape, "RunConfig.mesh_shape")
+            clash = [f"RunConfig.{name}" for name, bad in (
+                ("fsdp", self.fsdp), ("trainer_kwargs['mesh']",
+                                      "mesh" in (self.trainer_kwargs or {}))) if bad]
+            if clash:
+                raise ValueError(f"RunConfig.mesh_shape={dict(self.mesh_shape)!r} and "
+                                 f"{clash[0]} are both set; with a mesh its 'fsdp' axis "
+                                 f"shards the weights: bind only RunConfig.mesh_shape")
+
+    def mesh(self) -> Mesh | None:
+        """The trainer's mesh of ``mesh_shape`` (None without one), over the first
+        ``n_devices`` devices of every process.
+
+        Raises:
+          ValueError: when the sizes do not multiply to the run's devices, naming
+            ``RunConfig.mesh_shape``, both counts and the fix.
+        """
+        if self.mesh_shape is None:
+            return None
+        return mesh_from_shape(self.mesh_shape, self.n_devices, "RunConfig.mesh_shape")
 
     def trainer_arguments(self) -> dict[str, Any]:
         """Keyword arguments of ``trainer_class`` beyond the model, optimizer and devices:
-        ``trainer_kwargs``, plus ``fsdp=True`` when set."""
-        return dict(self.trainer_kwargs or {}) | ({"fsdp": True} if self.fsdp else {})
+        ``trainer_kwargs``, plus ``fsdp=True`` or the ``mesh`` of ``mesh_shape`` when set
+        (builds the mesh: call it after ``jax.distributed`` is initialised)."""
+        extra = {"fsdp": True} if self.fsdp else {}
+        if self.mesh_shape is not None:
+            extra = {"mesh": self.mesh()}
+        return dict(self.trainer_kwargs or {}) | extra
+
+    def eval_devices(self) -> int | None:
+        """Devices per process evaluation splits rows over: ``n_devices``, or with a
+        ``mesh_shape`` this process's devices of its ``data x fsdp`` (its ``seq`` groups
+        count once: evaluation does not split the length)."""
+        if self.mesh_shape is None:
+            return self.n_devices
+        seq = check_mesh_shape(self.mesh_shape, "RunConfig.mesh_shape")["seq"]
+        return max(1, (self.n_devices or jax.local_device_count()) // seq)
 
     def check_complete(self) -> None:
         """Raises a ValueError naming the binding when ``model`` or ``inputs`` is unset."""

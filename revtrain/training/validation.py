@@ -162,6 +162,29 @@ def _check_ids(ids: np.ndarray, part: str, binding: str, limit: int, data: Any,
                      f"{binding}={limit}; {fix}")
 
 
+def check_mesh_divides(signature: Any, mesh_shape: Mapping[str, int], data: Any) -> None:
+    """Checks this process's batch splits over ``RunConfig.mesh_shape``: its rows over
+    ``data x fsdp`` and, with ``seq > 1``, every item's length (axis 1) over ``seq``.
+
+    Raises:
+      ValueError: naming the numbers, ``RunConfig.mesh_shape`` and the binding to change.
+    """
+    sizes = {name: mesh_shape.get(name, 1) for name in ("data", "fsdp", "seq")}
+    shards, seq = sizes["data"] * sizes["fsdp"], sizes["seq"]
+    check_divisible(signature[0].shape[0] * jax.process_count(), shards,
+                    what=f"{_name(data)}'s batch size", by="data x fsdp",
+                    fix=f"set {_name(data)}.batch_size to a multiple of {shards} (or change "
+                        f"RunConfig.mesh_shape={dict(mesh_shape)!r})")
+    for item in signature:
+        shape = tuple(item.shape)
+        if seq > 1 and (len(shape) < 2 or shape[1] % seq):
+            length = shape[1] if len(shape) >= 2 else "none"
+            raise ValueError(f"{_name(data)}'s sequence length {length} (batch shape "
+                             f"{shape}) is not divisible by seq={seq} of "
+                             f"RunConfig.mesh_shape={dict(mesh_shape)!r}; use a length that "
+                             f"is a multiple of {seq} or change RunConfig.mesh_shape")
+
+
 def check_batch_divides(batch_size: int, n_devices: int | None, data: Any) -> None:
     """Checks a per-process batch of ``batch_size`` rows splits evenly over the devices.
 

@@ -50,3 +50,26 @@ def test_lsh_targets_compare_with_trax_in_the_same_run_and_check_linearity():
     assert checks["LSH linear: 64K step time <= 4.5x 16K's"]["value"] == "3.25x"
     assert checks["LSH linear: 64K peak <= 4.5x 16K's"]["value"] == "3.75x"
     assert checks["LSH 512K: a step completes, peak device memory <= 4 GiB"]["met"]
+
+
+def _mesh_row(kind, shape, peak_mib, step=1.0, values=(0.5, 1.0), round_=0):
+    return {"kind": kind, "mesh": dict(zip(("data", "fsdp", "seq"), shape, strict=True)),
+            "seq_len": 65536 if kind == "sequence" else 4096, "batch_size": 1,
+            "peak_bytes": peak_mib * harness.MIB, "method": "ledger", "step_s": step,
+            "device_values_bytes": values[0] * harness.MIB,
+            "unsharded_values_bytes": values[1] * harness.MIB, "round": round_}
+
+
+def test_mesh_targets_compare_seq_4_with_seq_1_and_the_hybrid_mesh_with_fsdp_4():
+    from benchmarks import sequence_mesh
+    results = [_mesh_row("sequence", (1, 1, 1), 600), _mesh_row("sequence", (1, 1, 4), 150),
+               _mesh_row("hybrid", (2, 2, 1), 50, step=1.0, values=(0.52, 1.0)),
+               _mesh_row("hybrid", (1, 4, 1), 40, step=1.2, values=(0.26, 1.0)),
+               _mesh_row("hybrid", (2, 2, 1), 50, step=3.0, round_=1),
+               _mesh_row("hybrid", (1, 4, 1), 40, step=1.1, round_=1)]
+    checks = {c["target"]: c for c in sequence_mesh.targets(results)}
+    seq = checks["length 65,536: per-device peak with seq=4 <= 0.3x seq=1's"]
+    assert seq["value"] == "0.250x" and seq["met"]
+    assert checks["(2,2,1): weights + slots per device = 0.5x unsharded"]["met"]
+    step = checks["(2,2,1) step time <= (1,4,1)'s (fsdp=4), interleaved"]
+    assert step["value"].startswith("2.000 s vs 1.150 s") and not step["met"]

@@ -48,3 +48,30 @@ def test_gin_binds_fields_and_old_bindings_name_the_new_one():
     assert str(legacy_binding_error(["learning_rate"])).startswith(
         "train.learning_rate is now RunConfig.schedule")
     assert set(LEGACY_BINDINGS) >= {"model", "inputs", "eval_steps", "log_every"}
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: RunConfig(mesh_shape={"data": 2, "tensor": 2}),
+     "RunConfig.mesh_shape={'data': 2, 'tensor': 2} has axis 'tensor'"),
+    (lambda: RunConfig(mesh_shape={"fsdp": 1.5}), "RunConfig.mesh_shape={'fsdp': 1.5}: axis"),
+    (lambda: RunConfig(mesh_shape={"fsdp": 4}, fsdp=True),
+     "RunConfig.mesh_shape={'fsdp': 4} and RunConfig.fsdp are both set"),
+    (lambda: RunConfig(mesh_shape={"data": 2, "fsdp": 4}).mesh(),
+     "RunConfig.mesh_shape={'data': 2, 'fsdp': 4} has 8 devices but the run has 4"),
+])
+def test_a_bad_mesh_shape_is_one_line_naming_the_binding(build, message):
+    with pytest.raises(ValueError, match="^" + message.replace(".", r"\.").replace(
+            "{", r"\{").replace("}", r"\}").replace("(", r"\(")):
+        build()
+
+
+def test_gin_binds_a_mesh_shape_by_axis_name():
+    gin.clear_config()
+    try:
+        gin.parse_config(["RunConfig.mesh_shape = {'data': 2, 'seq': 2}"])
+        run = configurables.run_configs()["run"]
+    finally:
+        gin.clear_config()
+    mesh = run.trainer_arguments()["mesh"]
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "seq": 2}
+    assert run.eval_devices() == 2  # Evaluation splits rows only, over data x fsdp.

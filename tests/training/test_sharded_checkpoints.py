@@ -126,3 +126,30 @@ def test_an_async_save_is_not_disturbed_by_the_next_steps_donating_the_arrays(tm
     checkpointer.close()
     _restore(trainer, str(tmp_path))
     assert_trees_close(trainer.train_state, expected, rtol=0, atol=0)
+
+
+def test_a_run_on_one_mesh_resumes_on_other_mesh_shapes(tmp_path):
+    """Saved on (data, fsdp, seq) = (1, 4, 1) (weights sharded 4 ways), resumed on (2, 1, 2)
+    (replicated, the length split) and on one device: the same values, the same step."""
+    from revtrain.data import CopyTask
+
+    def loop(**devices):
+        run = RunConfig(model=lambda mode="train": tiny_reversible_lm(d_model=64, dropout=0.0,
+                                                                      mode=mode),
+                        inputs=CopyTask(vocab_size=16, length=4, batch_size=4, seed=1),
+                        schedule=3e-3, trainer_class=TRAINERS["Trainer"], **devices)
+        return build_loop(run, EvalConfig(steps=0), CheckpointConfig(every=2),
+                          LogConfig(progress=False), str(tmp_path))
+
+    with loop(mesh_shape={"fsdp": 4}) as saved:
+        saved.run(2)
+        assert saved.trainer.fsdp and saved.trainer.device_footprint().weights_bytes < (
+            sum(np.asarray(w).nbytes for w in jax.tree.leaves(saved.trainer.weights)) / 3)
+        expected = saved.trainer.train_state
+    batch, losses = make_batch(4), []
+    for devices in ({"mesh_shape": {"data": 2, "seq": 2}}, {"n_devices": 1}):
+        with loop(**devices) as resumed:
+            assert resumed.step == 2
+            assert_trees_close(resumed.trainer.train_state, expected, rtol=0, atol=0)
+            losses.append(float(resumed.trainer.one_step(batch, jax.random.key(5))[0]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
