@@ -94,7 +94,7 @@ def measure(depth: int, d_model: int, steps: int, warmup: int, n_devices: int,
     tl.init_reversible_blocks(blocks, loss, batch, jax.random.key(0))
     adam = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
     cls = ReversibleSerialTrainer if trainer_kind == "reversible" else MemoryEfficientTrainer
-    scan = {} if scan_layers or trainer_kind != "reversible" else {"scan_layers": False}
+    scan = {"scan_layers": scan_layers} if trainer_kind == "reversible" else {}
     trainer = cls(blocks, loss, adam, n_devices=n_devices, **scan)
     counter = _DispatchCounter()
     trainer.observers.append(counter)

@@ -82,7 +82,8 @@ def test_a_step_dispatches_the_same_programs_at_any_depth_and_compiles_once():
     batch = make_batch()
     labels = {}
     for n_layers in (4, 12):
-        trainer = ReversibleSerialTrainer(*deep_blocks(n_layers, D, batch), adam, n_devices=1)
+        trainer = ReversibleSerialTrainer(*deep_blocks(n_layers, D, batch), adam, n_devices=1,
+                                          scan_layers=True)
         seen = []
 
         class Watch:
