@@ -219,9 +219,7 @@ def _errors_and_targets(results: Sequence[dict], checks: Sequence[dict]) -> list
     lines = [""] + [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
                     for r in results if "error" in r]
     if checks:
-        lines += ["", report.markdown_table(
-            ["target", "measured", "met"],
-            [[c["target"], c["value"], "yes" if c["met"] else "**no**"] for c in checks])]
+        lines += ["", report.targets_table(checks)]
     return lines
 
 

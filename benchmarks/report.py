@@ -35,6 +35,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def targets_table(checks: Sequence[dict[str, Any]]) -> str:
+    """A benchmark's targets as a Markdown table: target, measured, met (a miss in bold).
+
+    ``checks`` are the benchmarks' ``targets(...)`` dicts with ``target``, ``value`` and
+    ``met`` keys.
+    """
+    return markdown_table(["target", "measured", "met"],
+                          [[c["target"], c["value"], "yes" if c["met"] else "**no**"]
+                           for c in checks])
+
+
 def mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / MIB:,.1f}"
 

@@ -430,9 +430,7 @@ def markdown(payload: dict[str, Any]) -> str:
          "model FLOP/s vs matmul", "measured"], rows))
     checks = targets(payload["results"])
     if checks:
-        lines += ["", report.markdown_table(
-            ["target", "measured", "met"],
-            [[c["target"], c["value"], "yes" if c["met"] else "no"] for c in checks])]
+        lines += ["", report.targets_table(checks)]
     return "\n".join(lines) + "\n"
 
 

@@ -148,9 +148,7 @@ def tables(payload: dict[str, Any]) -> str:
          "weights+slots per device / unsharded MiB", "step s", "round"], rows))
     checks = targets(payload["results"])
     if checks:
-        lines += ["", report.markdown_table(
-            ["target", "measured", "met"],
-            [[k["target"], k["value"], "yes" if k["met"] else "no"] for k in checks])]
+        lines += ["", report.targets_table(checks)]
     return "\n".join(lines) + "\n"
 
 

@@ -307,10 +307,7 @@ def markdown(payload: dict[str, Any]) -> str:
     lines += [f"- {harness.TRAINERS[r['trainer']]} depth {r['depth']}: {r['error']}"
               for r in results if "error" in r]
     if payload["targets"]:
-        lines += ["", report.markdown_table(
-            ["target", "measured", "met"],
-            [[c["target"], c["value"], "yes" if c["met"] else "**no**"]
-             for c in payload["targets"]])]
+        lines += ["", report.targets_table(payload["targets"])]
     return "\n".join(lines) + "\n"
 
 
