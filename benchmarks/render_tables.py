@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
 
 from benchmarks import report  # noqa: E402
 from benchmarks import sequence_length as lengths  # noqa: E402
+from benchmarks import sequence_mesh as mesh_runs  # noqa: E402
 from benchmarks.harness import MIB, RESULTS_DIR, TRAINERS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,11 +303,22 @@ def ring_balance() -> str:
                          _ring_source("ring_attention_65536_memory", payloads[1]))
 
 
+def sequence_mesh() -> str:
+    """The named-mesh runs (`benchmarks.sequence_mesh`) and their targets."""
+    payload = load("sequence_mesh")
+    c = payload["config"]
+    settings = (f"`{TRAINERS[c['trainer']]}`, {mesh_runs.N_DEVICES} forced devices, d_model "
+                f"{c['d_model']}, d_ff {c['d_ff']}, {c['n_layers']} layers, {c['n_heads']} "
+                f"heads, vocab {c['vocab_size']}, blockwise attention (block "
+                f"{c['block_size']}) with ff chunks {c['ff_chunk_size']}, Adam")
+    return _with_sources(mesh_runs.tables(payload), _source("sequence_mesh", payload, settings))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
         summary, memory_by_depth, memory_breakdown, memory_targets, step_time,
         step_time_depths, step_time_targets, step_time_fsdp, host_memory,
-        reconstruction_drift, sequence_length, ring_attention, ring_balance)}
+        reconstruction_drift, sequence_length, ring_attention, ring_balance, sequence_mesh)}
 
 
 # ------------------------------------------------------------------------------------------
