@@ -36,9 +36,10 @@ def position_wise():
 
 
 def transformer():
-    """A one-layer `ReversibleTransformerLM` with blockwise attention (blocks of 2)."""
+    """A two-layer `ReversibleTransformerLM` with blockwise attention (blocks of 2): the
+    block trainers scan its two equal layers."""
     model = ReversibleTransformerLM(
-        vocab_size=VOCAB, d_model=D, d_ff=2 * D, n_layers=1, n_heads=2, max_len=LENGTH,
+        vocab_size=VOCAB, d_model=D, d_ff=2 * D, n_layers=2, n_heads=2, max_len=LENGTH,
         dropout=0.0, attention_type=functools.partial(tl.CausalAttention,
                                                       implementation="blockwise",
                                                       block_size=2))

@@ -67,6 +67,7 @@ def test_every_mesh_trains_what_one_device_trains(one_device, trainer_name, mesh
                     reason="needs ring attention (revtrain.layers.sequence_parallel is the "
                            "stand-in)")
 def test_a_sequence_split_transformer_trains_what_one_device_trains():
-    """Ring attention over seq = 2 with the weights sharded over fsdp = 2."""
+    """Ring attention over seq = 2, the weights sharded over fsdp = 2, the two equal
+    layers scanned (one forward and one reverse program for both)."""
     reference = _two_steps("Trainer", None, transformer)
     _assert_same(_two_steps("ReversibleSerialTrainer", (1, 2, 2), transformer), reference)
