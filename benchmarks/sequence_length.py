@@ -472,6 +472,10 @@ def write(out_dir: Path, payload: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs (or, with ``--render_only``, re-renders) the benchmark; returns the payload."""
     args = parse_flags(argv)
+    if FLAGS.mesh and args.render_only:
+        payload = report.read_json(args.out_dir / f"{sequence_mesh.NAME}.json")
+        (args.out_dir / f"{sequence_mesh.NAME}.md").write_text(sequence_mesh.markdown(payload))
+        return payload
     if FLAGS.mesh:
         return sequence_mesh.run(args, base_config(args), __file__)
     if args.render_only:

@@ -1,6 +1,7 @@
 """benchmarks/sequence_length.py: runs end to end at tiny sizes; targets. The documents'
 table is checked against the committed results with the others (test_render_tables.py)."""
 import json
+from pathlib import Path
 
 from benchmarks import harness, sequence_length
 
@@ -73,3 +74,17 @@ def test_mesh_targets_compare_seq_4_with_seq_1_and_the_hybrid_mesh_with_fsdp_4()
     assert checks["(2,2,1): weights + slots per device = 0.5x unsharded"]["met"]
     step = checks["(2,2,1) step time <= (1,4,1)'s (fsdp=4), interleaved"]
     assert step["value"].startswith("2.000 s vs 1.150 s") and not step["met"]
+
+
+def test_mesh_render_only_rewrites_the_markdown_without_running_a_worker(tmp_path, monkeypatch):
+    from benchmarks import sequence_mesh
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    payload = json.loads((results / "sequence_mesh.json").read_text())
+    (tmp_path / "sequence_mesh.json").write_text(json.dumps(payload))
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("--render_only ran a worker")
+
+    monkeypatch.setattr(harness, "run_worker", no_worker)
+    sequence_length.main(["--mesh", "--render_only", "--out_dir", str(tmp_path)])
+    assert (tmp_path / "sequence_mesh.md").read_text() == sequence_mesh.markdown(payload)
