@@ -37,7 +37,7 @@ def position_wise():
 
 def transformer():
     """A two-layer `ReversibleTransformerLM` with blockwise attention (blocks of 2): the
-    block trainers scan its two equal layers."""
+    block trainers scan its two equal layers with ``scan_layers=True``."""
     model = ReversibleTransformerLM(
         vocab_size=VOCAB, d_model=D, d_ff=2 * D, n_layers=2, n_heads=2, max_len=LENGTH,
         dropout=0.0, attention_type=functools.partial(tl.CausalAttention,
@@ -50,15 +50,15 @@ def sgd():
     return optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
 
 
-def build(trainer_name, make_model=position_wise, **placement):
-    """``trainer_name`` on an initialised ``make_model()``, placed by ``placement``
-    (``n_devices=`` or ``mesh=``)."""
+def build(trainer_name, make_model=position_wise, **options):
+    """``trainer_name`` on an initialised ``make_model()``; ``options`` are its placement
+    (``n_devices=`` or ``mesh=``) and, for the block trainers, e.g. ``scan_layers=``."""
     blocks, loss = make_model()
     signature = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in global_batch())
     tl.init_reversible_blocks(blocks, loss, signature, jax.random.key(0))
     if trainer_name == "Trainer":
-        return Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), sgd, **placement)
-    return TRAINERS[trainer_name](blocks, loss, sgd, **placement)
+        return Trainer(tl.Serial(tl.blocks_to_layers(blocks, loss)), sgd, **options)
+    return TRAINERS[trainer_name](blocks, loss, sgd, **options)
 
 
 def two_steps(trainer, batch):

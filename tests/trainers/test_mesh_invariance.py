@@ -6,8 +6,8 @@ gradient norms and updated weights of one device on the meshes ``(data, fsdp, se
 of 4 CPU devices. `ReversibleSerialTrainer` runs on all six meshes; `Trainer` and
 `MemoryEfficientTrainer` on the ones that exercise something else in them (their
 per-device code is the same programs). The model is position-wise (its layers mix no
-positions), so a ``seq`` split needs no ring attention; the Transformer case runs once
-ring attention has replaced the stand-in `revtrain.layers.sequence_parallel`.
+positions), so a ``seq`` split needs no ring attention; the Transformer case adds ring
+attention and scanned layers on ``(1, 2, 2)``.
 """
 import jax
 import numpy as np
@@ -25,13 +25,13 @@ CASES = ([("ReversibleSerialTrainer", m) for m in MESHES]
             ("MemoryEfficientTrainer", (1, 4, 1)), ("MemoryEfficientTrainer", (1, 2, 2))])
 
 
-def _two_steps(trainer_name, mesh_shape, make_model=position_wise):
+def _two_steps(trainer_name, mesh_shape, make_model=position_wise, **options):
     if mesh_shape is None:
         placement = {"n_devices": 1}
     else:
         devices = np.array(jax.devices()[:int(np.prod(mesh_shape))])
         placement = {"mesh": Mesh(devices.reshape(mesh_shape), MESH_AXES)}
-    return two_steps(build(trainer_name, make_model, **placement), global_batch())
+    return two_steps(build(trainer_name, make_model, **placement, **options), global_batch())
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +63,9 @@ def test_every_mesh_trains_what_one_device_trains(one_device, trainer_name, mesh
     assert set(entered) == ({("seq", mesh_shape[2], LENGTH)} if mesh_shape[2] > 1 else set())
 
 
-@pytest.mark.skipif(getattr(sequence_parallel, "STAND_IN", False),
-                    reason="needs ring attention (revtrain.layers.sequence_parallel is the "
-                           "stand-in)")
 def test_a_sequence_split_transformer_trains_what_one_device_trains():
     """Ring attention over seq = 2, the weights sharded over fsdp = 2, the two equal
     layers scanned (one forward and one reverse program for both)."""
     reference = _two_steps("Trainer", None, transformer)
-    _assert_same(_two_steps("ReversibleSerialTrainer", (1, 2, 2), transformer), reference)
+    _assert_same(_two_steps("ReversibleSerialTrainer", (1, 2, 2), transformer,
+                            scan_layers=True), reference)
