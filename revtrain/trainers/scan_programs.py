@@ -115,6 +115,21 @@ def _put(tree: Any, new: Any, t: jax.Array) -> Any:
                         tree, new)
 
 
+def _materialized(tree: Any, t: jax.Array) -> Any:
+    """``tree`` itself, computed as the output of a conditional (whose other branch never
+    runs: ``t`` is a scan step, never negative).
+
+    XLA fuses cheap elementwise work into each consumer: a layer's new weights and its new
+    optimizer slots are both functions of the old slots' slice, so without a boundary the
+    fusion writing the weights re-reads the stacked slots, which the slots' own in-place
+    update overwrites -- and XLA protects that read by copying every stacked buffer of the
+    run on every iteration (temporaries growing with depth). A conditional's outputs are
+    buffers, not fusable expressions, so each in-place update reads only its new slice.
+    (`jax.lax.optimization_barrier` does not help on CPU: it is removed before fusion.)
+    """
+    return jax.lax.cond(t >= 0, lambda v: v, lambda v: jax.tree.map(jnp.zeros_like, v), tree)
+
+
 def _same_types(a: Any, b: Any) -> bool:
     def kind(x):
         x = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
@@ -254,6 +269,7 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
                 new, outs[j] = programs._update(optimizer, grads,
                                                 Params(w, _at(params[1][j], t)), shared,
                                                 placement)
+                new = _materialized(new, t)
                 params = tuple(tuple(_put(p[k], n, t) if k == j else p[k]
                                      for k in range(run.period))
                                for p, n in zip(params, new, strict=True))
