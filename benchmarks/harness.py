@@ -99,9 +99,9 @@ flags.DEFINE_integer("seed", 0, "seed of the weights and the batch")
 flags.DEFINE_integer("keep_every", None, "block trainers keep an exact copy of the stack "
                      "every this many reversible layers (bounds bf16 reconstruction drift; "
                      "costs depth / keep_every stack copies)", lower_bound=1)
-flags.DEFINE_boolean("scan_layers", False, "ReversibleSerialTrainer runs each run of equal "
+flags.DEFINE_boolean("scan_layers", True, "ReversibleSerialTrainer runs each run of equal "
                      "reversible layers as one forward and one reverse-and-fbo scan program "
-                     "(default off: one program per layer)")
+                     "(--noscan_layers: one program per layer)")
 flags.DEFINE_float("timeout", 3600.0, "seconds before a worker process is killed",
                    lower_bound=0.0)
 flags.DEFINE_integer("jobs", 1, "workers run at once; >1 only for quick checks (they share "
@@ -363,7 +363,7 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
         return Trainer(whole, optimizer_fn, n_devices=n_devices), batch
     keep_every = config.get("keep_every")
     if kind == "reversible":
-        scan = ({} if config.get("scan_layers", False)
+        scan = ({} if config.get("scan_layers", True)
                 else {"scan_layers": False})  # An older checkout has no such argument.
         return ReversibleSerialTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
                                        keep_every=keep_every, **fsdp, **scan), batch

@@ -142,7 +142,7 @@ class BlockTrainer(TrainerBase):
                  free_accelerators_on_step: bool = False, keep_every: int | None = None,
                  clip_global_norm: float | None = None, mesh: jax.sharding.Mesh | None = None,
                  fsdp: bool = False, placement: Placement | None = None,
-                 scan_layers: bool = False):
+                 scan_layers: bool = True):
         if not isinstance(scan_layers, bool):
             raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
         if clip_global_norm is not None and not clip_global_norm > 0:

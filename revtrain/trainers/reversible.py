@@ -54,10 +54,9 @@ class ReversibleSerialTrainer(BlockTrainer):
         programs at any depth (5 for a `ReversibleTransformerLM`, against ``6 * depth +
         3`` with False); False runs one program per layer and op, for debugging and
         comparison. The results and the public values (one entry per flat layer) are
-        the same either way. Off by default: the scanned reverse program still holds
-        temporaries that grow with the run's length (copies of stacked values), so its
-        activation part is not yet flat in depth (`tests/benchmarks/
-        test_memory_regression.py`: 0.16 MB at depth 2, 0.97 MB at depth 32, tiny model).
+        the same either way, and the activation part of the memory stays flat in depth
+        (the scan's temporaries are one layer's; per flat layer only its scalar results
+        and key remain, about 120 bytes: `tests/benchmarks/test_memory_regression.py`).
         See `revtrain.trainers.scan_programs`.
 
     Raises:
@@ -69,7 +68,7 @@ class ReversibleSerialTrainer(BlockTrainer):
                  n_devices: int | None = None, free_accelerators_on_step: bool = False,
                  keep_every: int | None = None, clip_global_norm: float | None = None,
                  mesh: Mesh | None = None, fsdp: bool = False,
-                 placement: Placement | None = None, scan_layers: bool = False):
+                 placement: Placement | None = None, scan_layers: bool = True):
         def make_store(placement_, values, schedule):
             return DeviceStore(placement_, values, runs_of(schedule))
 
