@@ -311,6 +311,9 @@ def sequence_mesh() -> str:
                 f"{c['d_model']}, d_ff {c['d_ff']}, {c['n_layers']} layers, {c['n_heads']} "
                 f"heads, vocab {c['vocab_size']}, blockwise attention (block "
                 f"{c['block_size']}) with ff chunks {c['ff_chunk_size']}, Adam")
+    earlier = sorted({(r["kind"], r["processor"], r["measured"][:10])
+                      for r in payload["results"] if "measured" in r})  # Kept by --update.
+    settings += "".join(f"; the {kind} rows on {where}, {day}" for kind, where, day in earlier)
     return _with_sources(mesh_runs.tables(payload), _source("sequence_mesh", payload, settings))
 
 

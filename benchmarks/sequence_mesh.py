@@ -19,7 +19,10 @@ CPU; a GPU/TPU machine's own devices otherwise), the model of ``sequence_length.
   round's median), with the process CPU time per step beside it (the work done, less
   sensitive to a shared machine's load than the wall clock).
 
-Writes ``sequence_mesh.json`` and ``.md`` to ``--out_dir``.
+Writes ``sequence_mesh.json`` and ``.md`` to ``--out_dir``; with ``--update``, the rows of
+the measurements not in ``--mesh_runs`` are kept from the JSON already there (e.g.
+``--mesh --mesh_runs=hybrid --update`` re-times the hybrid runs and keeps the 65,536-token
+ones).
 """
 
 from __future__ import annotations
@@ -164,9 +167,17 @@ def run(args: SimpleNamespace, base: dict[str, Any], script: str) -> dict[str, A
         print(f"[{k}/{len(configs)}] {config['kind']} {label(config)}, length "
               f"{config['seq_len']:,}: {outcome}", flush=True)
         results.append(result)
+    path = args.out_dir / f"{NAME}.json"
+    if flags.FLAGS.update and path.exists():  # Keep the rows of the measurements not rerun.
+        previous = report.read_json(path)
+        when = {"measured": previous["machine"]["date"],
+                "processor": previous["machine"]["processor"]}
+        kept = [when | r for r in previous["results"]
+                if r.get("kind") not in flags.FLAGS.mesh_runs]
+        results = kept + results
     payload = {"benchmark": NAME, "machine": harness.machine_info(args.command),
                "config": configs[0], "results": results}
-    report.write_json(args.out_dir / f"{NAME}.json", payload)
+    report.write_json(path, payload)
     (args.out_dir / f"{NAME}.md").write_text(markdown(payload))
     print(markdown(payload))
     return payload

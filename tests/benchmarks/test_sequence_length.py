@@ -88,3 +88,28 @@ def test_mesh_render_only_rewrites_the_markdown_without_running_a_worker(tmp_pat
     monkeypatch.setattr(harness, "run_worker", no_worker)
     sequence_length.main(["--mesh", "--render_only", "--out_dir", str(tmp_path)])
     assert (tmp_path / "sequence_mesh.md").read_text() == sequence_mesh.markdown(payload)
+
+
+def test_mesh_update_reruns_the_asked_runs_and_keeps_the_others(tmp_path, monkeypatch):
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    before = json.loads((results / "sequence_mesh.json").read_text())
+    (tmp_path / "sequence_mesh.json").write_text(json.dumps(before))
+    ran = []
+
+    def worker(script, config, timeout):
+        ran.append(config)
+        return config | {"peak_bytes": harness.MIB, "method": "ledger", "step_s": 0.5,
+                         "device_values_bytes": 1.0, "unsharded_values_bytes": 2.0}
+
+    monkeypatch.setattr(harness, "run_worker", worker)
+    payload = sequence_length.main(["--mesh", "--quick", "--mesh_runs=hybrid",
+                                    "--mesh_rounds=1", "--update", "--out_dir", str(tmp_path)])
+    assert {r["kind"] for r in ran} == {"hybrid"} and len(ran) == 2
+    kept = [r for r in before["results"] if r["kind"] == "sequence"]
+    assert len(kept) == 2
+    got = payload["results"]
+    assert [{k: v for k, v in r.items() if k not in ("measured", "processor")}
+            for r in got[:2]] == kept
+    assert all(r["measured"] == before["machine"]["date"] for r in got[:2])
+    assert [r["kind"] for r in got[2:]] == ["hybrid", "hybrid"]
+    assert json.loads((tmp_path / "sequence_mesh.json").read_text())["results"] == got
