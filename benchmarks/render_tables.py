@@ -164,9 +164,15 @@ def step_time_depths() -> str:
     return _step_table("step_time_depths_2_32/step_time")
 
 
+def step_time_system_allocator() -> str:
+    """Step time at depth 16 with glibc's allocator as a plain script has it."""
+    return _step_table("step_time_system_allocator/step_time")
+
+
 def step_time_targets() -> str:
     """The step-time benchmark's targets, as it computed them."""
-    return _targets(["step_time", "step_time_depths_2_32/step_time"])
+    return _targets(["step_time", "step_time_system_allocator/step_time",
+                     "step_time_depths_2_32/step_time"])
 
 
 def step_time_fsdp() -> str:
@@ -320,8 +326,9 @@ def sequence_mesh() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
         summary, memory_by_depth, memory_breakdown, memory_targets, step_time,
-        step_time_depths, step_time_targets, step_time_fsdp, host_memory,
-        reconstruction_drift, sequence_length, ring_attention, ring_balance, sequence_mesh)}
+        step_time_depths, step_time_system_allocator, step_time_targets, step_time_fsdp,
+        host_memory, reconstruction_drift, sequence_length, ring_attention, ring_balance,
+        sequence_mesh)}
 
 
 # ------------------------------------------------------------------------------------------

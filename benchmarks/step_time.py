@@ -256,6 +256,12 @@ def targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             checks.append({"target": f"{harness.TRAINERS[kind]} first step (compile "
                                      f"included) at depth {hi} <= 10 s",
                            "value": f"{r['first_step_s']:.1f} s", "met": r["first_step_s"] <= 10})
+    lo, first = (depths[0] if depths else None), table.get(("reversible", hi))
+    if first and lo != hi and ("reversible", lo) in table:
+        ratio = first["first_step_s"] / table[("reversible", lo)]["first_step_s"]
+        checks.append({"target": f"ReversibleSerialTrainer first step at depth {hi} <= 1.3x "
+                                 f"its first step at depth {lo}",
+                       "value": f"{ratio:.2f}x", "met": ratio <= 1.3})
     mid = 16 if 16 in depths else hi
     for kind, limit in (("reversible", 1.4), ("memory_efficient", 2.0)):
         r = table.get((kind, mid))

@@ -51,6 +51,8 @@ def test_targets_use_depth_16_for_ratios_and_the_deepest_for_first_steps():
             ("9.5 s", True),
         "MemoryEfficientTrainer first step (compile included) at depth 32 <= 10 s":
             ("12.0 s", False),
+        "ReversibleSerialTrainer first step at depth 32 <= 1.3x its first step at depth 16":
+            ("1.58x", False),
         "ReversibleSerialTrainer step time at depth 16 <= 1.4x Trainer's": ("1.30x", True),
         "MemoryEfficientTrainer step time at depth 16 <= 2.0x Trainer's": ("2.50x", False)}
 
