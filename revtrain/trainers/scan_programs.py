@@ -115,19 +115,27 @@ def _put(tree: Any, new: Any, t: jax.Array) -> Any:
                         tree, new)
 
 
-def _materialized(tree: Any, t: jax.Array) -> Any:
-    """``tree`` itself, computed as the output of a conditional (whose other branch never
-    runs: ``t`` is a scan step, never negative).
+def _in_turn(fn: Callable, t: jax.Array, *operands: Any) -> Any:
+    """``fn(*operands)``, computed inside a conditional (whose other branch, zeros of the same
+    types, never runs: ``t`` is a scan step, never negative).
 
-    XLA fuses cheap elementwise work into each consumer: a layer's new weights and its new
-    optimizer slots are both functions of the old slots' slice, so without a boundary the
-    fusion writing the weights re-reads the stacked slots, which the slots' own in-place
-    update overwrites -- and XLA protects that read by copying every stacked buffer of the
-    run on every iteration (temporaries growing with depth). A conditional's outputs are
-    buffers, not fusable expressions, so each in-place update reads only its new slice.
-    (`jax.lax.optimization_barrier` does not help on CPU: it is removed before fusion.)
+    Two things XLA does to a scan body that holds several layers cost memory that grows
+    with what the body holds, and a conditional stops both (its branches are computations
+    of their own: nothing is fused into or hoisted out of them, and their outputs are
+    buffers):
+
+    * it schedules work of a later layer that does not wait for the earlier one (keys,
+      dropout masks) beside the earlier layer's, so both layers' temporaries are live at
+      once;
+    * it fuses a layer's slot update into the write of its weights, which then re-reads
+      the stacked slots that their own in-place write overwrites, and protects that read
+      by copying every stacked buffer of the run on every iteration.
+
+    (`jax.lax.optimization_barrier` does neither on CPU: it is removed before fusion.)
     """
-    return jax.lax.cond(t >= 0, lambda v: v, lambda v: jax.tree.map(jnp.zeros_like, v), tree)
+    def zeros(*args):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+    return jax.lax.cond(t >= 0, fn, zeros, *operands)
 
 
 def _same_types(a: Any, b: Any) -> bool:
@@ -205,8 +213,10 @@ def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> 
                 if forward is None:  # Reorders stack items only (no weights, state, rng).
                     y, new_state = layer.pure_fn(x_j, (), (), None)[0], state
                 else:
-                    y, new_state = forward(ForwardArgs(x_j, state, args.rngs),
-                                           _at(weights[j], t), shared.index + t * run.period + j)
+                    y, new_state = _in_turn(
+                        lambda x_j, state, w, i, forward=forward: forward(
+                            ForwardArgs(x_j, state, args.rngs), w, i),
+                        t, x_j, state, _at(weights[j], t), shared.index + t * run.period + j)
                 x = outputs_onto_stack(y, x, layer.n_in)
                 new_states.append(new_state)
             return (x, copies), tuple(new_states)
@@ -262,14 +272,22 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
             for j in reversed(range(run.period)):
                 index = shared.index + t * run.period + j
                 w = _at((weights if norm_only else params[0])[j], t)
-                y, ct, grads = layer_grads(args, j, y, ct, w, t, index)
                 if norm_only:
-                    outs[j] = squared_norm(grads)
+                    y, ct, norm = _in_turn(
+                        lambda y, ct, w, j=j, index=index: (
+                            lambda out: (out[0], out[1], squared_norm(out[2])))(
+                                layer_grads(args, j, y, ct, w, t, index)),
+                        t, y, ct, w)
+                    outs[j] = norm
                     continue
-                new, outs[j] = programs._update(optimizer, grads,
-                                                Params(w, _at(params[1][j], t)), shared,
+
+                def one_layer(y, ct, w, slots, j=j, index=index):
+                    y, ct, grads = layer_grads(args, j, y, ct, w, t, index)
+                    new, out = programs._update(optimizer, grads, Params(w, slots), shared,
                                                 placement)
-                new = _materialized(new, t)
+                    return y, ct, new, out
+
+                y, ct, new, outs[j] = _in_turn(one_layer, t, y, ct, w, _at(params[1][j], t))
                 params = tuple(tuple(_put(p[k], n, t) if k == j else p[k]
                                      for k in range(run.period))
                                for p, n in zip(params, new, strict=True))
