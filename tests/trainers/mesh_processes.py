@@ -16,10 +16,8 @@ import sys
 import jax
 import numpy as np
 
-TRAINERS = ("Trainer", "ReversibleSerialTrainer")
-"""The trainers run, and whose programs' HLO is read (`MemoryEfficientTrainer` runs the
-same per-layer programs as `ReversibleSerialTrainer`, and reads its values back with the
-same `revtrain.trainers.transfers.host_value`; it runs on the 4-device meshes)."""
+TRAINERS = ("Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer")
+"""The trainers run, and whose programs' HLO is read."""
 
 
 class _Collectives:

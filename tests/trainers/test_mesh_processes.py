@@ -2,11 +2,10 @@
 
 Two local processes (jax.distributed, gloo collectives; the harness of
 ``tests/training/test_multihost.py``) run `tests.trainers.mesh_processes`. Checked here:
-`Trainer` and `ReversibleSerialTrainer` train what one device trains on the same global
-batch; in every compiled
-program each weight all-gather and gradient reduce-scatter runs within one process (its
-replica groups, read from the HLO), while the gradient all-reduce crosses them; and the
-checkpoint the two processes saved restores on one device.
+each of the three trainers trains what one device trains on the same global batch; in
+every compiled program each weight all-gather and gradient reduce-scatter runs within one
+process (its replica groups, read from the HLO), while the gradient all-reduce crosses
+them; and the checkpoint the two processes saved restores on one device.
 """
 import json
 import os
