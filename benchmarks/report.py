@@ -117,4 +117,7 @@ def settings_line(config: dict[str, Any]) -> str:
             + (f", keep_every {config['keep_every']}" if config.get("keep_every") else "")
             + (f", {config['mask_bits']}-bit dropout masks"
                if config.get("mask_bits", 16) != 16 else "")
-            + f", host allocator {config.get('host_allocator', 'system')}")
+            + f", host allocator {config.get('host_allocator', 'system')}"
+            + ({True: ", ReversibleSerialTrainer's runs scanned",
+                False: ", ReversibleSerialTrainer one program per layer (--noscan_layers)"}.get(
+                    config.get("scan_layers"), "")))

@@ -29,7 +29,7 @@ def test_reports_peak_rss_and_step_time_per_trainer_and_passes_the_environment(
     assert saved["config"]["host_allocator"] == "system"
     markdown = (tmp_path / "host_memory.md").read_text()
     assert "| MemoryEfficientTrainer | 2 |" in markdown and "MALLOC_ARENA_MAX=2" in markdown
-    assert "host allocator system;" in markdown
+    assert "host allocator system, ReversibleSerialTrainer's runs scanned" in markdown
 
 
 def test_the_recorded_host_allocator_is_what_the_workers_did():

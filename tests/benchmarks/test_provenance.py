@@ -1,7 +1,7 @@
 """benchmarks/provenance.py: every result set records when, where and by what command."""
 import sys
 
-from benchmarks import provenance
+from benchmarks import provenance, report
 
 
 def test_machine_info_records_date_machine_versions_commit_and_command():
@@ -18,3 +18,14 @@ def test_command_line_is_the_shell_command_or_the_in_process_call(monkeypatch):
     assert provenance.command_line(None) == (
         "python benchmarks/step_time.py --depths 16 --trainers 'a,b c'")
     assert provenance.command_line(["--quick"]) == "main(['--quick'])"
+
+
+def test_settings_line_says_whether_the_runs_were_scanned():
+    base = {"d_model": 8, "d_ff": 16, "n_heads": 2, "seq_len": 4, "batch_size": 2,
+            "vocab_size": 32, "dropout": 0.0}
+    assert report.settings_line(base | {"scan_layers": True}).endswith(
+        "ReversibleSerialTrainer's runs scanned")
+    assert report.settings_line(base | {"scan_layers": False}).endswith(
+        "ReversibleSerialTrainer one program per layer (--noscan_layers)")
+    # A result set from before the switch existed says nothing rather than guess.
+    assert "ReversibleSerialTrainer" not in report.settings_line(base)
