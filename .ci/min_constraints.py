@@ -2,9 +2,10 @@
 
 Reads ``install_requires`` and the extras named on the command line, following extras that
 name other extras (``revtrain[tfds-cpu,bench]``); with no extras named, every extra is read.
-A requirement without a lower bound is left free. Only the distributions an install of
-``.[EXTRAS]`` pulls in are printed, so every printed pin can be checked against what was
-installed. Usage::
+A requirement without a lower bound is left free, and one whose environment marker
+excludes this interpreter is skipped; names and extras compare as pip normalises them
+(``tfds_cpu`` is ``tfds-cpu``). Only the distributions an install of ``.[EXTRAS]`` pulls
+in are printed, so every printed pin can be checked against what was installed. Usage::
 
     python .ci/min_constraints.py [setup.cfg] [--extras test,docs] > constraints.txt
 """
@@ -13,6 +14,7 @@ import argparse
 import configparser
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 PACKAGE = "revtrain"
 
@@ -31,11 +33,12 @@ def lower_bounds(setup_cfg: str, extras: list[str] | None = None) -> dict[str, s
     """
     config = configparser.ConfigParser()
     config.read(setup_cfg)
-    declared = {name: value.splitlines()
+    declared = {canonicalize_name(name): value.splitlines()
                 for name, value in config["options.extras_require"].items()}
-    pending = list(declared if extras is None else extras)
+    pending = [canonicalize_name(e) for e in (declared if extras is None else extras)]
     seen: set[str] = set()
-    lines = config["options"]["install_requires"].splitlines()
+    requirements = [(Requirement(line), "") for line in _lines(
+        config["options"]["install_requires"])]
     while pending:
         extra = pending.pop()
         if extra in seen:
@@ -44,22 +47,29 @@ def lower_bounds(setup_cfg: str, extras: list[str] | None = None) -> dict[str, s
             raise ValueError(f"extra {extra!r} is not declared in {setup_cfg} "
                              f"(it has {sorted(declared)}); name one of those")
         seen.add(extra)
-        for line in filter(None, (line.strip() for line in declared[extra])):
+        for line in _lines(declared[extra]):
             requirement = Requirement(line)
-            if requirement.name == PACKAGE:
-                pending.extend(requirement.extras)
+            if canonicalize_name(requirement.name) == PACKAGE:
+                pending.extend(canonicalize_name(e) for e in requirement.extras)
             else:
-                lines.append(line)
-    bounds: dict[str, str] = {}
-    for line in filter(None, (line.strip() for line in lines)):
-        requirement = Requirement(line)
+                requirements.append((requirement, extra))
+    bounds: dict[str, tuple[str, str]] = {}  # canonical name -> (name as written, version)
+    for requirement, extra in requirements:
+        if requirement.marker and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        key = canonicalize_name(requirement.name)
         for spec in requirement.specifier:
             if spec.operator == ">=":
-                if bounds.setdefault(requirement.name, spec.version) != spec.version:
+                name, version = bounds.setdefault(key, (requirement.name, spec.version))
+                if version != spec.version:
                     raise ValueError(f"{requirement.name} has two lower bounds in "
-                                     f"{setup_cfg}: {bounds[requirement.name]} and "
-                                     f"{spec.version}; keep one")
-    return bounds
+                                     f"{setup_cfg}: {version} and {spec.version}; keep one")
+    return {name: version for name, version in bounds.values()}
+
+
+def _lines(text: str | list[str]) -> list[str]:
+    lines = text.splitlines() if isinstance(text, str) else text
+    return [line.strip() for line in lines if line.strip()]
 
 
 if __name__ == "__main__":

@@ -39,3 +39,26 @@ def test_pins_cover_only_the_installed_extras():
 def test_an_unknown_extra_is_one_error():
     with pytest.raises(ValueError, match="extra 'nope' is not declared"):
         _min_constraints().lower_bounds(str(ROOT / "setup.cfg"), ["nope"])
+
+
+def test_names_extras_and_markers_compare_as_pip_reads_them(tmp_path):
+    setup_cfg = tmp_path / "setup.cfg"
+    setup_cfg.write_text(
+        "[options]\ninstall_requires =\n    jax>=0.8.2\n"
+        "    oldlib>=1.0; python_version < '3.0'\n"
+        "[options.extras_require]\n"
+        "tfds-cpu =\n    tensorflow-cpu>=2.19.0\n"
+        "docs =\n    mkdocs>=1.6.1\n    Docstring_Parser>=0.16\n"
+        "test =\n    RevTrain[tfds_cpu,Docs]\n    docstring-parser>=0.16\n")
+    lower_bounds = _min_constraints().lower_bounds
+    # The self-reference and its extras in any spelling are followed; one distribution
+    # spelled two ways is one pin; a requirement whose marker excludes this Python is
+    # not installed, so it is not pinned.
+    # (The first spelling read is printed: ``test``'s own line comes before its extras'.)
+    assert lower_bounds(str(setup_cfg), ["Test"]) == {
+        "jax": "0.8.2", "docstring-parser": "0.16", "mkdocs": "1.6.1",
+        "tensorflow-cpu": "2.19.0"}
+    setup_cfg.write_text(setup_cfg.read_text().replace("Docstring_Parser>=0.16",
+                                                       "Docstring_Parser>=0.17"))
+    with pytest.raises(ValueError, match="two lower bounds"):
+        lower_bounds(str(setup_cfg), ["test"])
