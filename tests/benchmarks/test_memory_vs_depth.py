@@ -92,6 +92,7 @@ def test_rendering_records_the_host_allocator_the_workers_used(tmp_path):
     for row in saved["results"][:4]:
         row["host_allocator"] = "system"
     saved["config"]["host_allocator"] = "tuned"  # What the parent asked for.
+    saved["config"]["scan_layers"] = True
     (tmp_path / "memory_vs_depth.json").write_text(json.dumps(saved))
     payload = memory_vs_depth.main(["--render_only", "--out_dir", str(tmp_path)])
     assert payload["config"]["host_allocator"] == "system, tuned"
