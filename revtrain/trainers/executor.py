@@ -196,24 +196,44 @@ def _scan_forward(p: PlannedOp, store: ParamStore, dispatcher: Dispatcher, stack
     return outputs_onto_stack(y, stack, run.n_items)
 
 
+def _unshared(carry: Any, held: Any) -> Any:
+    """``carry`` with each array that ``held`` or an earlier leaf of ``carry`` also holds
+    replaced by a copy, so that donating ``carry`` deletes nothing still in use (a layer's
+    gradient can hand back one cotangent for two stack items, a pass-through the same array
+    as an item below it)."""
+    seen = {id(leaf) for leaf in jax.tree.leaves(held)}
+
+    def own(leaf):
+        if isinstance(leaf, jax.Array) and id(leaf) in seen:
+            leaf = jnp.copy(leaf)
+        seen.add(id(leaf))
+        return leaf
+    return jax.tree.map(own, carry)
+
+
 def _scan_reverse(p: PlannedOp, store: ParamStore, dispatcher: Dispatcher, stack: Any,
                   ct: Any, inputs: StepInputs, shared: Shared, kept: dict[int, Any],
-                  stats: list, squared_norms: list) -> tuple[Any, Any]:
-    """A run's reverse scan (every layer updated, or norm-only); returns (stack, ct)."""
+                  kept_weights: Any, stats: list,
+                  squared_norms: list) -> tuple[Any, Any]:
+    """A run's reverse scan (every layer updated, or norm-only); returns (stack, ct).
+
+    The updating scan donates its carry (the run's output items and their cotangents): the
+    stack and cotangents below the run, the stashes and the batch weights keep theirs."""
     op, run = p.op, p.op.run
     copies = None
     if run.kept:
         copies = store.unstash(kept[run.start] if op.norm_only else kept.pop(run.start))
     n = run.n_items
-    args = ScanReverseArgs(inputs_from_stack(stack, n), inputs_from_stack(ct, n),
-                           store.state(run), store.new_state(run), inputs.rngs, copies)
+    carry = (inputs_from_stack(stack, n), inputs_from_stack(ct, n))
+    args = ScanReverseArgs(store.state(run), store.new_state(run), inputs.rngs, copies)
     if op.norm_only:
-        x, ct_x, squares = dispatcher.dispatch(op, p.program, args, store.weights(run),
-                                               shared)
+        x, ct_x, squares = dispatcher.dispatch(op, p.program, carry, args,
+                                               store.weights(run), shared)
         squared_norms.extend(squares)
     else:
-        x, ct_x, new_params, run_stats = dispatcher.dispatch(op, p.program, args,
-                                                             store.params(run), shared)
+        held = (_as_items(stack)[n:], _as_items(ct)[n:], kept, kept_weights, copies)
+        x, ct_x, new_params, run_stats = dispatcher.dispatch(
+            op, p.program, _unshared(carry, held), args, store.params(run), shared)
         store.keep_params(run, new_params)
         for i, layer_stats in zip(run.layers, run_stats, strict=True):
             stats[i] = layer_stats
@@ -256,7 +276,7 @@ def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
             continue
         if op.kind == OpKind.SCAN_REVERSE:
             stack, ct = _scan_reverse(p, store, dispatcher, stack, ct, inputs, shared, kept,
-                                      stats, squared_norms)
+                                      kept_weights, stats, squared_norms)
             continue
         if op.kind == OpKind.FORWARD:
             if op.starts_block or op.keep_point:

@@ -22,11 +22,13 @@ own shards), so per layer everything is what its own program computes:
   ``keep_every`` copies are written into one ``[devices, n_kept, ...]`` buffer per carry
   item;
 * reverse: the carry is ``(stack items, their cotangents, stacked weights, stacked
-  slots)``; each layer reconstructs its input (``reverse_and_grad``) -- or, at a kept
-  position, recomputes from its copy, as an ``FBO`` op does -- and applies *its own*
-  optimizer update (`revtrain.trainers.programs`' update on global arrays: the learning
-  rate injected, per-layer clipping inside the optimizer, exact global-norm clipping by
-  the given norm) to entry ``t`` of the stacked weights and slots, updated in place
+  slots)``, all donated by the updating program (the loop runs in their buffers, and the
+  reconstructed items and their cotangents leave in them); each layer reconstructs its
+  input (``reverse_and_grad``) -- or, at a kept position, recomputes from its copy, as
+  an ``FBO`` op does -- and applies *its own* optimizer update
+  (`revtrain.trainers.programs`' update on global arrays: the learning rate injected,
+  per-layer clipping inside the optimizer, exact global-norm clipping by the given norm)
+  to entry ``t`` of the stacked weights and slots, updated in place
   (``dynamic_update_slice`` on the donated carry: the run's values exist once);
 * norm-only (exact global-norm clipping): the reverse scan without updates, giving each
   layer's squared gradient norm.
@@ -84,11 +86,11 @@ def find_runs(layers: Sequence[Layer], block_sizes: Sequence[int]) -> tuple[Run,
 
 
 class ScanReverseArgs(NamedTuple):
-    """Per-device arguments of a run's reverse scan (leading device axis on every leaf).
+    """Per-device arguments of a run's reverse scan beside its carry (leading device axis
+    on every leaf). The carry, ``(y, ct_y)``, is a separate argument: the run's output stack
+    items (its top ``n_items``) and their cotangents, which the updating program donates.
 
     Attributes:
-      y: the run's output stack items (its top ``n_items``).
-      ct_y: their cotangents.
       state: per group position, the stacked states before the forward pass
         ``[devices, repeats, ...]``.
       new_state: likewise, after it.
@@ -97,8 +99,6 @@ class ScanReverseArgs(NamedTuple):
         len(run.kept), ...]``), or None for a run without any.
     """
 
-    y: Any
-    ct_y: Any
     state: Any
     new_state: Any
     rngs: jax.Array
@@ -263,7 +263,7 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
             return recompute()
         return jax.lax.cond(jnp.asarray(table.keep[:, j])[t], recompute, reverse)
 
-    def scan_reverse(args: ScanReverseArgs, values: Any, shared: Shared) -> tuple:
+    def scan_reverse(carry: tuple, args: ScanReverseArgs, values: Any, shared: Shared) -> tuple:
         weights = values if norm_only else values.weights
 
         def body(carry, t):
@@ -294,8 +294,7 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
             return (y, ct, params), tuple(outs)
 
         params = None if norm_only else (tuple(values.weights), tuple(values.slots))
-        (x, ct_x, params), outs = _loop(body, (args.y, args.ct_y, params), run.repeats,
-                                        reverse=True)
+        (x, ct_x, params), outs = _loop(body, (*carry, params), run.repeats, reverse=True)
         x, ct_x = jax.lax.with_sharding_constraint((x, ct_x), placement.per_device)
         if norm_only:  # In the order of the per-layer backward ops: last layer first.
             return x, ct_x, tuple(outs[j][t] for t in reversed(range(run.repeats))
@@ -314,16 +313,19 @@ def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
     """The jitted ``SCAN_FORWARD`` or ``SCAN_REVERSE`` program of ``run`` (whose group is
     ``group``) and its trace-counted function.
 
-    Called as ``program(args, weights_or_params, shared)``, ``shared.index`` the run's
-    first flat layer; outputs by kind:
+    Called as ``program(args, weights, shared)`` (``SCAN_FORWARD``) or ``program(carry,
+    args, weights_or_params, shared)`` (``SCAN_REVERSE``), ``shared.index`` the run's first
+    flat layer; outputs by kind:
 
     * ``SCAN_FORWARD`` (``args`` a `ForwardArgs` of the carry items and the stacked
       states, stacked weights): ``(y, new stacked states, copies or None)``.
-    * ``SCAN_REVERSE`` (``args`` a `ScanReverseArgs`, stacked `Params`, donated):
-      ``(x, ct_x, new stacked params, stats)``, ``stats`` one `LayerStats` per flat
-      layer of the run, in order.
-    * ``SCAN_REVERSE`` with ``norm_only`` (stacked weights, not donated): ``(x, ct_x,
-      squared norms)``, one float32 scalar per layer, last layer first.
+    * ``SCAN_REVERSE`` (``carry`` the run's output items and their cotangents, ``args`` a
+      `ScanReverseArgs`, stacked `Params`; ``carry`` and the params donated, so the caller
+      must hold no other reference to their buffers): ``(x, ct_x, new stacked params,
+      stats)``, ``stats`` one `LayerStats` per flat layer of the run, in order.
+    * ``SCAN_REVERSE`` with ``norm_only`` (stacked weights; nothing donated, as the
+      updating pass that follows reads the same items): ``(x, ct_x, squared norms)``, one
+      float32 scalar per layer, last layer first.
 
     Raises:
       ValueError: for another kind.
@@ -337,11 +339,13 @@ def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
     body = _reverse_program(group, run, optimizer, placement, norm_only)
     if norm_only:
         counted = eqx.debug.assert_max_traces(
-            lambda args, weights, shared: body(args, weights, shared), max_traces=None)
+            lambda carry, args, weights, shared: body(carry, args, weights, shared),
+            max_traces=None)
         return jax.jit(counted), counted
     counted = eqx.debug.assert_max_traces(
-        lambda args, params, shared: body(args, params, shared), max_traces=None)
-    return jax.jit(counted, donate_argnames=("params",)), counted
+        lambda carry, args, params, shared: body(carry, args, params, shared),
+        max_traces=None)
+    return jax.jit(counted, donate_argnames=("carry", "params")), counted
 
 
 class ScanProgramCache:
