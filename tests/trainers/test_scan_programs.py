@@ -154,3 +154,39 @@ def test_find_runs_takes_groups_of_equal_layers_repeated_within_a_block():
     layers = tl.blocks_to_layers(blocks, loss)
     assert find_runs(layers, [8, 4]) == (Run(1, 2, 3, 2), Run(10, 2, 2, 2))
     assert find_runs(layers, [8, 4])[0].layers == range(1, 7)
+
+
+def test_the_updating_reverse_scan_runs_in_its_carry_and_donates_nothing_held_elsewhere():
+    """The reverse scan's outputs (reconstructed items, their cotangents, new params) all
+    alias its donated inputs, so it adds no output buffers beside them; and before the
+    dispatch, an item that something else also holds (the stack below, a stash, an earlier
+    carry leaf) is replaced by a copy, so donating deletes nothing in use."""
+    from revtrain import memory
+    from revtrain.trainers import executor
+
+    batch = make_batch()
+    trainer = ReversibleSerialTrainer(*deep_blocks(4, D, batch), adam, n_devices=1,
+                                      scan_layers=True)
+    calls = {}
+
+    class Watch:
+        def on_dispatch(self, label, fn, args):
+            calls[label] = (fn, jax.tree.map(memory._abstract_leaf, tuple(args)))
+
+    trainer.observers.append(Watch())
+    trainer.one_step(batch, jax.random.key(0))
+    trainer.one_step(batch, jax.random.key(1))  # The donated buffers were nobody else's.
+    fn, args = calls["backward/layers1-4"]
+    stats = fn.lower(*args).compile().memory_analysis()
+    carry, _, params, _ = args
+    donated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((carry, params)))
+    assert stats.alias_size_in_bytes >= donated > 0
+
+    a, b, below = (jax.numpy.full((3,), v) for v in (1.0, 2.0, 3.0))
+    carry = ((a, below), (b, b))
+    owned = executor._unshared(carry, held=((below,),))
+    assert owned[0][0] is a and owned[1][0] is b  # Held once: passed as they are.
+    assert owned[0][1] is not below and owned[1][1] is not b  # Copies, same values.
+    np.testing.assert_array_equal(owned[0][1], below)
+    np.testing.assert_array_equal(owned[1][1], b)
+    assert len({id(x) for x in jax.tree.leaves(owned)}) == 4
