@@ -273,12 +273,11 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
                 index = shared.index + t * run.period + j
                 w = _at((weights if norm_only else params[0])[j], t)
                 if norm_only:
-                    y, ct, norm = _in_turn(
-                        lambda y, ct, w, j=j, index=index: (
-                            lambda out: (out[0], out[1], squared_norm(out[2])))(
-                                layer_grads(args, j, y, ct, w, t, index)),
-                        t, y, ct, w)
-                    outs[j] = norm
+                    def one_norm(y, ct, w, j=j, index=index):
+                        y, ct, grads = layer_grads(args, j, y, ct, w, t, index)
+                        return y, ct, squared_norm(grads)
+
+                    y, ct, outs[j] = _in_turn(one_norm, t, y, ct, w)
                     continue
 
                 def one_layer(y, ct, w, slots, j=j, index=index):
