@@ -51,8 +51,18 @@ from revtrain.trainers.precompile import (
 from revtrain.trainers.programs import ProgramCache
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 from revtrain.trainers.rngs import StepKeys
-from revtrain.trainers.scan_programs import ScanProgramCache, find_runs
+from revtrain.trainers.scan_programs import ScanProgramCache, find_runs, windows
 from revtrain.trainers.stores import ParamStore, StoreFactory
+
+
+def _check_scan_window(scan_window: Any) -> None:
+    if scan_window is None:
+        return
+    if isinstance(scan_window, bool) or not isinstance(scan_window, int | np.integer):
+        raise TypeError(f"scan_window={scan_window!r} must be an int >= 2 or None")
+    if scan_window < 2:
+        raise ValueError(f"scan_window={scan_window} must be >= 2 repetitions per program "
+                         f"(a scan needs two) or None")
 
 
 class BlockTrainer(TrainerBase):
@@ -130,11 +140,15 @@ class BlockTrainer(TrainerBase):
         any depth. Results are those of ``scan_layers=False``, which runs one program per
         layer and op (for debugging and comparison). Only for a store factory that
         accepts runs (``make_store`` is given the schedule, whose scan ops name them).
+      scan_window: with ``scan_layers``, cut each run into pieces of at most this many
+        repetitions of its group, one program pair each (`scan_programs.windows`), so a
+        store that puts a scanned run's values on the devices for its ops holds one
+        window's; None scans whole runs.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
       ValueError: for uninitialised layers, an impossible ``n_devices``, ``keep_every <
-        1`` or ``clip_global_norm <= 0``.
+        1``, ``clip_global_norm <= 0`` or ``scan_window < 2``.
     """
 
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
@@ -142,9 +156,10 @@ class BlockTrainer(TrainerBase):
                  free_accelerators_on_step: bool = False, keep_every: int | None = None,
                  clip_global_norm: float | None = None, mesh: jax.sharding.Mesh | None = None,
                  fsdp: bool = False, placement: Placement | None = None,
-                 scan_layers: bool = True):
+                 scan_layers: bool = True, scan_window: int | None = None):
         if not isinstance(scan_layers, bool):
             raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
+        _check_scan_window(scan_window)
         if clip_global_norm is not None and not clip_global_norm > 0:
             raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
         blocks = [(std, list(revs)) for std, revs in blocks]
@@ -162,8 +177,10 @@ class BlockTrainer(TrainerBase):
         self.keep_every, self.clip_global_norm = keep_every, clip_global_norm
         self.scan_layers = scan_layers
         block_sizes = [len(revs) for _, revs in blocks]
-        schedule = build_schedule(block_sizes, keep_every, clip_global_norm is not None,
-                                  find_runs(self.layers, block_sizes) if scan_layers else ())
+        runs = find_runs(self.layers, block_sizes) if scan_layers else ()
+        if scan_window is not None:
+            runs = windows(runs, scan_window)
+        schedule = build_schedule(block_sizes, keep_every, clip_global_norm is not None, runs)
         self._runs = runs_of(schedule)
         optimizers = [optimizer_fn() for _ in self.layers]
         weights = tuple(layer.weights for layer in self.layers)

@@ -1,13 +1,18 @@
-"""`HostStore`: a block trainer's values in host memory, a window of layers on the devices
-(`MemoryEfficientTrainer`, after Trax's ``trainer.MemoryEfficientTrainer``).
+"""`HostStore`: a block trainer's values in host memory, a window of ops' values on the
+devices (`MemoryEfficientTrainer`, after Trax's ``trainer.MemoryEfficientTrainer``).
 
-Weights, slots and states live in host memory (numpy) between uses; a layer's values are
-put on the devices just before its op, the next ``n_async_layers`` layers' are prefetched
+Weights, slots and states live in host memory (numpy) between uses; an op's values are
+put on the devices just before it runs, the next ``n_async_layers`` ops' are prefetched
 (``jax.device_put`` is asynchronous), new values are copied back with
 ``copy_to_host_async`` into the same host buffers (allocated once, updated in place) and
 their device buffers released before the next op, and block inputs wait on the host. With
 ``fsdp`` a put sends each device only its shard and a copy-back brings only the shards
-home. See `revtrain.trainers.stores` for the contract.
+home. An op is one layer's, or a scanned `revtrain.trainers.plan.Run` 's (a window of a
+run: `revtrain.trainers.scan_programs.windows`): its host buffers are kept in the stacked
+layout (`revtrain.trainers.stacked`: one ``[repeats, ...]`` array per leaf and group
+position), of which each layer's values are views, so the run goes to the devices and
+back as a few arrays and `host_values` still has one entry per flat layer. See
+`revtrain.trainers.stores` for the contract.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from revtrain.trainers import transfers
+from revtrain.trainers import stacked, transfers
 from revtrain.trainers.batches import for_n_devices
 from revtrain.trainers.placement import Placement
-from revtrain.trainers.plan import Op, OpKind
+from revtrain.trainers.plan import Op, OpKind, Run, runs_of
 from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
 from revtrain.trainers.transfers import delete_arrays
 
@@ -70,14 +75,20 @@ def _copy_into(host: Any, result: Any) -> None:
 
 
 class HostStore:
-    """Values in host memory; a window of ``1 + n_async_layers`` layers on the devices.
+    """Values in host memory; the values of ``1 + n_async_layers`` ops on the devices.
+
+    Values are keyed by flat layer index, or by `Run` (its first layer) for the layers of
+    a run the schedule scans: each value of a run is then a tuple over the group's
+    positions of stacked trees, as `revtrain.trainers.device_store.DeviceStore` keeps
+    them.
 
     Args:
       placement: the trainer's placement (with ``placement.fsdp``, see below).
       train_state: the initial values (host trees, one entry per flat layer).
-      schedule: the trainer's ops; `prepare` looks ahead in it.
-      n_async_layers: how many upcoming layers' weights (and, for backward ops that
-        update, slots) to prefetch.
+      schedule: the trainer's ops; `prepare` looks ahead in it, and the runs its scan ops
+        name are kept stacked.
+      n_async_layers: how many upcoming ops' weights (and, for backward ops that
+        update, slots) to prefetch: layers, or whole runs for scan ops.
       free_accelerators_on_step: after the forward pass and at the end of the step,
         delete every device buffer this store holds; the final activations wait on the
         host for the loss op.
@@ -89,8 +100,9 @@ class HostStore:
     (a copy-back all-gathers the other processes' shards).
 
     Attributes:
-      max_resident_layers: the most layers whose weights were on the devices at once
-        during the last step (current + prefetched + results not yet copied back).
+      max_resident_layers: the most flat layers whose weights were on the devices at
+        once during the last step (current + prefetched + results not yet copied back; a
+        run's op counts all its layers).
     """
 
     def __init__(self, placement: Placement, train_state: TrainState,
@@ -102,6 +114,7 @@ class HostStore:
         self._free = free_accelerators_on_step
         self._resident: dict[int, list] = {}
         self._pending: list[tuple[int, Params]] = []
+        self._runs = {run.start: run for run in runs_of(schedule)}
         self.max_resident_layers = 0
         self.restore(train_state)
 
@@ -110,14 +123,50 @@ class HostStore:
         for _, params in self._pending:  # Not landed (last or failed step): replaced.
             transfers.delete_quietly(params)
         self._pending = []
-        self._weights = [_host_buffers(_host_values(w)) for w in train_state.weights]
-        self._slots = [_host_buffers(_host_values(s)) for s in train_state.slots]
-        self._shardings = [tuple(self._placement.weight_shardings(v)
-                                 for v in values)
-                           for values in zip(self._weights, self._slots, strict=True)]
+        self._weights = [_host_values(w) for w in train_state.weights]
+        self._slots = [_host_values(s) for s in train_state.slots]
+        in_runs = {i for run in self._runs.values() for i in run.layers}
+        for values in (self._weights, self._slots):
+            for i in range(len(values)):
+                if i not in in_runs:
+                    values[i] = _host_buffers(values[i])
+        # Key -> (weights, slots) host buffers: a layer's, or a run's stacked ones, of
+        # which its layers' entries above become views (written in place by a step).
+        self._buffers: dict[int, Params] = {
+            i: Params(self._weights[i], self._slots[i])
+            for i in range(len(self._weights)) if i not in in_runs}
+        for start, run in self._runs.items():
+            self._buffers[start] = Params(*(self._stack(values, run)
+                                            for values in (self._weights, self._slots)))
+        self._shardings = {
+            key: tuple(stacked.stacked_shardings(self._placement, v) if key in self._runs
+                       else self._placement.weight_shardings(v) for v in values)
+            for key, values in self._buffers.items()}
         self._states = [_host_copy(for_n_devices(_host_values(s), self._placement.n_devices))
                         for s in train_state.state]
         self._new_states: list[Any] = [None] * len(self._states)
+
+    @staticmethod
+    def _stack(values: list, run: Run) -> tuple:
+        """Per group position, the stacked host buffers ``[repeats, *leaf]`` of ``run``'s
+        layers' ``values`` (a new C-contiguous array per leaf); ``values[i]`` of each of
+        those layers becomes the view of its entry."""
+        per_position = []
+        for j in range(run.period):
+            members = list(run.members(j))
+            buffers = jax.tree.map(lambda *leaves: np.stack(leaves),
+                                   *[values[i] for i in members])
+            for t, i in enumerate(members):
+                values[i] = jax.tree.map(lambda a, t=t: a[t, ...], buffers)  # Views, 0-d too.
+            per_position.append(buffers)
+        return tuple(per_position)
+
+    def _key(self, i: int | Run) -> int:
+        return i.start if isinstance(i, Run) else i
+
+    def _n_flat(self, key: int) -> int:
+        run = self._runs.get(key)
+        return 1 if run is None else run.stop - run.start
 
     # ----------------------------------------------------------------------------------
     # The prefetch window.
@@ -135,21 +184,23 @@ class HostStore:
             return transfers.put_sharded(a, sharding, owned=False)
         return jax.tree.map(put, host, shardings)
 
-    def _fetch(self, i: int, with_slots: bool) -> list:
-        entry = self._resident.get(i)
+    def _fetch(self, key: int, with_slots: bool) -> list:
+        """The device ``[weights, slots or None]`` of a layer or a run (by its first layer),
+        put now unless resident."""
+        entry = self._resident.get(key)
+        buffers, shardings = self._buffers[key], self._shardings[key]
         if entry is None:
-            entry = self._resident[i] = [self._put(self._weights[i], self._shardings[i][0]),
-                                         None]
+            entry = self._resident[key] = [self._put(buffers.weights, shardings[0]), None]
         if with_slots and entry[1] is None:
-            entry[1] = self._put(self._slots[i], self._shardings[i][1])
+            entry[1] = self._put(buffers.slots, shardings[1])
         return entry
 
     def _resolve_pending(self) -> None:
-        """Lands the new weights and slots in the host buffers. A layer's buffers are
-        written only after its fbo finished (``np.asarray`` waits for it), and no device
-        array sharing them is live then: its fbo took them (donated)."""
-        for i, params in self._pending:
-            _copy_into((self._weights[i], self._slots[i]), tuple(params))
+        """Lands the new weights and slots in the host buffers. A layer's (or run's)
+        buffers are written only after its program finished (``np.asarray`` waits for it),
+        and no device array sharing them is live then: the program took them (donated)."""
+        for key, params in self._pending:
+            _copy_into(tuple(self._buffers[key]), tuple(params))
         self._pending = []
 
     def _free_resident(self) -> None:
@@ -169,34 +220,51 @@ class HostStore:
         for i in [i for i in self._resident if i not in wanted]:
             delete_arrays(self._resident.pop(i))
         for op in window:
-            self._fetch(op.layer, with_slots=op.kind != OpKind.FORWARD and not op.norm_only)
-        self.max_resident_layers = max(self.max_resident_layers, len(self._resident))
+            forward = op.kind in (OpKind.FORWARD, OpKind.SCAN_FORWARD)
+            self._fetch(op.layer, with_slots=not forward and not op.norm_only)
+        self.max_resident_layers = max(self.max_resident_layers,
+                                       sum(map(self._n_flat, self._resident)))
 
     # ----------------------------------------------------------------------------------
     # Values of one op.
 
-    def weights(self, i: int) -> Any:
-        return self._fetch(i, with_slots=False)[0]
+    def weights(self, i: int | Run) -> Any:
+        return self._fetch(self._key(i), with_slots=False)[0]
 
-    def params(self, i: int) -> Params:
-        weights, slots = self._fetch(i, with_slots=True)
+    def params(self, i: int | Run) -> Params:
+        weights, slots = self._fetch(self._key(i), with_slots=True)
         return Params(weights, slots)
 
-    def keep_params(self, i: int, params: Params) -> None:
-        self._resident.pop(i, None)  # Donated: the old buffers are gone.
+    def keep_params(self, i: int | Run, params: Params) -> None:
+        key = self._key(i)
+        self._resident.pop(key, None)  # Donated: the old buffers are gone.
         for leaf in jax.tree.leaves(params):
             leaf.copy_to_host_async()
-        self._pending.append((i, params))
+        self._pending.append((key, params))
 
-    def state(self, i: int) -> Any:
-        return transfers.shard_per_device(self._states[i], self._placement.mesh)
+    def _stacked_states(self, states: list, run: Run) -> tuple:
+        return tuple(stacked.stack_states([states[i] for i in run.members(j)])
+                     for j in range(run.period))
 
-    def new_state(self, i: int) -> Any:
-        return transfers.shard_per_device(self._new_states[i], self._placement.mesh)
+    def state(self, i: int | Run) -> Any:
+        host = (self._stacked_states(self._states, i) if isinstance(i, Run)
+                else self._states[i])
+        return transfers.shard_per_device(host, self._placement.mesh)
 
-    def keep_state(self, i: int, new_state: Any) -> None:
-        self._new_states[i] = transfers.local_rows(new_state)
+    def new_state(self, i: int | Run) -> Any:
+        host = (self._stacked_states(self._new_states, i) if isinstance(i, Run)
+                else self._new_states[i])
+        return transfers.shard_per_device(host, self._placement.mesh)
+
+    def keep_state(self, i: int | Run, new_state: Any) -> None:
+        host = transfers.local_rows(new_state)
         delete_arrays(new_state)
+        if not isinstance(i, Run):
+            self._new_states[i] = host
+            return
+        for j in range(i.period):  # [devices, repeats, ...] -> each layer's [devices, ...]
+            for t, layer in enumerate(i.members(j)):
+                self._new_states[layer] = stacked.entry(host[j], t, axis=1)
 
     def stash(self, stack: Any) -> Any:
         return transfers.local_rows(stack)
@@ -251,6 +319,7 @@ class HostStore:
         weights = [e[0] for e in self._resident.values()] + [p.weights for _, p in
                                                              self._pending]
         slots = [e[1] for e in self._resident.values()] + [p.slots for _, p in self._pending]
-        layers = set(self._resident) | {i for i, _ in self._pending}
+        keys = set(self._resident) | {key for key, _ in self._pending}
         return DeviceFootprint(transfers.device_bytes(weights, device),
-                               transfers.device_bytes(slots, device), len(layers))
+                               transfers.device_bytes(slots, device),
+                               sum(map(self._n_flat, keys)))

@@ -24,17 +24,31 @@ and slots.
 
 Trax's ``trainer.MemoryEfficientTrainer`` is the model for this design.
 
-Every layer runs as its own program (no ``scan_layers``, unlike
-`ReversibleSerialTrainer`): a scanned run's program needs the run's values on the
-accelerator, stacked, for as long as it runs, against this trainer's bound of ``1 +
-n_async_layers`` layers resident. Windows of ``n_async_layers + 1`` layers per program
-would keep the bound but need the host buffers in the stacked layout and a copy-back per
-window that lands before the next window's put; that, or streaming the scanned values from
-JAX's ``pinned_host`` memory kind inside one program, is not built yet. On the CPU backend
-it would not pay either way: "device" memory is host memory, so the window's transfers are
-copies within one RAM, and a program's ``while`` loop holds the calling thread while it
-runs (measured: a 1000-iteration scan's call returns after 9 of its 13 ms), so scanning
-would save host dispatch time only where dispatch dominates.
+By default every layer runs as its own program (99 dispatches per step for a
+``ReversibleTransformerLM`` at depth 16, ``6 * depth + 3`` in general). With
+``scan_window=W`` the runs of equal reversible layers that `ReversibleSerialTrainer` scans
+whole are cut into windows of at most ``W`` repetitions of their group
+(`revtrain.trainers.scan_programs.windows`), each one forward and one reverse-and-fbo
+``lax.scan`` program: the window's weights, slots and states go to the accelerator as a few
+stacked arrays (the host buffers are kept in that layout: `HostStore`), its layers update
+inside the program, and its new values come back as one copy. A window is one op of the
+prefetch window, so ``1 + n_async_layers`` windows' values may be on the accelerator at
+once: ``(1 + n_async_layers) * W`` repetitions of the group (a ``ReversibleTransformerLM``
+layer: its attention and feed-forward half-residuals) instead of ``1 + n_async_layers``
+flat layers. ``n_async_layers=0`` holds one window at a time and prefetches nothing;
+``n_async_layers=1`` overlaps the next window's transfer with the current one's work at
+twice the memory. Most of this trainer's host time per step is the puts of dozens of small
+leaves per layer (weights, Adam's slots, the injected hyperparameters), which a window
+stacks: the host-overhead table of ``docs/benchmarks.md`` (``benchmarks/host_overhead.py``)
+gives the programs and host time per step of both modes.
+
+What it cannot do on the CPU backend: "accelerator" memory is host memory there, so the
+transfers are copies within one RAM and neither mode saves memory traffic, and a scan's
+``while`` loop holds the calling thread while it runs, so the window's program does not
+overlap the host's next put. JAX's ``pinned_host`` memory kind (present on CPU in JAX
+0.10; a scan that reads each layer's weights from it and writes them back runs there) would
+stream a whole run from host memory inside one program instead of windows; that store is
+not built.
 """
 
 from __future__ import annotations
@@ -106,7 +120,8 @@ class MemoryEfficientTrainer(BlockTrainer):
       free_accelerators_on_step: after the forward pass and after the step, delete every
         device buffer this trainer owns (the final activations wait on the host for the
         loss layer). Only buffers the trainer made are deleted, never the caller's.
-      n_async_layers: how many upcoming layers' weights to prefetch.
+      n_async_layers: how many upcoming ops' weights to prefetch (layers, or windows
+        with ``scan_window``).
       n_steps_per_log: log host RSS and accelerator bytes in use at the forward, loss and
         backward phases every this many steps (logger ``revtrain.trainers``, INFO).
       keep_every: keep an exact copy of the stack every this many reversible layers of a
@@ -122,10 +137,18 @@ class MemoryEfficientTrainer(BlockTrainer):
         `BlockTrainer` and `HostStore`).
       placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
+      scan_window: run each run of equal reversible layers (a `ReversibleTransformerLM`'s
+        blocks) as windows of at most this many repetitions of its group, one forward and
+        one reverse-and-fbo scan program each, the window's values moved as stacked
+        arrays (see the module docstring): fewer dispatches and host work per step, and
+        up to ``scan_window`` times the layers' values on the accelerator. A last
+        window of one repetition runs layer by layer. None (the default) runs one
+        program per layer. Results do not change.
 
     Raises:
-      ValueError: for ``n_async_layers < 0`` or ``n_steps_per_log < 1`` (before anything
-        is put on a device), and as `BlockTrainer`.
+      TypeError: for a ``scan_window`` that is not an int.
+      ValueError: for ``n_async_layers < 0``, ``n_steps_per_log < 1`` or ``scan_window <
+        2`` (before anything is put on a device), and as `BlockTrainer`.
     """
 
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
@@ -133,7 +156,7 @@ class MemoryEfficientTrainer(BlockTrainer):
                  n_async_layers: int = 1, n_steps_per_log: int = 100,
                  keep_every: int | None = None, clip_global_norm: float | None = None,
                  mesh: Mesh | None = None, fsdp: bool = False,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, scan_window: int | None = None):
         if n_async_layers < 0:
             raise ValueError(f"n_async_layers={n_async_layers} must be >= 0")
         if n_steps_per_log < 1:
@@ -148,7 +171,9 @@ class MemoryEfficientTrainer(BlockTrainer):
         super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
                          free_accelerators_on_step=free_accelerators_on_step,
                          keep_every=keep_every, clip_global_norm=clip_global_norm,
-                         mesh=mesh, fsdp=fsdp, placement=placement, scan_layers=False)
+                         mesh=mesh, fsdp=fsdp, placement=placement,
+                         scan_layers=scan_window is not None, scan_window=scan_window)
+        self.scan_window = scan_window
         self._memory_log = MemoryLog(self.placement.first_local_device, n_steps_per_log)
         self.observers.append(self._memory_log)
 

@@ -85,6 +85,34 @@ def find_runs(layers: Sequence[Layer], block_sizes: Sequence[int]) -> tuple[Run,
     return tuple(runs)
 
 
+def windows(runs: Sequence[Run], window: int) -> tuple[Run, ...]:
+    """``runs`` cut into runs of at most ``window`` repetitions of their group, in order.
+
+    A store that brings each scanned run's values to the devices whole
+    (`revtrain.trainers.host_store.HostStore`) holds one window at a time instead of the
+    run. A last piece of a single repetition is no run (a scan needs two): its layers run
+    one program each.
+
+    Args:
+      runs: from `find_runs`.
+      window: repetitions per piece, >= 2.
+
+    Raises:
+      ValueError: for ``window < 2``.
+    """
+    if window < 2:
+        raise ValueError(f"window={window} must be >= 2 repetitions (a scan of one "
+                         f"repetition is one program per layer: use no window)")
+    pieces = []
+    for run in runs:
+        for first in range(0, run.repeats, window):
+            repeats = min(window, run.repeats - first)
+            if repeats >= 2:
+                pieces.append(run._replace(start=run.start + first * run.period,
+                                           repeats=repeats))
+    return tuple(pieces)
+
+
 class ScanReverseArgs(NamedTuple):
     """Per-device arguments of a run's reverse scan beside its carry (leading device axis
     on every leaf). The carry, ``(y, ct_y)``, is a separate argument: the run's output stack
@@ -382,4 +410,4 @@ class ScanProgramCache:
                 for k, (_, counted, name, _) in enumerate(self._programs.values())}
 
 
-__all__ = ["ScanProgramCache", "ScanReverseArgs", "find_runs", "make_scan_program"]
+__all__ = ["ScanProgramCache", "ScanReverseArgs", "find_runs", "make_scan_program", "windows"]

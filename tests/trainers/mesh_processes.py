@@ -5,7 +5,9 @@ Run as ``python -m tests.trainers.mesh_processes COORDINATOR PROCESS_ID OUT_DIR`
 ``jax.distributed``). Each process feeds its half of `tests.mesh_models.global_batch`;
 each of `TRAINERS` takes two steps; process 0 writes ``result.json``: per trainer the
 losses, gradient norms, weights and, per collective of every compiled program, the
-processes of each replica group. ``ReversibleSerialTrainer``'s values are
+processes of each replica group; and, as ``WINDOWS``, `MemoryEfficientTrainer` with
+``scan_window=2`` on `tests.mesh_models.transformer` (its two layers one scanned window,
+put from host memory). ``ReversibleSerialTrainer``'s values are
 also saved as a sharded checkpoint in ``OUT_DIR/checkpoint`` (each process writes its
 shards).
 """
@@ -18,6 +20,7 @@ import numpy as np
 
 TRAINERS = ("Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer")
 """The trainers run, and whose programs' HLO is read."""
+WINDOWS = "MemoryEfficientTrainer/scan_window=2/transformer"
 
 
 class _Collectives:
@@ -64,6 +67,12 @@ def main(coordinator: str, process_id: int, out_dir: str) -> None:
             checkpointer.save(2, {part: trainer.saved_values(part)
                                   for part in ("weights", "state", "slots")})
             checkpointer.close()
+    trainer = mesh_models.build("MemoryEfficientTrainer", mesh_models.transformer, mesh=mesh,
+                                scan_window=2)
+    losses, norms, weights = mesh_models.two_steps(trainer, batch)
+    results[WINDOWS] = {"losses": losses, "norms": norms,
+                        "weights": [np.asarray(w).tolist() for w in jax.tree.leaves(weights)],
+                        "programs": sorted(trainer.trace_counts())}
     if process_id == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(results, f)

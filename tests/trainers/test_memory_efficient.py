@@ -128,13 +128,15 @@ def test_deep_model_trains_with_device_memory_near_one_layer():
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("free", [True, False])
-def test_a_step_makes_no_host_copies_of_weights_or_slots(free, batch):
+@pytest.mark.parametrize("free,scan_window", [(True, None), (False, None), (True, 2)])
+def test_a_step_makes_no_host_copies_of_weights_or_slots(free, scan_window, batch):
     # The host buffers are updated in place; on the CPU backend a device array can share
-    # their memory, so a step needs no host (numpy) array of a layer's size at all.
+    # their memory, so a step needs no host (numpy) array of a layer's size at all (a
+    # scanned window's stacked buffers included).
     d = 512  # A layer's buffers (1 MiB) dwarf the step's Python objects (~0.2 MiB).
     met = MemoryEfficientTrainer(*deep_blocks(4, d, batch), adam, n_devices=1,
-                                 free_accelerators_on_step=free)
+                                 free_accelerators_on_step=free, scan_window=scan_window)
+    assert any(name.startswith("scan_") for name in met.trace_counts()) == bool(scan_window)
     dense_bytes = (d * d + d) * 4  # the weights alone of one of its Dense(d) layers
     met.one_step(batch, jax.random.key(0))
     before = met.train_state
@@ -149,3 +151,110 @@ def test_a_step_makes_no_host_copies_of_weights_or_slots(free, batch):
     assert peak < dense_bytes, f"{peak} bytes of host arrays at once in a step"
     changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), met.train_state, before)
     assert all(jax.tree.leaves(changed.weights)), "every layer with weights is updated"
+
+
+# Scanned windows: a run of 5 repetitions (deep_blocks(10): half-residual + swap, period 2)
+# in windows of 2 is two windows and one repetition run layer by layer.
+WINDOW_CASES = {"one_device": (1, {}),
+                "fsdp_kept_clipped": (2, {"fsdp": True, "keep_every": 3,
+                                          "clip_global_norm": 0.5})}
+
+
+def _counted(trainer):
+    seen = []
+
+    class Watch:
+        def on_dispatch(self, label, fn, args):
+            seen.append(label)
+    trainer.observers.append(Watch())
+    return seen
+
+
+def _stepped(trainer, batch, steps=3):
+    out = []
+    for step in range(steps):
+        loss, stats = trainer.one_step(batch, jax.random.key(100 + step),
+                                       learning_rate=3e-3 if step == 1 else None)
+        out.append({k: float(v) for k, v in {**stats, "loss": loss}.items()})
+    return out
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_scan_windows_give_what_one_program_per_layer_gives(case, batch):
+    """Windows of ``scan_window`` repetitions: the per-layer trainer's losses, stats,
+    weights and slots (dropout-free layers, Adam with an injected rate; FSDP shards, kept
+    copies and the norm-only scan in the second case), and those of
+    `ReversibleSerialTrainer` scanning the whole run; fewer programs per step, each
+    compiled once."""
+    n_devices, kwargs = WINDOW_CASES[case]
+    w0 = flat_weights(*deep_blocks(10, 32, batch))
+    made = {}
+    for name, cls, extra in (("windows", MemoryEfficientTrainer, {"scan_window": 2}),
+                             ("per_layer", MemoryEfficientTrainer, {}),
+                             ("scanned", ReversibleSerialTrainer, {})):
+        blocks, loss = deep_blocks(10, 32, batch)
+        tl.Serial(tl.blocks_to_layers(blocks, loss)).weights = w0
+        made[name] = cls(blocks, loss, adam, n_devices=n_devices, **kwargs, **extra)
+    seen = {name: _counted(t) for name, t in made.items()}
+    stats = {name: _stepped(t, batch) for name, t in made.items()}
+    for other in ("per_layer", "scanned"):
+        for got, want in zip(stats["windows"], stats[other], strict=True):
+            assert got.keys() == want.keys()
+            np.testing.assert_allclose([got[k] for k in want], list(want.values()),
+                                       rtol=1e-5, atol=1e-6)
+        assert_trees_close(made["windows"].train_state, made[other].train_state,
+                           rtol=1e-5, atol=1e-6)
+    counts = made["windows"].trace_counts()
+    assert set(counts.values()) == {1}
+    clipped = "clip_global_norm" in kwargs
+    assert {name.split("#")[0] for name in counts if "scan_" in name} == {
+        f"{prefix}scan_{kind}/ReversibleHalfResidualx2x2" for kind in ("forward", "reverse")
+        for prefix in ("", "norm_") if prefix == "" or kind == "reverse" and clipped}
+    # Per layer: 6 forward (swaps dispatch nothing), then the loss and 11 backward ops
+    # (twice with clipping); windows: the 2 windows' scans instead of 8 layers' ops.
+    per_step = {name: len(labels) // 3 for name, labels in seen.items()}
+    assert (per_step["per_layer"], per_step["windows"]) == ((30, 16) if clipped else (18, 10))
+    assert "forward/layers1-4" in seen["windows"] and "backward/layers5-8" in seen["windows"]
+
+
+@pytest.mark.parametrize("n_async_layers", [0, 1])
+def test_scan_windows_bound_what_is_on_the_devices(n_async_layers, batch):
+    """At most ``1 + n_async_layers`` ops' values on the devices, a window counting all
+    its flat layers; nothing between steps; values live in host memory."""
+    met = MemoryEfficientTrainer(*deep_blocks(10, 32, batch), adam, n_devices=1,
+                                 n_async_layers=n_async_layers, scan_window=2)
+    met.one_step(batch, jax.random.key(0))
+    window = 2 * 2  # Repetitions x period, in flat layers.
+    assert met.max_resident_layers == (window if n_async_layers == 0 else 2 * window)
+    assert met.device_footprint() == (0, 0, 0, 0)
+    assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(met.train_state))
+
+
+def test_scan_window_values_restore_exactly_and_keep_one_entry_per_layer(batch):
+    blocks, loss = deep_blocks(10, 32, batch)
+    met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=2, scan_window=2)
+    per_layer = MemoryEfficientTrainer(*deep_blocks(10, 32, batch), adam, n_devices=2)
+    assert jax.tree.structure(met.train_state) == jax.tree.structure(per_layer.train_state)
+    run_steps(met, batch, steps=2)
+    saved = met.train_state
+    untouched = jax.tree.map(np.copy, saved)
+    other = MemoryEfficientTrainer(*deep_blocks(10, 32, batch), adam, n_devices=2,
+                                   scan_window=2)
+    per_layer.restore(saved)
+    other.restore(saved)
+    for a, b in zip(jax.tree.leaves(other.train_state), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(a, b)
+    losses = [float(t.one_step(batch, jax.random.key(9))[0]) for t in (other, met, per_layer)]
+    assert losses[0] == losses[1] == pytest.approx(losses[2], rel=1e-5)
+    # The restored values are the stores' own buffers: stepping writes none of the caller's.
+    assert_trees_close(saved, untouched, rtol=0, atol=0)
+    met.sync_to()
+    assert_trees_close(flat_weights(blocks, loss), met.train_state.weights, 0, 0)
+
+
+@pytest.mark.parametrize("scan_window,error", [(1, ValueError), (0, ValueError),
+                                               (True, TypeError), (2.0, TypeError)])
+def test_scan_window_is_checked_before_anything_is_put(scan_window, error, batch):
+    blocks, loss = deep_blocks(4, 8, batch)
+    with pytest.raises(error, match="scan_window"):
+        MemoryEfficientTrainer(blocks, loss, adam, n_devices=1, scan_window=scan_window)

@@ -62,7 +62,10 @@ def test_every_mesh_trains_what_one_device_trains(one_device, trainer_name, mesh
 
 def test_a_sequence_split_transformer_trains_what_one_device_trains():
     """Ring attention over seq = 2, the weights sharded over fsdp = 2, the two equal
-    layers scanned (one forward and one reverse program for both)."""
+    layers scanned (one forward and one reverse program for both; for
+    `MemoryEfficientTrainer` one window of both, put on the devices from host memory)."""
     reference = _two_steps("Trainer", None, transformer)
     _assert_same(_two_steps("ReversibleSerialTrainer", (1, 2, 2), transformer,
                             scan_layers=True), reference)
+    _assert_same(_two_steps("MemoryEfficientTrainer", (1, 2, 2), transformer,
+                            scan_window=2), reference)

@@ -67,6 +67,18 @@ def test_two_processes_train_what_one_device_trains(run, one_device, trainer_nam
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_two_processes_train_what_one_device_trains_in_scan_windows(run):
+    result = run[1][mesh_processes.WINDOWS]
+    assert any(name.startswith("scan_reverse/") for name in result["programs"])
+    want = mesh_models.two_steps(mesh_models.build("Trainer", mesh_models.transformer,
+                                                   n_devices=1), mesh_models.global_batch())
+    np.testing.assert_allclose(result["losses"], want[0], rtol=1e-5)
+    np.testing.assert_allclose(result["norms"], want[1], rtol=1e-5)
+    for got, expected in zip(result["weights"], jax.tree.leaves(want[2]), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5,
+                                   atol=1e-5)
+
+
 @pytest.mark.parametrize("trainer_name", mesh_processes.TRAINERS)
 def test_weight_collectives_stay_inside_a_process(run, trainer_name):
     collectives = run[1][trainer_name]["collectives"]
