@@ -172,17 +172,11 @@ class HostStore:
     # The prefetch window.
 
     def _put(self, host: Any, shardings: Any) -> Any:
-        """Device arrays of host buffers, one sharding per leaf. A replicated leaf goes
-        through ``device_put``, which on the CPU backend lets the arrays share the buffers'
-        memory, so nothing is copied (the fbos donate them, which frees the arrays and
-        leaves the memory, the store's, untouched); an FSDP-sharded leaf sends each device
-        only its slice (`revtrain.trainers.transfers.put_sharded`), likewise without a
-        further device copy (``owned=False``)."""
-        def put(a, sharding):
-            if sharding.is_fully_replicated:
-                return jax.device_put(a, sharding)
-            return transfers.put_sharded(a, sharding, owned=False)
-        return jax.tree.map(put, host, shardings)
+        """Device arrays of host buffers, one sharding per leaf, in one batched put
+        (`revtrain.trainers.transfers.put_batched`); an FSDP-sharded leaf sends each
+        device only its slice. No owned device copy is made: the programs donate these
+        arrays, which frees them and leaves the host buffers, the store's, untouched."""
+        return transfers.put_batched(host, shardings)
 
     def _fetch(self, key: int, with_slots: bool) -> list:
         """The device ``[weights, slots or None]`` of a layer or a run (by its first layer),
