@@ -48,7 +48,7 @@ from revtrain.trainers.precompile import (
     compile_all,
     timed,
 )
-from revtrain.trainers.programs import ProgramCache
+from revtrain.trainers.programs import LayerStats, ProgramCache
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 from revtrain.trainers.rngs import StepKeys
 from revtrain.trainers.scan_programs import ScanProgramCache, find_runs, windows
@@ -207,6 +207,8 @@ class BlockTrainer(TrainerBase):
             free_transients=free_accelerators_on_step, norm_of_norms=norm_of_norms,
             sqrt_of_sum=sqrt_of_sum)
         self._keys = StepKeys(self.placement, len(self.layers))
+        self._stat_names = tuple(tuple(f"layer{i}/{name}" for name in LayerStats._fields)
+                                 for i in range(len(self.layers)))  # Made once: a hot path.
         self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self.compile_times: CompileTimes | None = None
 
@@ -301,10 +303,9 @@ class BlockTrainer(TrainerBase):
                  "weights_l2": result.weights_l2}
         if lr is not None:
             stats["learning_rate"] = inputs.lr
-        for i, layer_stats in enumerate(result.layer_stats):
+        for names, layer_stats in zip(self._stat_names, result.layer_stats, strict=True):
             if layer_stats is not None:
-                stats.update({f"layer{i}/{name}": value
-                              for name, value in layer_stats._asdict().items()})
+                stats.update(zip(names, layer_stats, strict=True))
         if first:  # One wait, in the first step only, to tell running from compiling.
             jax.block_until_ready(result.loss)
             self.compile_times = self.compile_times._replace(
