@@ -17,3 +17,17 @@ def assert_trees_close(actual: Any, expected: Any, rtol: float = 1e-5, atol: flo
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
             err_msg=f"leaf {jax.tree_util.keystr(path)} differs")
+
+
+def float_stats(stats: Any) -> dict[str, float]:
+    """A step's stats as host floats: a scalar entry under its own name, each entry ``i``
+    of a vector (``layers/gradients_l2``) as ``'name[i]'``, so two steps' stats compare
+    entry by entry."""
+    out = {}
+    for name, value in stats.items():
+        value = np.asarray(value)
+        if value.ndim == 0:
+            out[name] = float(value)
+        else:
+            out.update({f"{name}[{i}]": float(v) for i, v in enumerate(value)})
+    return out

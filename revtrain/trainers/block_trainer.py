@@ -34,11 +34,11 @@ from revtrain.trainers.executor import (
     BlockStep,
     LiveDispatcher,
     StepInputs,
-    global_norm_program,
     run_step,
+    summary_program,
 )
 from revtrain.trainers.placement import Placement
-from revtrain.trainers.plan import build_plan, build_schedule, runs_of
+from revtrain.trainers.plan import build_plan, build_schedule, runs_of, windows
 from revtrain.trainers.precompile import (
     AbstractStore,
     CompileTimes,
@@ -48,10 +48,10 @@ from revtrain.trainers.precompile import (
     compile_all,
     timed,
 )
-from revtrain.trainers.programs import LayerStats, ProgramCache
+from revtrain.trainers.programs import ProgramCache
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
 from revtrain.trainers.rngs import StepKeys
-from revtrain.trainers.scan_programs import ScanProgramCache, find_runs, windows
+from revtrain.trainers.scan_programs import ScanProgramCache, find_runs
 from revtrain.trainers.stores import ParamStore, StoreFactory
 
 
@@ -141,7 +141,7 @@ class BlockTrainer(TrainerBase):
         layer and op (for debugging and comparison). Only for a store factory that
         accepts runs (``make_store`` is given the schedule, whose scan ops name them).
       scan_window: with ``scan_layers``, cut each run into pieces of at most this many
-        repetitions of its group, one program pair each (`scan_programs.windows`), so a
+        repetitions of its group, one program pair each (`revtrain.trainers.plan.windows`), so a
         store that puts a scanned run's values on the devices for its ops holds one
         window's; None scans whole runs.
 
@@ -193,9 +193,9 @@ class BlockTrainer(TrainerBase):
         self._programs = ProgramCache(self.placement, optimizers[0])
         self._scans = ScanProgramCache(self.placement, optimizers[0])
         replicated = self.placement.replicated
-        norm_of_norms, counted = global_norm_program(squared=False)
-        sqrt_of_sum, counted_squared = global_norm_program(squared=True)
-        self._norm_counters = {"global_norm": counted}
+        summarize, counted = summary_program(squared=False)
+        sqrt_of_sum, counted_squared = summary_program(squared=True)
+        self._norm_counters = {"step_summary": counted}
         if clip_global_norm is not None:
             self._norm_counters["global_norm_squared"] = counted_squared
         self._step = BlockStep(
@@ -204,11 +204,9 @@ class BlockTrainer(TrainerBase):
                           for i in range(len(self.layers))),
             max_norm=(None if clip_global_norm is None else
                       jax.device_put(np.float32(clip_global_norm), replicated)),
-            free_transients=free_accelerators_on_step, norm_of_norms=norm_of_norms,
+            free_transients=free_accelerators_on_step, summarize=summarize,
             sqrt_of_sum=sqrt_of_sum)
         self._keys = StepKeys(self.placement, len(self.layers))
-        self._stat_names = tuple(tuple(f"layer{i}/{name}" for name in LayerStats._fields)
-                                 for i in range(len(self.layers)))  # Made once: a hot path.
         self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self.compile_times: CompileTimes | None = None
 
@@ -271,11 +269,13 @@ class BlockTrainer(TrainerBase):
           ``(loss, stats)``: the float32 scalar loss, the weighted mean over the global
           batch (as `Trainer`: independent of the device count); stats ``loss``,
           ``learning_rate``, ``gradients_l2`` (the whole model's global gradient norm,
-          before clipping), ``weights_l2`` (the whole model's, after the update), and
-          for every flat layer ``i`` ``layer{i}/gradients_l2`` (of the layer's global
-          gradient, before clipping) and ``layer{i}/weights_l2``. Device
-          values: nothing is read to the host, and the call returns once the step is
-          dispatched.
+          before clipping), ``weights_l2`` (the whole model's, after the update), and per
+          flat layer ``layers/gradients_l2`` and ``layers/weights_l2``: float32
+          ``[n_layers]`` vectors whose entry ``i`` is flat layer ``i``'s global gradient
+          norm (before clipping) and new weight norm (vectors, as scanned layers' summaries
+          are in flax and MaxText: a step returns the same few arrays at any depth).
+          Device values: nothing is read to the host, and the call returns once the step
+          is dispatched.
 
         Raises:
           ValueError: for a batch not divisible by ``n_devices``, a learning rate the
@@ -303,9 +303,8 @@ class BlockTrainer(TrainerBase):
                  "weights_l2": result.weights_l2}
         if lr is not None:
             stats["learning_rate"] = inputs.lr
-        for names, layer_stats in zip(self._stat_names, result.layer_stats, strict=True):
-            if layer_stats is not None:
-                stats.update(zip(names, layer_stats, strict=True))
+        stats.update({f"layers/{name}": value
+                      for name, value in result.layer_stats._asdict().items()})
         if first:  # One wait, in the first step only, to tell running from compiling.
             jax.block_until_ready(result.loss)
             self.compile_times = self.compile_times._replace(

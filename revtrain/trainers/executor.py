@@ -107,18 +107,19 @@ class BlockStep:
       max_norm: the replicated float32 ``clip_global_norm``, or None (no clipping).
       free_transients: release the batch, stashes, final activations and cotangents at
         the end of the step (``free_accelerators_on_step``).
-      norm_of_norms: ``(per-layer norms) -> sqrt(sum of squares)``, the whole model's
-        norm (of the gradient without clipping, and of the new weights); jitted, one per
-        trainer (`global_norm_program`).
-      sqrt_of_sum: ``(per-layer squared norms) -> sqrt(sum)``, the global gradient norm
-        of the norm-only pass (clipping); likewise.
+      summarize: ``(each op's LayerStats, in flat-layer order) -> (LayerStats of
+        [n_layers] vectors, whole-model gradient norm, whole-model weight norm)``
+        (`summary_program`): one program per step whatever the depth, so the step's
+        results are four arrays, not two per layer.
+      sqrt_of_sum: ``(squared norms: scalars, or a scanned run's vector) -> sqrt(sum)``,
+        the global gradient norm of the norm-only pass (clipping); likewise jitted once.
     """
 
     plan: tuple[PlannedOp, ...]
     indices: tuple[jax.Array, ...]
     max_norm: jax.Array | None
     free_transients: bool
-    norm_of_norms: Callable[[tuple[jax.Array, ...]], jax.Array]
+    summarize: Callable[[tuple[LayerStats, ...]], tuple[LayerStats, jax.Array, jax.Array]]
     sqrt_of_sum: Callable[[tuple[jax.Array, ...]], jax.Array]
 
 
@@ -141,30 +142,36 @@ class StepResult(NamedTuple):
 
     Attributes:
       loss: float32 scalar, the weighted mean loss over the global batch.
-      layer_stats: per flat layer its `LayerStats` (None for a layer not updated).
+      layer_stats: a `LayerStats` of float32 ``[n_layers]`` vectors: entry ``i`` is flat
+        layer ``i``'s gradient norm (before clipping) and new weight norm.
       gradients_l2: float32 scalar, the L2 norm of the whole model's gradient (before
         clipping).
       weights_l2: float32 scalar, the L2 norm of the whole model's new weights.
     """
 
     loss: jax.Array
-    layer_stats: tuple[LayerStats | None, ...]
+    layer_stats: LayerStats
     gradients_l2: jax.Array
     weights_l2: jax.Array
 
 
-def _norm_of_norms(norms: tuple[jax.Array, ...]) -> jax.Array:
-    return jnp.sqrt(jnp.sum(jnp.stack(norms) ** 2))
+def _vector(parts: Sequence[jax.Array]) -> jax.Array:
+    return jnp.concatenate([jnp.reshape(p, (-1,)) for p in parts])
+
+
+def _summarize(pieces: tuple[LayerStats, ...]) -> tuple[LayerStats, jax.Array, jax.Array]:
+    per_layer = LayerStats(*(_vector(parts) for parts in zip(*pieces, strict=True)))
+    return (per_layer, *(jnp.sqrt(jnp.sum(v ** 2)) for v in per_layer))
 
 
 def _sqrt_of_sum(squares: tuple[jax.Array, ...]) -> jax.Array:
-    return jnp.sqrt(jnp.sum(jnp.stack(squares)))
+    return jnp.sqrt(jnp.sum(_vector(squares)))
 
 
-def global_norm_program(squared: bool) -> tuple[Callable, Callable]:
-    """A jitted `BlockStep.sqrt_of_sum` (``squared``) or `BlockStep.norm_of_norms` and its
+def summary_program(squared: bool) -> tuple[Callable, Callable]:
+    """A jitted `BlockStep.sqrt_of_sum` (``squared``) or `BlockStep.summarize` and its
     trace-counted body."""
-    counted = eqx.debug.assert_max_traces(_sqrt_of_sum if squared else _norm_of_norms,
+    counted = eqx.debug.assert_max_traces(_sqrt_of_sum if squared else _summarize,
                                           max_traces=None)
     return jax.jit(counted), counted
 
@@ -213,7 +220,7 @@ def _unshared(carry: Any, held: Any) -> Any:
 
 def _scan_reverse(p: PlannedOp, store: ParamStore, dispatcher: Dispatcher, stack: Any,
                   ct: Any, inputs: StepInputs, shared: Shared, kept: dict[int, Any],
-                  kept_weights: Any, stats: list,
+                  kept_weights: Any, stats: dict[int, LayerStats],
                   squared_norms: list) -> tuple[Any, Any]:
     """A run's reverse scan (every layer updated, or norm-only); returns (stack, ct).
 
@@ -229,14 +236,13 @@ def _scan_reverse(p: PlannedOp, store: ParamStore, dispatcher: Dispatcher, stack
     if op.norm_only:
         x, ct_x, squares = dispatcher.dispatch(op, p.program, carry, args,
                                                store.weights(run), shared)
-        squared_norms.extend(squares)
+        squared_norms.append(squares)
     else:
         held = (_as_items(stack)[n:], _as_items(ct)[n:], kept, kept_weights, copies)
         x, ct_x, new_params, run_stats = dispatcher.dispatch(
             op, p.program, _unshared(carry, held), args, store.params(run), shared)
         store.keep_params(run, new_params)
-        for i, layer_stats in zip(run.layers, run_stats, strict=True):
-            stats[i] = layer_stats
+        stats[run.start] = run_stats
     return outputs_onto_stack(x, stack, n), outputs_onto_stack(ct_x, ct, n)
 
 
@@ -256,7 +262,7 @@ def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
     # share of the global loss; a store may send the stack's arrays away meanwhile).
     has_weights = isinstance(stack, tuple) and len(stack) >= 3
     kept_weights = store.stash(stack[2]) if has_weights else None
-    stats: list[LayerStats | None] = [None] * len(step.indices)
+    stats: dict[int, LayerStats] = {}  # By first flat layer: one layer's, or a run's.
     squared_norms: list[jax.Array] = []
     loss = global_norm = None
     for position, p in enumerate(step.plan):
@@ -325,16 +331,15 @@ def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
             x, ct_x = outs
             stack = outputs_onto_stack(x, stack, layer.n_out)
             ct = outputs_onto_stack(ct_x, ct, layer.n_out)
-    updated = [s for s in stats if s is not None]
+    layer_stats, gradients_norm, weights_norm = dispatcher.call(
+        step.summarize, tuple(stats[i] for i in sorted(stats)))
     if global_norm is None:
-        global_norm = dispatcher.call(step.norm_of_norms,
-                                      tuple(s.gradients_l2 for s in updated))
-    weights_norm = dispatcher.call(step.norm_of_norms, tuple(s.weights_l2 for s in updated))
+        global_norm = gradients_norm
     if step.free_transients:
         dispatcher.release((stack, ct, kept, final, kept_weights))
     store.finish_step()
-    return StepResult(loss, tuple(stats), global_norm, weights_norm)
+    return StepResult(loss, layer_stats, global_norm, weights_norm)
 
 
 __all__ = ["BlockStep", "Dispatcher", "LiveDispatcher", "StepInputs", "StepResult",
-           "global_norm_program", "run_step"]
+           "run_step", "summary_program"]

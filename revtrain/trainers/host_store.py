@@ -8,7 +8,7 @@ put on the devices just before it runs, the next ``n_async_layers`` ops' are pre
 their device buffers released before the next op, and block inputs wait on the host. With
 ``fsdp`` a put sends each device only its shard and a copy-back brings only the shards
 home. An op is one layer's, or a scanned `revtrain.trainers.plan.Run` 's (a window of a
-run: `revtrain.trainers.scan_programs.windows`): its host buffers are kept in the stacked
+run: `revtrain.trainers.plan.windows`): its host buffers are kept in the stacked
 layout (`revtrain.trainers.stacked`: one ``[repeats, ...]`` array per leaf and group
 position), of which each layer's values are views, so the run goes to the devices and
 back as a few arrays and `host_values` still has one entry per flat layer. See

@@ -28,7 +28,7 @@ By default every layer runs as its own program (99 dispatches per step for a
 ``ReversibleTransformerLM`` at depth 16, ``6 * depth + 3`` in general). With
 ``scan_window=W`` the runs of equal reversible layers that `ReversibleSerialTrainer` scans
 whole are cut into windows of at most ``W`` repetitions of their group
-(`revtrain.trainers.scan_programs.windows`), each one forward and one reverse-and-fbo
+(`revtrain.trainers.plan.windows`), each one forward and one reverse-and-fbo
 ``lax.scan`` program: the window's weights, slots and states go to the accelerator as a few
 stacked arrays (the host buffers are kept in that layout: `HostStore`), its layers update
 inside the program, and its new values come back as one copy. A window is one op of the

@@ -83,6 +83,34 @@ class Run(NamedTuple):
         return range(self.start + j, self.stop, self.period)
 
 
+def windows(runs: Sequence[Run], window: int) -> tuple[Run, ...]:
+    """``runs`` cut into runs of at most ``window`` repetitions of their group, in order.
+
+    A store that brings each scanned run's values to the devices whole
+    (`revtrain.trainers.host_store.HostStore`) holds one window at a time instead of the
+    run. A last piece of a single repetition is no run (a scan needs two): its layers run
+    one program each.
+
+    Args:
+      runs: from `revtrain.trainers.scan_programs.find_runs`.
+      window: repetitions per piece, >= 2.
+
+    Raises:
+      ValueError: for ``window < 2``.
+    """
+    if window < 2:
+        raise ValueError(f"window={window} must be >= 2 repetitions (a scan of one "
+                         f"repetition is one program per layer: use no window)")
+    pieces = []
+    for run in runs:
+        for first in range(0, run.repeats, window):
+            repeats = min(window, run.repeats - first)
+            if repeats >= 2:
+                pieces.append(run._replace(start=run.start + first * run.period,
+                                           repeats=repeats))
+    return tuple(pieces)
+
+
 class Op(NamedTuple):
     """One op of a step.
 
@@ -247,4 +275,4 @@ def build_plan(layers: Sequence[Layer], schedule: Sequence[Op],
 
 
 __all__ = ["Op", "OpKind", "PlannedOp", "Run", "build_plan", "build_schedule", "reorders_only",
-           "runs_of"]
+           "runs_of", "windows"]

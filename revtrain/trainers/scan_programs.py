@@ -33,10 +33,12 @@ own shards), so per layer everything is what its own program computes:
 * norm-only (exact global-norm clipping): the reverse scan without updates, giving each
   layer's squared gradient norm.
 
-Outputs per flat layer (stats, squared norms) are separate scalars, in the order the
-per-layer ops would give them. A group whose carry changes type from one repetition to
-the next (checked by abstract evaluation when the program is traced) is run unrolled in
-the same program: the results are the same, only the compile time grows with depth.
+Results per flat layer (stats, squared norms) leave as one vector per kind over the run's
+layers, in the order the per-layer ops would give them, so the number of a program's
+outputs does not grow with depth either. A group whose carry changes type from one
+repetition to the next (checked by abstract evaluation when the program is traced) is run
+unrolled in the same program: the results are the same, only the compile time grows with
+depth.
 """
 
 from __future__ import annotations
@@ -83,34 +85,6 @@ def find_runs(layers: Sequence[Layer], block_sizes: Sequence[int]) -> tuple[Run,
                 runs.append(Run(i + 1 + start, period, repeats, n_in))
         i += 1 + n_rev
     return tuple(runs)
-
-
-def windows(runs: Sequence[Run], window: int) -> tuple[Run, ...]:
-    """``runs`` cut into runs of at most ``window`` repetitions of their group, in order.
-
-    A store that brings each scanned run's values to the devices whole
-    (`revtrain.trainers.host_store.HostStore`) holds one window at a time instead of the
-    run. A last piece of a single repetition is no run (a scan needs two): its layers run
-    one program each.
-
-    Args:
-      runs: from `find_runs`.
-      window: repetitions per piece, >= 2.
-
-    Raises:
-      ValueError: for ``window < 2``.
-    """
-    if window < 2:
-        raise ValueError(f"window={window} must be >= 2 repetitions (a scan of one "
-                         f"repetition is one program per layer: use no window)")
-    pieces = []
-    for run in runs:
-        for first in range(0, run.repeats, window):
-            repeats = min(window, run.repeats - first)
-            if repeats >= 2:
-                pieces.append(run._replace(start=run.start + first * run.period,
-                                           repeats=repeats))
-    return tuple(pieces)
 
 
 class ScanReverseArgs(NamedTuple):
@@ -324,12 +298,13 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
         (x, ct_x, params), outs = _loop(body, (*carry, params), run.repeats, reverse=True)
         x, ct_x = jax.lax.with_sharding_constraint((x, ct_x), placement.per_device)
         if norm_only:  # In the order of the per-layer backward ops: last layer first.
-            return x, ct_x, tuple(outs[j][t] for t in reversed(range(run.repeats))
-                                  for j in reversed(range(run.period)))
+            return x, ct_x, jnp.stack([outs[j][t] for t in reversed(range(run.repeats))
+                                       for j in reversed(range(run.period))])
         new_params = jax.lax.with_sharding_constraint(
             Params(*params), stacked.stacked_shardings(placement, Params(*params)))
-        stats = tuple(LayerStats(outs[j].gradients_l2[t], outs[j].weights_l2[t])
-                      for t in range(run.repeats) for j in range(run.period))
+        stats = LayerStats(*(jnp.stack([getattr(outs[j], name)[t] for t in range(run.repeats)
+                                        for j in range(run.period)])
+                             for name in LayerStats._fields))
         return x, ct_x, new_params, stats
     return scan_reverse
 
@@ -349,10 +324,11 @@ def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
     * ``SCAN_REVERSE`` (``carry`` the run's output items and their cotangents, ``args`` a
       `ScanReverseArgs`, stacked `Params`; ``carry`` and the params donated, so the caller
       must hold no other reference to their buffers): ``(x, ct_x, new stacked params,
-      stats)``, ``stats`` one `LayerStats` per flat layer of the run, in order.
+      stats)``, ``stats`` a `LayerStats` of float32 ``[n]`` vectors over the run's ``n``
+      flat layers, in order (two outputs whatever the run's length).
     * ``SCAN_REVERSE`` with ``norm_only`` (stacked weights; nothing donated, as the
-      updating pass that follows reads the same items): ``(x, ct_x, squared norms)``, one
-      float32 scalar per layer, last layer first.
+      updating pass that follows reads the same items): ``(x, ct_x, squared norms)``, a
+      float32 ``[n]`` vector, last layer first.
 
     Raises:
       ValueError: for another kind.
@@ -410,4 +386,4 @@ class ScanProgramCache:
                 for k, (_, counted, name, _) in enumerate(self._programs.values())}
 
 
-__all__ = ["ScanProgramCache", "ScanReverseArgs", "find_runs", "make_scan_program", "windows"]
+__all__ = ["ScanProgramCache", "ScanReverseArgs", "find_runs", "make_scan_program"]

@@ -20,7 +20,7 @@ from revtrain.trainers import (
 )
 from revtrain.training import optimizer_fn
 from tests.trainers.conftest import LR_OVERRIDE, adam, flat_weights, initialised_blocks
-from tests.tree_utils import assert_trees_close
+from tests.tree_utils import assert_trees_close, float_stats
 
 D_MODEL = 64
 BLOCK_TRAINERS = {"ReversibleSerialTrainer": ReversibleSerialTrainer,
@@ -48,7 +48,7 @@ def _steps(trainer, batch, steps=3, first=0):
         loss, step_stats = trainer.one_step(batch, jax.random.key(100 + step), step=step,
                                             learning_rate=LR_OVERRIDE.get(step))
         losses.append(float(loss))
-        stats.append({k: float(v) for k, v in step_stats.items()})
+        stats.append(float_stats(step_stats))
         counts = trainer.trace_counts() if counts is None else counts
     return losses, stats, trainer.trace_counts() != counts
 
@@ -137,7 +137,7 @@ def test_global_norm_clipping_sees_the_whole_gradient(name, batch):
         plain, sharded = _pair(cls, batch, 4, optimizer, **kwargs)
         losses, stats, _ = _steps(sharded, batch, steps=2, first=2)
         expected, expected_stats, _ = _steps(plain, batch, steps=2, first=2)
-        norms = [v for k, v in expected_stats[0].items() if k.endswith("gradients_l2")]
+        norms = [v for k, v in expected_stats[0].items() if "gradients_l2" in k]
         assert max(norms) > 0.05 * 2  # clipping changes the step
         np.testing.assert_allclose(losses, expected, rtol=1e-5)
         for got, want in zip(stats, expected_stats, strict=True):

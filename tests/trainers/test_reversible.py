@@ -78,10 +78,13 @@ def test_stats_keys(batch):
     trainer = ReversibleSerialTrainer(blocks, loss, adam, n_devices=1)
     _, stats = trainer.one_step(batch, jax.random.key(0))
     n = len(trainer.layers)
-    assert {"loss", "learning_rate"} <= set(stats)
-    for i in range(n):
-        assert f"layer{i}/gradients_l2" in stats and f"layer{i}/weights_l2" in stats
-    assert float(stats[f"layer{n - 1}/gradients_l2"]) > 0
+    assert set(stats) == {"loss", "learning_rate", "gradients_l2", "weights_l2",
+                          "layers/gradients_l2", "layers/weights_l2"}
+    for name in ("gradients_l2", "weights_l2"):  # Entry i: flat layer i; the whole model's
+        per_layer = np.asarray(stats[f"layers/{name}"])  # norm is their norm.
+        assert per_layer.shape == (n,) and per_layer.dtype == np.float32
+        assert float(stats[name]) == pytest.approx(float(np.linalg.norm(per_layer)), rel=1e-5)
+    assert float(stats["layers/gradients_l2"][n - 1]) > 0
     _, plain_stats = Trainer(tl.Serial(trainer.layers), adam, 1).one_step(
         batch, jax.random.key(0))
     assert {"loss", "gradients_l2", "weights_l2", "learning_rate"} <= set(plain_stats)

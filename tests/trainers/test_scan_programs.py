@@ -17,7 +17,7 @@ from tests.trainers.conftest import (
     make_batch,
     signature,
 )
-from tests.tree_utils import assert_trees_close
+from tests.tree_utils import assert_trees_close, float_stats
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -38,7 +38,7 @@ def _steps(trainer, batch, steps=2):
     for step in range(steps):
         loss, stats = trainer.one_step(batch, jax.random.key(7 + step),
                                        learning_rate=3e-3 if step == 1 else None)
-        out.append({k: float(v) for k, v in {**stats, "loss": loss}.items()})
+        out.append(float_stats({**stats, "loss": loss}))
     return out
 
 
