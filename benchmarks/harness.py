@@ -102,6 +102,9 @@ flags.DEFINE_integer("keep_every", None, "block trainers keep an exact copy of t
 flags.DEFINE_boolean("scan_layers", True, "ReversibleSerialTrainer runs each run of equal "
                      "reversible layers as one forward and one reverse-and-fbo scan program "
                      "(--noscan_layers: one program per layer)")
+flags.DEFINE_integer("scan_window", None, "MemoryEfficientTrainer runs each run of equal "
+                     "reversible layers in scanned windows of this many repetitions (default: "
+                     "one program per layer)", lower_bound=2)
 flags.DEFINE_float("timeout", 3600.0, "seconds before a worker process is killed",
                    lower_bound=0.0)
 flags.DEFINE_integer("jobs", 1, "workers run at once; >1 only for quick checks (they share "
@@ -156,7 +159,7 @@ def parse_flags(argv: Sequence[str] | None, steps: int, warmup: int) -> SimpleNa
 def model_config(args: SimpleNamespace) -> dict[str, Any]:
     """The model and run settings shared by every configuration (JSON-serialisable)."""
     names = ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size", "dropout",
-             "steps", "warmup", "seed", "keep_every", "scan_layers")
+             "steps", "warmup", "seed", "keep_every", "scan_layers", "scan_window")
     return {name: getattr(args, name) for name in names} | {
         "mask_bits": int(getattr(args, "mask_bits", 16) or 16),
         "n_devices": args.n_devices, "compilation_cache_dir": args.compilation_cache_dir,
@@ -368,8 +371,10 @@ def build(config: dict[str, Any]) -> tuple[Any, tuple]:
         return ReversibleSerialTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
                                        keep_every=keep_every, **fsdp, **scan), batch
     if kind == "memory_efficient":
+        window = config.get("scan_window")
+        scan = {} if window is None else {"scan_window": window}  # Older: no argument.
         return MemoryEfficientTrainer(blocks, loss, optimizer_fn, n_devices=n_devices,
-                                      keep_every=keep_every, **fsdp), batch
+                                      keep_every=keep_every, **fsdp, **scan), batch
     raise ValueError(f"trainer={kind!r} is not one of {list(TRAINERS)}")
 
 

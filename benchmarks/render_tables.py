@@ -65,14 +65,21 @@ def _rows_by_kind(payload: dict[str, Any]) -> dict[tuple[str, int], dict[str, An
     return report.by_key(payload["results"])
 
 
+def _settings(payload: dict[str, Any]) -> str:
+    """`report.settings_line` of a result set, its mode labels limited to the trainers
+    that ran."""
+    return report.settings_line(payload["config"],
+                                sorted({r["trainer"] for r in payload["results"]}))
+
+
 def _memory_settings(payload: dict[str, Any]) -> str:
-    return f"{report.settings_line(payload['config'])}; method: ledger (`revtrain.memory`)"
+    return f"{_settings(payload)}; method: ledger (`revtrain.memory`)"
 
 
 def _step_settings(payload: dict[str, Any]) -> str:
     c = payload["config"]
     rounds = c.get("rounds", 1)
-    return (f"{report.settings_line(c)}; median of {c['steps']} steps after {c['warmup']} "
+    return (f"{_settings(payload)}; median of {c['steps']} steps after {c['warmup']} "
             f"warm-up step{'s' if c['warmup'] > 1 else ''}"
             f"{f' in each of {rounds} rounds' if rounds > 1 else ''}")
 
@@ -209,9 +216,58 @@ def host_memory() -> str:
         ["trainer", "depth", "peak RSS, tuned (MiB)", "system allocator (MiB)",
          "CPU s/step, tuned", "system allocator"], rows)
     return _with_sources(
-        table, _source("host_memory", tuned, report.settings_line(tuned["config"])),
+        table, _source("host_memory", tuned, _settings(tuned)),
         _source("host_memory_system_allocator/host_memory", system,
-                report.settings_line(system["config"])))
+                _settings(system)))
+
+
+def host_overhead() -> str:
+    """Host time and programs per step of the block trainers on a tiny model, and the
+    dispatch targets."""
+    from benchmarks import host_overhead as overhead
+    payload = load(overhead.NAME)
+    c = payload["config"]
+    settings = (f"ReversibleTransformerLM d_model {c['d_model']}, d_ff {2 * c['d_model']}, "
+                f"2 heads, seq 16, batch 4, dropout 0.1, Adam, one device, a fresh process each, "
+                f"{'with ' + ', '.join(c['malloc_env']) if c.get('malloc_env') else 'system'}"
+                f" allocator; median of {c['steps']} steps after {c['warmup']}")
+    return _with_sources(overhead.table(payload) + "\n\n"
+                         + report.targets_table(payload["targets"]),
+                         _source(overhead.NAME, payload, settings))
+
+
+WINDOWS = "memory_efficient_windows"
+
+
+def memory_efficient_windows() -> str:
+    """`MemoryEfficientTrainer` one program per layer against ``scan_window``: peak device
+    memory at the shallowest and deepest depth, programs per step and step time."""
+    sets = [("memory_vs_depth", "step_time"),
+            (f"{WINDOWS}/memory_vs_depth", f"{WINDOWS}/step_time")]
+    payloads = [(load(mem), load(step)) for mem, step in sets]
+    depths = payloads[1][0]["depths"]
+    lo, hi = min(depths), max(depths)
+    (depth,) = payloads[1][1]["depths"]
+    rows = []
+    for mem, step in payloads:
+        m, t = _rows_by_kind(mem), _rows_by_kind(step)
+        window = mem["config"].get("scan_window")
+        timed = t.get(("memory_efficient", depth), {})
+        rows.append([f"scan_window={window}" if window else "one program per layer",
+                     report.mib(m[("memory_efficient", lo)]["peak_bytes"]),
+                     report.mib(m[("memory_efficient", hi)]["peak_bytes"]),
+                     report.mib(m[("memory_efficient", hi)]["weights_and_slots_bytes"]),
+                     timed.get("n_dispatches_per_step", "—"),
+                     _ratio(timed.get("ratio_to_trainer"))])
+    table = report.markdown_table(
+        ["MemoryEfficientTrainer", f"peak device MiB, depth {lo}", f"depth {hi}",
+         f"of which weights + slots, depth {hi}", f"programs/step, depth {depth}",
+         f"step time vs Trainer, depth {depth}"], rows)
+    return _with_sources(table, *(
+        _source(name, payload, _memory_settings(payload) if name.endswith("memory_vs_depth")
+                else _step_settings(payload))
+        for (mem, step), pair in zip(sets, payloads, strict=True)
+        for name, payload in zip((mem, step), pair, strict=True)))
 
 
 def reconstruction_drift() -> str:
@@ -327,8 +383,8 @@ TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
         summary, memory_by_depth, memory_breakdown, memory_targets, step_time,
         step_time_depths, step_time_system_allocator, step_time_targets, step_time_fsdp,
-        host_memory, reconstruction_drift, sequence_length, ring_attention, ring_balance,
-        sequence_mesh)}
+        host_memory, host_overhead, memory_efficient_windows, reconstruction_drift,
+        sequence_length, ring_attention, ring_balance, sequence_mesh)}
 
 
 # ------------------------------------------------------------------------------------------

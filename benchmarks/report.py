@@ -109,7 +109,14 @@ def plot_by_depth(path: Path, results: Sequence[dict[str, Any]],
     return True
 
 
-def settings_line(config: dict[str, Any]) -> str:
+def settings_line(config: dict[str, Any], trainers: Sequence[str] | None = None) -> str:
+    """The run's settings in one line. ``trainers`` (the kinds that ran; None: unknown)
+    limits the mode labels to the trainers they concern: ``scan_layers`` to
+    `ReversibleSerialTrainer`, ``scan_window`` to `MemoryEfficientTrainer`."""
+    def ran(prefix: str) -> bool:
+        return trainers is None or any(t.startswith(prefix) for t in trainers)
+    scan = config.get("scan_layers") if ran("reversible") else None
+    window = config.get("scan_window") if ran("memory_efficient") else None
     return (f"d_model {config['d_model']}, d_ff {config['d_ff']}, {config['n_heads']} heads, "
             f"seq {config['seq_len']}, batch {config['batch_size']}, vocab "
             f"{config['vocab_size']}, dropout {config['dropout']}, Adam, n_devices "
@@ -120,4 +127,5 @@ def settings_line(config: dict[str, Any]) -> str:
             + f", host allocator {config.get('host_allocator', 'system')}"
             + ({True: ", ReversibleSerialTrainer's runs scanned",
                 False: ", ReversibleSerialTrainer one program per layer (--noscan_layers)"}.get(
-                    config.get("scan_layers"), "")))
+                    scan, ""))
+            + (f", MemoryEfficientTrainer in scanned windows of {window}" if window else ""))

@@ -29,3 +29,14 @@ def test_settings_line_says_whether_the_runs_were_scanned():
         "ReversibleSerialTrainer one program per layer (--noscan_layers)")
     # A result set from before the switch existed says nothing rather than guess.
     assert "ReversibleSerialTrainer" not in report.settings_line(base)
+
+
+def test_settings_line_labels_only_the_modes_of_trainers_that_ran():
+    base = {"d_model": 8, "d_ff": 16, "n_heads": 2, "seq_len": 4, "batch_size": 2,
+            "vocab_size": 16, "dropout": 0.0, "scan_layers": True, "scan_window": 2}
+    both = report.settings_line(base)
+    assert "runs scanned" in both and "windows of 2" in both
+    windows_only = report.settings_line(base, ["memory_efficient", "trainer"])
+    assert "ReversibleSerialTrainer" not in windows_only and "windows of 2" in windows_only
+    scan_only = report.settings_line(base, ["reversible_fsdp"])
+    assert "runs scanned" in scan_only and "windows" not in scan_only
