@@ -74,7 +74,11 @@ PROGRAMS_LIMIT = 8
 def _define_flags() -> None:
     """The flag only this script has, defined when it runs (another benchmark that the
     tests import beside it has a ``--variants`` of its own)."""
-    flags.DEFINE_list("variants", list(VARIANTS), f"any of {', '.join(VARIANTS)}")
+    flags.DEFINE_list("variants", list(VARIANTS), f"any of {', '.join(VARIANTS)}. The script "
+                      f"also reads the shared benchmark flags --depths (here default "
+                      f"{','.join(DEFAULTS['depths'])}), --d_model ({DEFAULTS['d_model']}), "
+                      f"--steps ({DEFAULTS['steps']}), --warmup ({DEFAULTS['warmup']}), "
+                      f"--out_dir and --render_only (--helpfull describes them)")
 
 
 def _wait(trainer, out) -> None:
@@ -242,9 +246,10 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"host_overhead.py does not take --{', --'.join(ignored)}; it "
                              f"takes --{', --'.join(sorted(USED_FLAGS))}")
     unknown = sorted(set(FLAGS.variants) - set(VARIANTS))
-    if unknown:
-        raise app.UsageError(f"--variants={','.join(FLAGS.variants)}: {unknown} are not "
-                             f"variants; use any of {','.join(VARIANTS)}")
+    if unknown or not FLAGS.variants or len(set(FLAGS.variants)) < len(FLAGS.variants):
+        raise app.UsageError(f"--variants={','.join(FLAGS.variants)} must name each "
+                             f"variant at most once, at least one, from "
+                             f"{','.join(VARIANTS)}")
     depths = [int(d) for d in FLAGS.depths or DEFAULTS["depths"]]
     d_model, steps, warmup = (FLAGS[name].value or DEFAULTS[name]
                               for name in ("d_model", "steps", "warmup"))

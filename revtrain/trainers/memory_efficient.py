@@ -141,8 +141,10 @@ class MemoryEfficientTrainer(BlockTrainer):
         blocks) as windows of at most this many repetitions of its group, one forward and
         one reverse-and-fbo scan program each, the window's values moved as stacked
         arrays (see the module docstring): fewer dispatches and host work per step, and
-        up to ``scan_window`` times the layers' values on the accelerator. A last
-        window of one repetition runs layer by layer. None (the default) runs one
+        up to ``(1 + n_async_layers) * scan_window`` repetitions of the group on the
+        accelerator instead of ``1 + n_async_layers`` flat layers (a
+        `ReversibleTransformerLM` repetition is four flat layers, two with weights). A
+        last window of one repetition runs layer by layer. None (the default) runs one
         program per layer. Results do not change.
 
     Raises:

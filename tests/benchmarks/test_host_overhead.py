@@ -61,8 +61,10 @@ def test_the_script_writes_json_and_markdown(tmp_path):
     (row,) = payload["results"]
     assert row["variant"] == "reversible" and row["n_dispatches_per_step"] == 5
     assert "ReversibleSerialTrainer" in (tmp_path / "host_overhead.md").read_text()
-    bad = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--variants=adam",
-                          f"--out_dir={tmp_path / 'bad'}"], cwd=ROOT, env=child_env(),
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "adam" in bad.stderr
-    assert not (tmp_path / "bad").exists()
+    for variants in ("adam", "", "reversible,reversible"):
+        bad = subprocess.run([sys.executable, "benchmarks/host_overhead.py",
+                              f"--variants={variants}", f"--out_dir={tmp_path / 'bad'}"],
+                             cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                             timeout=300)
+        assert bad.returncode != 0 and f"--variants={variants} must name" in bad.stderr
+        assert not (tmp_path / "bad").exists()
