@@ -260,3 +260,16 @@ def test_scan_window_is_checked_before_anything_is_put(scan_window, error, batch
     blocks, loss = deep_blocks(4, 8, batch)
     with pytest.raises(error, match="scan_window"):
         MemoryEfficientTrainer(blocks, loss, adam, n_devices=1, scan_window=scan_window)
+
+
+def test_a_window_with_dropout_trains_what_the_per_layer_trainer_trains(batch):
+    """Dropout inside a scanned window: each layer's mask comes from its own key, so the
+    windowed trainer reconstructs and updates as the per-layer one does (2 devices)."""
+    w0 = flat_weights(*initialised_blocks("one", batch))
+    made = [MemoryEfficientTrainer(*initialised_blocks("one", batch, w0), adam, n_devices=2,
+                                   **extra) for extra in ({"scan_window": 2}, {})]
+    assert any(name.startswith("scan_reverse/") for name in made[0].trace_counts())
+    got, want = (_stepped(t, batch, steps=2) for t in made)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose([a[k] for k in b], list(b.values()), rtol=1e-5, atol=1e-6)
+    assert_trees_close(made[0].train_state, made[1].train_state, rtol=1e-5, atol=1e-6)
