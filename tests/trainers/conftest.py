@@ -5,6 +5,7 @@ import optax
 import pytest
 
 from revtrain import layers as tl
+from tests.tree_utils import float_stats
 
 VOCAB, LENGTH, D = 16, 6, 8
 
@@ -99,6 +100,18 @@ def run_steps(trainer, batch, steps=STEPS):
         assert float(stats["loss"]) == pytest.approx(float(loss))
         losses.append(float(loss))
     return losses
+
+
+def stepped_stats(trainer, batch, steps=STEPS, first_key=100):
+    """Runs ``steps`` steps (keys ``first_key + step``, a learning-rate override on step
+    1); returns each step's stats and loss as host floats (`tests.tree_utils.float_stats`),
+    for comparing two trainers entry by entry."""
+    out = []
+    for step in range(steps):
+        loss, stats = trainer.one_step(batch, jax.random.key(first_key + step), step=step,
+                                       learning_rate=LR_OVERRIDE.get(step))
+        out.append(float_stats({**stats, "loss": loss}))
+    return out
 
 
 def gradient_recorder():

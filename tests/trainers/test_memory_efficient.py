@@ -17,8 +17,9 @@ from tests.trainers.conftest import (
     initialised_blocks,
     make_batch,
     run_steps,
+    stepped_stats,
 )
-from tests.tree_utils import assert_trees_close, float_stats
+from tests.tree_utils import assert_trees_close
 
 
 def _weight_buffers(trainer):
@@ -172,15 +173,6 @@ def _counted(trainer):
     return seen
 
 
-def _stepped(trainer, batch, steps=3):
-    out = []
-    for step in range(steps):
-        loss, stats = trainer.one_step(batch, jax.random.key(100 + step),
-                                       learning_rate=3e-3 if step == 1 else None)
-        out.append(float_stats({**stats, "loss": loss}))
-    return out
-
-
 @pytest.mark.parametrize("case", list(WINDOW_CASES))
 def test_scan_windows_give_what_one_program_per_layer_gives(case, batch):
     """Windows of ``scan_window`` repetitions: the per-layer trainer's losses, stats,
@@ -198,7 +190,7 @@ def test_scan_windows_give_what_one_program_per_layer_gives(case, batch):
         tl.Serial(tl.blocks_to_layers(blocks, loss)).weights = w0
         made[name] = cls(blocks, loss, adam, n_devices=n_devices, **kwargs, **extra)
     seen = {name: _counted(t) for name, t in made.items()}
-    stats = {name: _stepped(t, batch) for name, t in made.items()}
+    stats = {name: stepped_stats(t, batch, steps=3) for name, t in made.items()}
     for other in ("per_layer", "scanned"):
         for got, want in zip(stats["windows"], stats[other], strict=True):
             assert got.keys() == want.keys()
@@ -269,7 +261,7 @@ def test_a_window_with_dropout_trains_what_the_per_layer_trainer_trains(batch):
     made = [MemoryEfficientTrainer(*initialised_blocks("one", batch, w0), adam, n_devices=2,
                                    **extra) for extra in ({"scan_window": 2}, {})]
     assert any(name.startswith("scan_reverse/") for name in made[0].trace_counts())
-    got, want = (_stepped(t, batch, steps=2) for t in made)
+    got, want = (stepped_stats(t, batch, steps=2) for t in made)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose([a[k] for k in b], list(b.values()), rtol=1e-5, atol=1e-6)
     assert_trees_close(made[0].train_state, made[1].train_state, rtol=1e-5, atol=1e-6)

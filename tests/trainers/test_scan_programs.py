@@ -16,8 +16,9 @@ from tests.trainers.conftest import (
     initialised_blocks,
     make_batch,
     signature,
+    stepped_stats,
 )
-from tests.tree_utils import assert_trees_close, float_stats
+from tests.tree_utils import assert_trees_close
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -31,15 +32,6 @@ def _pair(batch, n_devices, d_model=D, **kwargs):
     return [ReversibleSerialTrainer(*initialised_blocks("one", batch, w0, d_model=d_model),
                                     adam, n_devices=n_devices, scan_layers=scan, **kwargs)
             for scan in (True, False)]
-
-
-def _steps(trainer, batch, steps=2):
-    out = []
-    for step in range(steps):
-        loss, stats = trainer.one_step(batch, jax.random.key(7 + step),
-                                       learning_rate=3e-3 if step == 1 else None)
-        out.append(float_stats({**stats, "loss": loss}))
-    return out
 
 
 CASES = {"one_device": (1, {}),
@@ -56,7 +48,8 @@ def stepped():
         if case not in done:
             n_devices, kwargs = CASES[case]
             pair = _pair(make_batch(), n_devices, **kwargs)
-            done[case] = (*pair, *(_steps(t, make_batch()) for t in pair))
+            done[case] = (*pair, *(stepped_stats(t, make_batch(), steps=2, first_key=7)
+                                   for t in pair))
         return done[case]
     return get
 
