@@ -43,12 +43,12 @@ stacks: the host-overhead table of ``docs/benchmarks.md`` (``benchmarks/host_ove
 gives the programs and host time per step of both modes.
 
 What it cannot do on the CPU backend: "accelerator" memory is host memory there, so the
-transfers are copies within one RAM and neither mode saves memory traffic, and a scan's
-``while`` loop holds the calling thread while it runs, so the window's program does not
-overlap the host's next put. JAX's ``pinned_host`` memory kind (present on CPU in JAX
-0.10; a scan that reads each layer's weights from it and writes them back runs there) would
-stream a whole run from host memory inside one program instead of windows; that store is
-not built.
+transfers are copies within one RAM and neither mode saves memory traffic, and the CPU
+runtime starts running a program on the calling thread (a scan of small layers runs there
+in good part), so a window's program overlaps the host's next put only in part. JAX's
+``pinned_host`` memory kind (present on CPU in JAX 0.10; a scan that reads each layer's
+weights from it and writes them back runs there) would stream a whole run from host memory
+inside one program instead of windows; that store is not built.
 """
 
 from __future__ import annotations

@@ -101,15 +101,21 @@ def shard_per_device(tree: Any, mesh: Mesh) -> Any:
 
 
 def local_rows(tree: Any) -> Any:
-    """Host copy of this process's rows ``[n_devices, ...]`` of per-device values."""
-    def rows(a):
-        if not isinstance(a, jax.Array):
-            return np.asarray(a)
-        if a.is_fully_addressable:
-            return _host(a)
-        shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return np.concatenate([_host(s.data) for s in shards])
-    return jax.tree.map(rows, tree)
+    """Host copy of this process's rows ``[n_devices, ...]`` of per-device values.
+
+    The fully addressable leaves are read in one ``jax.device_get`` (their copies start
+    together, and the host pays one call, not one per leaf)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    whole = [k for k, a in enumerate(leaves)
+             if isinstance(a, jax.Array) and a.is_fully_addressable]
+    out = [np.asarray(a) if not isinstance(a, jax.Array) else None for a in leaves]
+    for k, value in zip(whole, jax.device_get([leaves[k] for k in whole]), strict=True):
+        out[k] = np.asarray(value)
+    for k, a in enumerate(leaves):
+        if out[k] is None:  # Spans other processes: this process's shards, in row order.
+            shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
+            out[k] = np.concatenate([_host(s.data) for s in shards])
+    return treedef.unflatten(out)
 
 
 def on_cpu(tree: Any) -> Any:
@@ -131,7 +137,7 @@ def on_accelerator(tree: Any, device: jax.Device | int | None = None) -> Any:
             raise ValueError(f"device index {device} does not exist: this process has "
                              f"{len(devices)} devices (0..{len(devices) - 1})")
         device = devices[device]
-    return jax.tree.map(lambda a: jax.device_put(a, device), tree)
+    return jax.device_put(tree, device)
 
 
 def first_device_slice(tree: Any) -> Any:
