@@ -205,7 +205,7 @@ def worker_env(n_devices: int = 1) -> dict[str, str]:
     if n_devices > 1:  # CPU: that many host devices (no effect on GPU/TPU devices).
         # Forced host devices run their collectives as threads that meet at a rendezvous;
         # on a small, busy machine a device's thread can arrive late behind a long
-        # program (the trainers bound how many wait, `revtrain.trainers.inflight`), and
+        # program (the trainers bound how many wait, `revtrain.parallel.inflight`), and
         # XLA aborts the process after 40 s by default.
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                             f" --xla_force_host_platform_device_count={n_devices}"

@@ -8,9 +8,9 @@ Usage (from the repository root, after ``pip install -e '.[bench]'``)::
 For random float32 ``q, k, v`` ``[batch, length, heads, d_head]`` (default 1 x 16,384 x 4 x
 32, the long-context model's attention) and a random output cotangent, it runs
 
-* `revtrain.layers.ring_attention` inside ``shard_map`` over ``--n_shards`` devices (the
+* `revtrain.layers.attention.ring` inside ``shard_map`` over ``--n_shards`` devices (the
   inputs in the striped layout of `revtrain.layers.sequence_layout`), and
-* `revtrain.layers.blockwise_attention` on one device,
+* `revtrain.layers.attention.blockwise` on one device,
 
 each as one jitted forward + backward program (output and the gradients of ``q, k, v``),
 with the same ``--block_size``. It reports the largest absolute difference of the output
@@ -97,7 +97,8 @@ def _programs(n_shards: int, block_size: int):
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from revtrain.layers import blockwise_attention, ring_attention
+    from revtrain.layers.attention.causal import blockwise as blockwise_attention
+    from revtrain.layers.attention.causal import ring as ring_attention
 
     def fwd_bwd(attention):
         def run(q, k, v, ct):

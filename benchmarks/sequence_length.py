@@ -188,8 +188,8 @@ def build(config: dict[str, Any]):
 
     from revtrain import layers as tl
     from revtrain.models import ReversibleTransformerLM
+    from revtrain.parallel.mesh import mesh_from_shape
     from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
-    from revtrain.trainers.mesh import mesh_from_shape
 
     variant = config["variant"]
     implementation = {"full": "xla", "default": None}.get(variant, "blockwise")

@@ -2,8 +2,12 @@
 
 from revtrain.layers import sequence_parallel
 from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh
-from revtrain.layers.attention import CausalAttention
-from revtrain.layers.attention_ops import dot_product_attention, einsum_attention
+from revtrain.layers.attention.blockwise import blockwise_attention
+from revtrain.layers.attention.causal import CausalAttention
+from revtrain.layers.attention.dense import dot_product_attention, einsum_attention
+from revtrain.layers.attention.lsh import LSHCausalAttention
+from revtrain.layers.attention.ring import ring_attention
+from revtrain.layers.attention.rotary import rotary_embedding
 from revtrain.layers.blocks import (
     Block,
     blocks_to_layers,
@@ -12,7 +16,6 @@ from revtrain.layers.blocks import (
     nest_flat_values,
     reconstruction_error,
 )
-from revtrain.layers.blockwise_attention import blockwise_attention
 from revtrain.layers.chunk import Chunk
 from revtrain.layers.combinators import (
     Add,
@@ -41,7 +44,6 @@ from revtrain.layers.core import (
 from revtrain.layers.fn import Fn, PureLayer
 from revtrain.layers.fused_head import FusedSerial, fuse_loss_heads
 from revtrain.layers.layer import EMPTY, Layer
-from revtrain.layers.lsh_attention import LSHCausalAttention
 from revtrain.layers.metrics import (
     Accuracy,
     CrossEntropyLoss,
@@ -60,8 +62,6 @@ from revtrain.layers.reversible import (
     ReversibleSerial,
     ReversibleSwap,
 )
-from revtrain.layers.ring_attention import ring_attention
-from revtrain.layers.rotary import rotary_embedding
 from revtrain.layers.sequence_parallel import (
     SEQ_AXIS,
     SequenceSharding,

@@ -24,7 +24,7 @@ The contract between a trainer and the layers:
    depend on positions use this shard's global positions (`SequenceSharding.
    local_positions`): `PositionalEncoding` adds the table's rows at those positions and
    rotary attention rotates by them. `CausalAttention` (every ``implementation``) runs
-   ring attention over ``axis_name`` (`revtrain.layers.ring_attention`). Layers that mix
+   ring attention over ``axis_name`` (`revtrain.layers.attention.ring`). Layers that mix
    positions in a way a shard cannot compute alone raise a one-line ``ValueError`` naming
    the layer and the fix (`check_not_split`): `LSHCausalAttention`, incremental decoding
    (``mode='predict'`` caches), `ShiftRight`, `Conv`, the pools, `BatchNorm` over the

@@ -37,7 +37,7 @@ from revtrain.layers import (
     ReversibleSwap,
     Serial,
 )
-from revtrain.layers.attention import CausalAttention
+from revtrain.layers.attention.causal import CausalAttention
 from revtrain.layers.chunk import Chunk, check_chunk_size
 from revtrain.layers.core import sinusoidal_encoding
 from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, MASK_BITS, is_mask_bits

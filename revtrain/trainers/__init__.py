@@ -1,10 +1,15 @@
-"""revtrain.trainers: three trainers with one `one_step` API, and their shared helpers.
+"""revtrain.trainers: three trainers with one `one_step` API.
 
-A block trainer's step is a value: `plan` (its ops, each with its compiled program),
-`executor` (the one function that runs it against a store) and `programs` (what each
-program computes; a scanned `Run` of equal layers is one program each way:
-`scan_programs`). Where values live is a `Placement` (the mesh and what is sharded over
-which axis) and a `ParamStore` (`DeviceStore`, `HostStore`, or your own).
+- `trainer`: `Trainer`, plain data-parallel training of the whole model;
+- `reversible`, `memory_efficient`: `ReversibleSerialTrainer` and `MemoryEfficientTrainer`,
+  two configurations of the block trainer (`revtrain.trainers.block`), whose step is a plan
+  of ops run against a store of values;
+- `base`, `protocols`, `structure`, `updates`, `global_loss`: what the three share (the
+  contract, the optimizer update, the loss over the global batch).
+
+Where values live and how they move (mesh, `Placement`, batches, rngs, collectives,
+transfers) is `revtrain.parallel`, one floor below; its helpers are re-exported here, at
+the import paths the trainers have always had.
 """
 
 from revtrain.layers.blocks import (
@@ -12,14 +17,32 @@ from revtrain.layers.blocks import (
     extract_reversible_blocks,
     init_reversible_blocks,
 )
-from revtrain.trainers.batches import for_n_devices, reshape_by_device
-from revtrain.trainers.block_trainer import BlockTrainer
-from revtrain.trainers.device_store import DeviceStore
-from revtrain.trainers.host_store import HostStore
+from revtrain.parallel import (
+    Placement,
+    for_n_devices,
+    on_accelerator,
+    on_cpu,
+    per_device_rngs,
+    replicate,
+    reshape_by_device,
+    unreplicate,
+)
+from revtrain.trainers.block import (
+    BlockTrainer,
+    CompileTimes,
+    DeviceStore,
+    HeldValues,
+    HostStore,
+    Op,
+    OpKind,
+    ParamStore,
+    Run,
+    StepValues,
+    StoreFactory,
+    build_schedule,
+    find_runs,
+)
 from revtrain.trainers.memory_efficient import MemoryEfficientTrainer, MemoryLog
-from revtrain.trainers.placement import Placement
-from revtrain.trainers.plan import Op, OpKind, Run, build_schedule
-from revtrain.trainers.precompile import CompileTimes
 from revtrain.trainers.protocols import (
     DeviceFootprint,
     Observer,
@@ -28,11 +51,7 @@ from revtrain.trainers.protocols import (
 )
 from revtrain.trainers.protocols import Trainer as TrainerProtocol
 from revtrain.trainers.reversible import ReversibleSerialTrainer
-from revtrain.trainers.rngs import per_device_rngs
-from revtrain.trainers.scan_programs import find_runs
-from revtrain.trainers.stores import HeldValues, ParamStore, StepValues, StoreFactory
 from revtrain.trainers.trainer import Trainer
-from revtrain.trainers.transfers import on_accelerator, on_cpu, replicate, unreplicate
 
 __all__ = [
     "Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer", "BlockTrainer",

@@ -17,9 +17,9 @@ import optax
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
-from revtrain.trainers import transfers
-from revtrain.trainers.inflight import InflightLimit
-from revtrain.trainers.placement import Placement
+from revtrain.parallel import transfers
+from revtrain.parallel.inflight import InflightLimit
+from revtrain.parallel.placement import Placement
 from revtrain.trainers.protocols import DeviceFootprint, Observer, TrainState
 from revtrain.trainers.structure import check_same_structure, lists_as_tuples
 from revtrain.trainers.updates import has_injectable_learning_rate, learning_rate_of
@@ -45,7 +45,7 @@ class TrainerBase:
     (after structure checks), and layer objects change only through `sync_to`.
 
     Attributes:
-      placement: the mesh and the layout of the values (`revtrain.trainers.placement`).
+      placement: the mesh and the layout of the values (`revtrain.parallel.placement`).
       learning_rate: the current injectable learning rate (float), or None when the
         optimizer has none.
       observers: `revtrain.trainers.protocols.Observer` objects told of every dispatch of

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from revtrain.layers.base import Layer
-from revtrain.trainers.placement import BATCH_AXIS
+from revtrain.parallel.placement import BATCH_AXIS
 
 
 def check_scalar_loss(layer: Layer, loss: Any) -> None:
@@ -33,9 +33,9 @@ def loss_share(weight_total: jax.Array,
 
     Args:
       weight_total: float32 scalar, the total of this device's batch weights (from
-        `revtrain.trainers.batches.device_weight_total`).
+        `revtrain.parallel.batches.device_weight_total`).
       axes: the mesh axes the sums run over: every axis that splits the batch's rows or
-        positions (`revtrain.trainers.placement.Placement.device_axes`).
+        positions (`revtrain.parallel.placement.Placement.device_axes`).
 
     Returns:
       float32 scalar; ``share * L_d`` summed over devices is the loss over the global batch.

@@ -28,7 +28,7 @@ By default every layer runs as its own program (99 dispatches per step for a
 ``ReversibleTransformerLM`` at depth 16, ``6 * depth + 3`` in general). With
 ``scan_window=W`` the runs of equal reversible layers that `ReversibleSerialTrainer` scans
 whole are cut into windows of at most ``W`` repetitions of their group
-(`revtrain.trainers.plan.windows`), each one forward and one reverse-and-fbo
+(`revtrain.trainers.block.plan.windows`), each one forward and one reverse-and-fbo
 ``lax.scan`` program: the window's weights, slots and states go to the accelerator as a few
 stacked arrays (the host buffers are kept in that layout: `HostStore`), its layers update
 inside the program, and its new values come back as one copy. A window is one op of the
@@ -62,10 +62,10 @@ from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
 from revtrain.layers.blocks import Block
+from revtrain.parallel.placement import Placement
 from revtrain.trainers.base import OptimizerFn
-from revtrain.trainers.block_trainer import BlockTrainer
-from revtrain.trainers.host_store import HostStore
-from revtrain.trainers.placement import Placement
+from revtrain.trainers.block.host_store import HostStore
+from revtrain.trainers.block.trainer import BlockTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class MemoryEfficientTrainer(BlockTrainer):
         ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer`).
       fsdp: move weights and slots to the devices as shards (FSDP / ZeRO-3; see
         `BlockTrainer` and `HostStore`).
-      placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
+      placement: a `revtrain.parallel.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
       scan_window: run each run of equal reversible layers (a `ReversibleTransformerLM`'s
         blocks) as windows of at most this many repetitions of its group, one forward and

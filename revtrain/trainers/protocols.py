@@ -5,8 +5,8 @@ A trainer *owns* its training values, a `TrainState`; layer objects are updated 
 request (`TrainerBase.sync_to`, in the spirit of flax NNX ``update``). *Where* the values
 of a block trainer live during a step -- on the devices (replicated or FSDP-sharded), or
 in host memory with a prefetch window -- is a `ParamStore`; the trainer's step is a plan
-built once (`revtrain.trainers.plan`) that one executor runs
-(`revtrain.trainers.executor.run_step`), asking the store for values and giving the new
+built once (`revtrain.trainers.block.plan`) that one executor runs
+(`revtrain.trainers.block.executor.run_step`), asking the store for values and giving the new
 ones back. Observers watch dispatches and phases (benchmarks, the memory ledger) without
 reading a trainer's private attributes. `Trainer` is what the training loop needs of any
 trainer (`revtrain.training.loop.Loop` is typed against it).

@@ -13,11 +13,11 @@ from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
 from revtrain.layers.blocks import Block
+from revtrain.parallel.placement import Placement
 from revtrain.trainers.base import OptimizerFn
-from revtrain.trainers.block_trainer import BlockTrainer
-from revtrain.trainers.device_store import DeviceStore
-from revtrain.trainers.placement import Placement
-from revtrain.trainers.plan import runs_of
+from revtrain.trainers.block.device_store import DeviceStore
+from revtrain.trainers.block.plan import runs_of
+from revtrain.trainers.block.trainer import BlockTrainer
 
 
 class ReversibleSerialTrainer(BlockTrainer):
@@ -46,7 +46,7 @@ class ReversibleSerialTrainer(BlockTrainer):
         ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer`).
       fsdp: keep weights and slots sharded over the mesh (FSDP / ZeRO-3; see
         `BlockTrainer`): per-device weight and slot bytes drop to about ``1 / n_devices``.
-      placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
+      placement: a `revtrain.parallel.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
       scan_layers: run each run of equal reversible layers (a `ReversibleTransformerLM`'s
         blocks) as one forward and one reverse-and-fbo ``lax.scan`` program, its weights,
@@ -57,7 +57,7 @@ class ReversibleSerialTrainer(BlockTrainer):
         the same either way, and the activation part of the memory stays flat in depth
         (the scan's temporaries are one layer's; per flat layer only its scalar results
         and key remain, about 120 bytes: `tests/benchmarks/test_memory_regression.py`).
-        See `revtrain.trainers.scan_programs`.
+        See `revtrain.trainers.block.scan_programs`.
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.

@@ -12,14 +12,14 @@ from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
 from revtrain.layers.fused_head import fuse_loss_heads
-from revtrain.trainers import transfers
+from revtrain.parallel import transfers
+from revtrain.parallel.batches import device_weight_total, for_n_devices
+from revtrain.parallel.collectives import REP, gather_weights, reduce_gradients
+from revtrain.parallel.placement import Placement
+from revtrain.parallel.rngs import StepKeys
 from revtrain.trainers.base import OptimizerFn, TrainerBase
-from revtrain.trainers.batches import device_weight_total, for_n_devices
-from revtrain.trainers.fsdp import REP, gather_weights, reduce_gradients
 from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.placement import Placement
 from revtrain.trainers.protocols import DeviceFootprint, TrainState
-from revtrain.trainers.rngs import StepKeys
 from revtrain.trainers.updates import apply_optimizer
 
 
@@ -36,7 +36,7 @@ class Trainer(TrainerBase):
 
     FSDP (``fsdp=True``, ZeRO-3 layout): weights and optimizer slots are stored sharded
     over the ``batch`` axis, each leaf along its largest dimension the axis size divides
-    (`revtrain.trainers.placement.fsdp_spec`: leaves under 1024 elements or with no such
+    (`revtrain.parallel.placement.fsdp_spec`: leaves under 1024 elements or with no such
     dimension stay replicated). Inside the step each device all-gathers the sharded
     weights (``lax.all_gather(tiled=True)``), computes its gradient of the full weights,
     and the per-device gradients are summed *and* scattered in one reduce-scatter
@@ -71,10 +71,10 @@ class Trainer(TrainerBase):
         a named mesh of axes among ``data``, ``fsdp``, ``seq`` (e.g.
         ``jax.make_mesh((2, 2, 1), ('data', 'fsdp', 'seq'))``: rows over ``data x fsdp``,
         weights and slots over ``fsdp``, the length over ``seq``) or a one-axis mesh of
-        another name (the batch axis); see `revtrain.trainers.mesh`.
+        another name (the batch axis); see `revtrain.parallel.mesh`.
       fsdp: shard weights and optimizer slots over the mesh (see above; on a named mesh
         its ``fsdp`` axis decides).
-      placement: a `revtrain.trainers.placement.Placement` instead of ``n_devices``,
+      placement: a `revtrain.parallel.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
 
     Raises:

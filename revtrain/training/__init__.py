@@ -7,15 +7,15 @@ from revtrain.training.builder import (
     build_model,
     build_trainer,
 )
-from revtrain.training.checkpoint_trees import (
-    CheckpointMismatchError,
-    flatten_tree,
-    unflatten_tree,
-)
-from revtrain.training.checkpointer import (
+from revtrain.training.checkpoints.checkpointer import (
     Checkpointer,
     CheckpointSaveError,
     CheckpointUnreadableError,
+)
+from revtrain.training.checkpoints.trees import (
+    CheckpointMismatchError,
+    flatten_tree,
+    unflatten_tree,
 )
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.decoding import CachedDecoder, Decoder, decode_text

@@ -28,7 +28,7 @@ from revtrain.layers import (
     signature_of,
 )
 from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
-from revtrain.training.checkpointer import Checkpointer
+from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.evaluation import Evaluator
 from revtrain.training.loop import Loop

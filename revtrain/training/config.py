@@ -29,8 +29,8 @@ from jax.sharding import Mesh
 
 from revtrain.data.inputs import Inputs
 from revtrain.layers import Layer
+from revtrain.parallel.mesh import check_mesh_shape, mesh_from_shape
 from revtrain.trainers import Trainer
-from revtrain.trainers.mesh import check_mesh_shape, mesh_from_shape
 from revtrain.training.optimizers import optimizer_fn
 from revtrain.training.validation import check_arguments
 
@@ -79,7 +79,7 @@ class RunConfig:
         'fsdp': 2}`` (axes ``data``, ``fsdp``, ``seq``; a missing one is 1): rows of the
         batch over ``data x fsdp``, weights and slots over ``fsdp`` (replicated over
         ``data``), the length axis over ``seq``
-        (`revtrain.trainers.mesh.mesh_from_shape`: the first ``n_devices`` devices of
+        (`revtrain.parallel.mesh.mesh_from_shape`: the first ``n_devices`` devices of
         every process, ordered by process, ``seq`` then ``fsdp`` fastest, so ``{'data':
         processes, 'fsdp': devices per process}`` keeps each ``fsdp`` group in one
         process). The sizes must multiply to the run's devices. Evaluation splits rows

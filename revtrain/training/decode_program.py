@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import jax
 
 from revtrain.training.builder import build_model, resolve_inputs
-from revtrain.training.checkpointer import Checkpointer
+from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.config import RunConfig
 from revtrain.training.decoding import (
     DEFAULT_NEW_BYTES,

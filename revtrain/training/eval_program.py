@@ -26,12 +26,12 @@ from revtrain.training.builder import (
     eval_splits,
     resolve_inputs,
 )
-from revtrain.training.checkpoint_trees import CheckpointMismatchError
-from revtrain.training.checkpointer import (
+from revtrain.training.checkpoints.checkpointer import (
     Checkpointer,
     CheckpointUnreadableError,
     short_reason,
 )
+from revtrain.training.checkpoints.trees import CheckpointMismatchError
 from revtrain.training.config import EvalConfig, RunConfig
 from revtrain.training.evaluation import eval_batches
 from revtrain.training.metrics_writer import MetricsWriter, read_metrics

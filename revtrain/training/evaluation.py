@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain.batch_checks import check_divisible
 from revtrain.data.inputs import Batch, Inputs
 from revtrain.layers.base import Layer
-from revtrain.trainers.placement import BATCH_AXIS, resolve_n_devices
+from revtrain.parallel.placement import BATCH_AXIS, resolve_n_devices
 
 
 def bits_per_byte(loss_nats: float) -> float:

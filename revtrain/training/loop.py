@@ -45,13 +45,13 @@ import tqdm
 from revtrain.data.inputs import Inputs
 from revtrain.trainers.protocols import Trainer as TrainerProtocol
 from revtrain.training.barriers import barrier
-from revtrain.training.checkpointer import Checkpointer
+from revtrain.training.checkpoints.checkpointer import Checkpointer
+from revtrain.training.checkpoints.resume import checkpoint_tree, restore_template, resume
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig
 from revtrain.training.evaluation import Evaluator, eval_batches
 from revtrain.training.interrupts import StopOnSignals
 from revtrain.training.loop_metrics import BarWithLogging, Window, fmt, model_summary, tokens
 from revtrain.training.metrics_writer import MetricsWriter
-from revtrain.training.resume import checkpoint_tree, restore_template, resume
 from revtrain.training.run_directory import PROFILE_DIR
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class Loop:
         return restore_template(self.trainer, self._rng)
 
     def _restore(self) -> None:
-        """Restores the run's checkpoint or warm-starts (`revtrain.training.resume`)."""
+        """Restores the run's checkpoint or warm-starts (`revtrain.training.checkpoints.resume`)."""
         self.step, self._rng, self.restored_step = resume(
             self.trainer, self._checkpointer, self._init_checkpointer,
             self.checkpoint_config, self._rng)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from revtrain.layers import Dropout, LayerError, PositionalEncoding
-from revtrain.layers.attention import CausalAttention
+from revtrain.layers.attention.causal import CausalAttention
 from revtrain.layers.dropout_masks import drop_threshold, keep_mask, quantised_rate
 
 

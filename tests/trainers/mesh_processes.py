@@ -45,7 +45,7 @@ class _Collectives:
 
 def main(coordinator: str, process_id: int, out_dir: str) -> None:
     jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
-    from revtrain.trainers.mesh import mesh_from_shape
+    from revtrain.parallel.mesh import mesh_from_shape
     from revtrain.training import Checkpointer
     from tests import mesh_models
 

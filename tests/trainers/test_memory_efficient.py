@@ -46,7 +46,7 @@ def test_matches_reversible_serial_trainer_exactly(batch):
     w0 = flat_weights(blocks, loss)
     met = MemoryEfficientTrainer(blocks, loss, adam, n_devices=2, n_async_layers=2)
     # Bitwise: the same per-layer programs (a scanned run is fused differently by XLA, so
-    # it agrees to rounding; tests/trainers/test_scan_programs.py checks that).
+    # it agrees to rounding; tests/trainers/block/test_scan_programs.py checks that).
     rev = ReversibleSerialTrainer(*initialised_blocks("two", batch, weights=w0), adam, 2,
                                   scan_layers=False)
     np.testing.assert_array_equal(run_steps(met, batch), run_steps(rev, batch))

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh
 
 from revtrain.layers import sequence_parallel
-from revtrain.trainers.mesh import MESH_AXES
+from revtrain.parallel.mesh import MESH_AXES
 from tests.mesh_models import LENGTH, build, global_batch, position_wise, transformer, two_steps
 from tests.tree_utils import assert_trees_close
 

@@ -18,7 +18,7 @@ import pytest
 
 from revtrain.trainers.protocols import TrainState
 from revtrain.training import Checkpointer
-from revtrain.training.checkpoint_trees import restore_targets
+from revtrain.training.checkpoints.trees import restore_targets
 from tests import mesh_models
 from tests.trainers import mesh_processes
 from tests.training.test_multihost import _run_groups

@@ -118,7 +118,8 @@ def _resume_to_8(output_dir, straight_8, restored):
 
 def test_sigterm_twice_during_the_final_save_of_a_finished_run(tmp_path, monkeypatch,
                                                                outer_sigterm, straight_8):
-    from revtrain.training import Checkpointer, retention
+    from revtrain.training import Checkpointer
+    from revtrain.training.checkpoints import retention
 
     out = str(tmp_path)
     loop = _loop(out, every=4)

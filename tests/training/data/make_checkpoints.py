@@ -1,4 +1,4 @@
-"""Writes the run directories that `tests/training/test_checkpoint_format.py` restores.
+"""Writes the run directories that `tests/training/checkpoints/test_format.py` restores.
 
 Run from the repository root (it replaces ``tests/training/data/saved_runs/``):
 

@@ -1,0 +1,27 @@
+"""revtrain.trainers.block: a block trainer's step, as a plan of ops run against a store.
+
+- `plan`: the ops of a step (`Op`, `OpKind`, `Run`), built once per trainer;
+- `ops`: what each op's program takes and gives, typed both ways, and the per-layer
+  bodies both program families share;
+- `layer_programs`: one compiled program per layer and op;
+- `scan_programs`: one program each way for a run of equal layers (``lax.scan``);
+- `executor`: `run_step`, the one loop that runs a plan;
+- `stores`: where a step's values live (`ParamStore`, `StepValues`), with `DeviceStore`
+  (`device_store`), `HostStore` (`host_store`) and stacked runs (`stacked`);
+- `precompile`: compiling every program before the first step;
+- `trainer`: `BlockTrainer`, which `ReversibleSerialTrainer` and `MemoryEfficientTrainer`
+  configure.
+"""
+
+from revtrain.trainers.block.device_store import DeviceStore
+from revtrain.trainers.block.host_store import HostStore
+from revtrain.trainers.block.plan import Op, OpKind, Run, build_schedule
+from revtrain.trainers.block.precompile import CompileTimes
+from revtrain.trainers.block.scan_programs import find_runs
+from revtrain.trainers.block.stores import HeldValues, ParamStore, StepValues, StoreFactory
+from revtrain.trainers.block.trainer import BlockTrainer
+
+__all__ = [
+    "BlockTrainer", "CompileTimes", "DeviceStore", "HeldValues", "HostStore", "Op", "OpKind",
+    "ParamStore", "Run", "StepValues", "StoreFactory", "build_schedule", "find_runs",
+]

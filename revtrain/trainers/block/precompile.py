@@ -1,0 +1,246 @@
+"""Compiling a block trainer's per-layer programs ahead of the first step, concurrently.
+
+A block trainer's first step would trace and compile each distinct per-layer program (one
+per kind and layer structure, `revtrain.trainers.block.layer_programs.ProgramCache`) the first
+time the plan reaches it, one after another. `BlockTrainer.precompile` instead runs the step once
+*abstractly* -- the same executor (`revtrain.trainers.block.executor.run_step`) on
+`jax.ShapeDtypeStruct` values carrying the shardings the real values have, with an
+`AbstractStore` and a `RecordingDispatcher` that calls ``jax.eval_shape`` -- which traces
+each program once and gives the exact abstract arguments of every call; then it lowers and
+compiles the distinct ``(program, arguments)`` pairs in a thread pool (XLA compiles
+without holding the GIL, so the programs compile side by side on the host's cores).
+``jit(...).lower(...).compile()`` fills the same in-process caches a call fills, so the
+step that follows calls the already compiled executables: nothing is traced or compiled
+again (the trainers' ``trace_counts`` and a "no compile in the first step" test check it).
+
+JAX's persistent compilation cache serves these compilations too: enable it before
+building the trainer, e.g.::
+
+    jax.config.update("jax_compilation_cache_dir", "/path/to/cache")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+and a second process with the same model, batch shape and device count loads the
+executables from disk instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from revtrain.parallel.placement import Placement
+from revtrain.trainers.block import stacked
+from revtrain.trainers.block.plan import Op, Run
+from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
+
+
+class CompileTimes(NamedTuple):
+    """Where the time of a first step went, in seconds (wall clock).
+
+    Attributes:
+      trace_s: tracing every distinct per-layer function (the abstract walk).
+      compile_s: lowering and compiling them all, side by side in a thread pool.
+      run_s: running the first step itself once everything was compiled (until its
+        loss was ready); NaN until a step ran.
+      n_programs: how many distinct programs were compiled.
+    """
+
+    trace_s: float
+    compile_s: float
+    run_s: float
+    n_programs: int
+
+
+def _sds(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + tuple(np.shape(a)),
+                                                       a.dtype, sharding=sharding), tree)
+
+
+class AbstractStore:
+    """A `revtrain.trainers.protocols.ParamStore` of abstract values (no buffers).
+
+    Weights and slots are `jax.ShapeDtypeStruct` trees in the stores' sharding
+    (`Placement.weight_shardings`: replicated, or FSDP-sharded), states
+    per device (``[devices of the mesh, ...]``), as the real stores hand them to the
+    compiled functions; new states are kept so that reverse ops see them; updates are
+    dropped (their shapes do not change). Stashing is the identity.
+
+    The layers of each scanned run are one stacked entry keyed by the `Run`
+    (`revtrain.trainers.block.stacked`), as in `revtrain.trainers.block.device_store.DeviceStore`.
+
+    Args:
+      placement: the trainer's placement.
+      signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
+      runs: the runs the trainer's plan scans.
+    """
+
+    def __init__(self, placement: Placement, signature: TrainState,
+                 runs: Sequence[Run] = ()):
+        def placed(tree):
+            return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(
+                np.shape(a), a.dtype, sharding=sharding), tree,
+                placement.weight_shardings(tree))
+
+        rows = (placement.n_global_devices,)
+        self._weights = {i: placed(w) for i, w in enumerate(signature.weights)}
+        self._slots = {i: placed(s) for i, s in enumerate(signature.slots)}
+        self._states = {i: _sds(s, placement.per_device, rows)
+                        for i, s in enumerate(signature.state)}
+        for run in runs:
+            first = [run.start + j for j in range(run.period)]
+            self._weights[run] = tuple(stacked.stacked_signature(
+                signature.weights[i], run.repeats, placement) for i in first)
+            self._slots[run] = tuple(stacked.stacked_signature(
+                signature.slots[i], run.repeats, placement) for i in first)
+            self._states[run] = tuple(jax.tree.map(
+                lambda a, n=run.repeats: jax.ShapeDtypeStruct((*rows, n, *np.shape(a)), a.dtype,
+                                               sharding=placement.per_device),
+                signature.state[i]) for i in first)
+        self._new_states: dict[Any, Any] = {}
+
+    def begin_step(self) -> None:
+        pass
+
+    def prepare(self, position: int) -> None:
+        pass
+
+    def weights(self, i: int) -> Any:
+        return self._weights[i]
+
+    def params(self, i: int) -> Params:
+        return Params(self._weights[i], self._slots[i])
+
+    def keep_params(self, i: int, params: Params) -> None:
+        pass
+
+    def state(self, i: int) -> Any:
+        return self._states[i]
+
+    def new_state(self, i: int) -> Any:
+        return self._new_states[i]
+
+    def keep_state(self, i: int, new_state: Any) -> None:
+        self._new_states[i] = new_state
+
+    def stash(self, stack: Any) -> Any:
+        return stack
+
+    def unstash(self, kept: Any) -> Any:
+        return kept
+
+    def end_forward(self, stack: Any) -> Any:
+        return stack
+
+    def finish_step(self) -> None:
+        pass
+
+    def host_values(self, part: str) -> tuple:
+        raise TypeError("an AbstractStore holds no values")
+
+    def restore(self, train_state: TrainState) -> None:
+        raise TypeError("an AbstractStore holds no values")
+
+    def device_footprint(self) -> DeviceFootprint:
+        return DeviceFootprint(0, 0, 0)
+
+
+def abstract_batch(batch_signature: Sequence[Any], placement: Placement) -> tuple:
+    """The abstract per-device batch (`Placement.per_device_shape` of each item:
+    ``[devices of the mesh, batch // (n_devices // seq), length // seq, ...]``, ``batch``
+    this process's).
+
+    Raises:
+      ValueError: when the batch does not split over the mesh (`Placement.split_batch`).
+    """
+    return tuple(jax.ShapeDtypeStruct(placement.per_device_shape(np.shape(item)),
+                                      np.dtype(item.dtype), sharding=placement.per_device)
+                 for item in batch_signature)
+
+
+def abstract_learning_rate(placement: Placement, lr: Any) -> jax.ShapeDtypeStruct | None:
+    """The abstract learning-rate argument (float32 scalar, replicated) or None."""
+    if lr is None:
+        return None
+    return jax.ShapeDtypeStruct((), np.float32, sharding=placement.replicated)
+
+
+class RecordingDispatcher:
+    """A `revtrain.trainers.block.executor.Dispatcher` that runs nothing: it records each call
+    and returns ``jax.eval_shape`` of it.
+
+    ``jax.eval_shape`` gives outputs without shardings; the real outputs of the programs
+    have those of their ``out_specs``, so each abstract argument without one gets the
+    sharding its position has: per device for an op's first argument (its per-device
+    arguments), replicated for the others and for every argument of `call`.
+
+    Attributes:
+      calls: ``{key: (program, abstract args)}``, one entry per distinct call.
+    """
+
+    def __init__(self, placement: Placement):
+        self.calls: dict[Any, tuple[Callable, tuple]] = {}
+        self._per_device = placement.per_device
+        self._replicated = placement.replicated
+
+    def _record(self, fn: Callable, args: tuple, grouped: bool) -> Any:
+        args = tuple(_with_sharding(arg, self._per_device if grouped and k == 0
+                                    else self._replicated) for k, arg in enumerate(args))
+        leaves, treedef = jax.tree.flatten(args)
+        key = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                    if isinstance(a, jax.Array) else a for a in leaves)
+        self.calls.setdefault((id(fn), treedef, key), (fn, args))
+        return jax.eval_shape(fn, *args)
+
+    def dispatch(self, op: Op, program: Callable, *args: Any) -> Any:
+        del op
+        return self._record(program, args, grouped=True)
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        return self._record(fn, args, grouped=False)
+
+    def phase(self, label: str) -> None:
+        del label
+
+    def release(self, tree: Any) -> None:
+        del tree
+
+
+def _with_sharding(tree: Any, sharding: Any) -> Any:
+    def put(a):
+        if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is None:
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding,
+                                        weak_type=a.weak_type)
+        return a
+    return jax.tree.map(put, tree)
+
+
+def compile_all(calls: Sequence[tuple[Callable, tuple]],
+                max_workers: int | None = None) -> None:
+    """Lowers and compiles every ``(jitted function, abstract args)`` in a thread pool.
+
+    Raises:
+      Exception: the first error of any compilation (the others still finish).
+    """
+    workers = max_workers or min(len(calls), os.cpu_count() or 1) or 1
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(lambda f, a: f.lower(*a).compile(), fn, args)
+                   for fn, args in calls]
+        for future in futures:
+            future.result()
+
+
+def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
+    """``(fn(*args), wall seconds)``."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+__all__ = ["AbstractStore", "CompileTimes", "RecordingDispatcher", "abstract_batch",
+           "abstract_learning_rate", "compile_all", "timed"]

@@ -1,0 +1,397 @@
+"""A run of equal reversible layers as two compiled programs: a forward scan and a
+reverse-and-fbo scan with every layer's own optimizer update inside.
+
+A reversible model repeats one group of layers (a `ReversibleTransformerLM` block: two
+half-residuals and two swaps). `find_runs` finds, in each block, the consecutive
+repetitions that provably compute the same function -- `revtrain.layers.scan`'s rule for
+`Serial`: equal non-None `Layer.structure_key` s and equal weight and state signatures --
+and the plan runs each as one ``SCAN_FORWARD`` and one ``SCAN_REVERSE`` op
+(`revtrain.trainers.block.plan.Run`), so the number of programs a step dispatches does not grow
+with depth (the scan-over-layers technique of flax ``nn.scan`` and MaxText, applied to
+the reverse pass too).
+
+Each program is ``jax.jit`` of a ``lax.scan`` over the run's repetitions on global arrays;
+its body runs the group's layers one by one, each through the per-layer body of
+`revtrain.trainers.block.layer_programs` inside its own ``shard_map``
+(`revtrain.parallel.collectives.gathering_shard_map`: with FSDP each layer all-gathers only its
+own shards), so per layer everything is what its own program computes:
+
+* forward: the layer's key is ``rngs[d, start + t * period + j]`` (``split(rng, n)[i]``),
+  its state entry ``t`` of the stacked states; the carry is the run's top ``n_items``
+  stack items, so one layer's activations are live (reversible layers keep none);
+  ``keep_every`` copies are written into one ``[devices, n_kept, ...]`` buffer per carry
+  item;
+* reverse: the carry is ``(stack items, their cotangents, stacked weights, stacked
+  slots)``, all donated by the updating program (the loop runs in their buffers, and the
+  reconstructed items and their cotangents leave in them); each layer reconstructs its
+  input (``reverse_and_grad``) -- or, at a kept position, recomputes from its copy, as
+  an ``FBO`` op does -- and applies *its own* optimizer update
+  (`revtrain.trainers.block.layer_programs`' update on global arrays: the learning rate injected,
+  per-layer clipping inside the optimizer, exact global-norm clipping by the given norm)
+  to entry ``t`` of the stacked weights and slots, updated in place
+  (``dynamic_update_slice`` on the donated carry: the run's values exist once);
+* norm-only (exact global-norm clipping): the reverse scan without updates, giving each
+  layer's squared gradient norm.
+
+Results per flat layer (stats, squared norms) leave as one vector per kind over the run's
+layers, in the order the per-layer ops would give them, so the number of a program's
+outputs does not grow with depth either. A group whose carry changes type from one
+repetition to the next (checked by abstract evaluation when the program is traced) is run
+unrolled in the same program: the results are the same, only the compile time grows with
+depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from revtrain.layers.base import Layer, inputs_from_stack, outputs_onto_stack
+from revtrain.layers.reversible import ReversibleSelect
+from revtrain.layers.scan import MIN_REPEATS, layer_signature, plan_runs, serial_arity
+from revtrain.parallel import collectives as fsdp
+from revtrain.parallel.placement import Placement
+from revtrain.trainers.block import layer_programs as programs
+from revtrain.trainers.block import stacked
+from revtrain.trainers.block.layer_programs import (
+    FboArgs,
+    ForwardArgs,
+    LayerStats,
+    ReverseArgs,
+    Shared,
+)
+from revtrain.trainers.block.plan import Op, OpKind, Run
+from revtrain.trainers.protocols import Params
+from revtrain.trainers.updates import squared_norm
+
+
+def find_runs(layers: Sequence[Layer], block_sizes: Sequence[int]) -> tuple[Run, ...]:
+    """The runs of equal reversible layers in each block, to scan.
+
+    Args:
+      layers: the flat layers ``[std_0, *rev_0, std_1, ...]`` (initialised).
+      block_sizes: reversible layers per block.
+
+    Returns:
+      One `Run` per group of ``period <= revtrain.layers.scan.MAX_PERIOD`` layers repeated
+      at least ``MIN_REPEATS`` times (`revtrain.layers.scan.plan_runs`) whose layers take
+      and leave the same number of stack items.
+    """
+    runs, i = [], 0
+    for n_rev in block_sizes:
+        revs = list(layers[i + 1:i + 1 + n_rev])
+        signatures = [layer_signature(layer, layer.weights, layer.state) for layer in revs]
+        for start, period, repeats in plan_runs(signatures):
+            n_in, n_out = serial_arity(revs[start:start + period])
+            if repeats >= MIN_REPEATS and n_in == n_out > 0:
+                runs.append(Run(i + 1 + start, period, repeats, n_in))
+        i += 1 + n_rev
+    return tuple(runs)
+
+
+class ScanReverseArgs(NamedTuple):
+    """Per-device arguments of a run's reverse scan beside its carry (leading device axis
+    on every leaf). The carry, ``(y, ct_y)``, is a separate argument: the run's output stack
+    items (its top ``n_items``) and their cotangents, which the updating program donates.
+
+    Attributes:
+      state: per group position, the stacked states before the forward pass
+        ``[devices, repeats, ...]``.
+      new_state: likewise, after it.
+      rngs: the step's key data ``[devices, n_layers, *key]``.
+      kept: the forward scan's ``keep_every`` copies (per carry item ``[devices,
+        len(run.kept), ...]``), or None for a run without any.
+    """
+
+    state: Any
+    new_state: Any
+    rngs: jax.Array
+    kept: Any = None
+
+
+def _at(tree: Any, t: jax.Array, axis: int = 0) -> Any:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, t, axis, keepdims=False),
+                        tree)
+
+
+def _put(tree: Any, new: Any, t: jax.Array) -> Any:
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, t, 0),
+                        tree, new)
+
+
+def _in_turn(fn: Callable, t: jax.Array, *operands: Any) -> Any:
+    """``fn(*operands)``, computed inside a conditional (whose other branch, zeros of the same
+    types, never runs: ``t`` is a scan step, never negative).
+
+    Two things XLA does to a scan body that holds several layers cost memory that grows
+    with what the body holds, and a conditional stops both (its branches are computations
+    of their own: nothing is fused into or hoisted out of them, and their outputs are
+    buffers):
+
+    * it schedules work of a later layer that does not wait for the earlier one (keys,
+      dropout masks) beside the earlier layer's, so both layers' temporaries are live at
+      once;
+    * it fuses a layer's slot update into the write of its weights, which then re-reads
+      the stacked slots that their own in-place write overwrites, and protects that read
+      by copying every stacked buffer of the run on every iteration.
+
+    (`jax.lax.optimization_barrier` does neither on CPU: it is removed before fusion.)
+    """
+    def zeros(*args):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+    return jax.lax.cond(t >= 0, fn, zeros, *operands)
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    def kind(x):
+        x = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+        return tuple(x.shape), x.dtype, x.weak_type
+    return (jax.tree.structure(a) == jax.tree.structure(b)
+            and [kind(x) for x in jax.tree.leaves(a)] == [kind(x) for x in jax.tree.leaves(b)])
+
+
+def _loop(body: Callable, carry: Any, length: int, reverse: bool) -> tuple[Any, Any]:
+    """``lax.scan(body, carry, arange(length))`` when the body keeps the carry's types;
+    otherwise the same iterations unrolled (ys stacked the same way)."""
+    steps = jnp.arange(length, dtype=jnp.int32)
+    if _same_types(jax.eval_shape(lambda c: body(c, steps[0])[0], carry), carry):
+        return jax.lax.scan(body, carry, steps, reverse=reverse)
+    ys = [None] * length
+    for t in (reversed(range(length)) if reverse else range(length)):
+        carry, ys[t] = body(carry, steps[t])
+    return carry, jax.tree.map(lambda *leaves: jnp.stack(leaves), *ys)
+
+
+class _KeptTable:
+    """Where the ``keep_every`` copies of a run go: per group position ``j``, whether the
+    input of repetition ``t``'s layer is kept, and in which slot of the copies."""
+
+    def __init__(self, run: Run):
+        offsets = np.arange(run.repeats * run.period).reshape(run.repeats, run.period)
+        self.keep = np.isin(offsets, run.kept)
+        slot = {q: k for k, q in enumerate(run.kept)}
+        self.slot = np.vectorize(lambda q: slot.get(int(q), 0))(offsets).astype(np.int32)
+        self.n = len(run.kept)
+
+    def any(self, j: int) -> bool:
+        return bool(self.keep[:, j].any())
+
+    def all(self, j: int) -> bool:
+        return bool(self.keep[:, j].all())
+
+    def write(self, copies: Any, x: Any, j: int, t: jax.Array) -> Any:
+        """``copies`` with the carry ``x`` written at repetition ``t``'s slot when kept."""
+        slot = jnp.asarray(self.slot[:, j])[t]
+        keep = jnp.asarray(self.keep[:, j])[t]
+
+        def one(buffer, item):
+            old = jax.lax.dynamic_index_in_dim(buffer, slot, 1, keepdims=False)
+            new = item if self.all(j) else jnp.where(keep, item, old)
+            return jax.lax.dynamic_update_index_in_dim(buffer, new, slot, 1)
+        return jax.tree.map(one, copies, x)
+
+    def read(self, copies: Any, j: int, t: jax.Array) -> Any:
+        return _at(copies, jnp.asarray(self.slot[:, j])[t], axis=1)
+
+    def buffers(self, x: Any) -> Any:
+        return jax.tree.map(lambda a: jnp.zeros((a.shape[0], self.n, *a.shape[1:]), a.dtype),
+                            x)
+
+
+def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> Callable:
+    dev = placement.per_device.spec
+    forwards = [None if isinstance(layer, ReversibleSelect) else fsdp.gathering_shard_map(
+        lambda a, w, i, layer=layer: programs._forward(layer, a, w, i), placement,
+        (dev, dev), with_grads=False)[0] for layer in group]
+    table = _KeptTable(run)
+
+    def scan_forward(args: ForwardArgs, weights: tuple, shared: Shared) -> tuple:
+        def body(carry, t):
+            x, copies = carry
+            new_states = []
+            for j, (layer, forward) in enumerate(zip(group, forwards, strict=True)):
+                if table.any(j):
+                    copies = table.write(copies, x, j, t)
+                state = _at(args.state[j], t, axis=1)
+                x_j = inputs_from_stack(x, layer.n_in)
+                if forward is None:  # Reorders stack items only (no weights, state, rng).
+                    y, new_state = layer.pure_fn(x_j, (), (), None)[0], state
+                else:
+                    y, new_state = _in_turn(
+                        lambda x_j, state, w, i, forward=forward: forward(
+                            ForwardArgs(x_j, state, args.rngs), w, i),
+                        t, x_j, state, _at(weights[j], t), shared.index + t * run.period + j)
+                x = outputs_onto_stack(y, x, layer.n_in)
+                new_states.append(new_state)
+            return (x, copies), tuple(new_states)
+
+        copies = table.buffers(args.x) if table.n else None
+        (x, copies), new_states = _loop(body, (args.x, copies), run.repeats, reverse=False)
+        new_states = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), new_states)
+        return jax.lax.with_sharding_constraint((x, new_states, copies), placement.per_device)
+    return scan_forward
+
+
+def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.GradientTransformation,
+                     placement: Placement, norm_only: bool) -> Callable:
+    dev = placement.per_device.spec
+    table = _KeptTable(run)
+    reverses = [fsdp.gathering_shard_map(
+        lambda a, w, i, layer=layer: programs._reverse_grads(layer, a, w, i), placement,
+        (dev, dev), with_grads=True)[0] for layer in group]
+    fbos = [fsdp.gathering_shard_map(
+        lambda a, w, i, layer=layer: programs._std_grads(layer, a, w, i), placement, (dev,),
+        with_grads=True)[0] if table.any(j) else None for j, layer in enumerate(group)]
+
+    def layer_grads(args, j, y, ct, weights, t, index):
+        """One layer's ``(input stack items, their cotangents, global weight gradient)``."""
+        layer = group[j]
+        state, new_state = _at(args.state[j], t, axis=1), _at(args.new_state[j], t, axis=1)
+        y_j, ct_j = inputs_from_stack(y, layer.n_out), inputs_from_stack(ct, layer.n_out)
+
+        def reverse():
+            (x, ct_x), grads = reverses[j](ReverseArgs(y_j, ct_j, state, new_state, args.rngs),
+                                           weights, index)
+            return (outputs_onto_stack(x, y, layer.n_out),
+                    outputs_onto_stack(ct_x, ct, layer.n_out), grads)
+
+        def recompute():  # A kept position: the layer's fbo from its exact input.
+            x = table.read(args.kept, j, t)
+            (ct_x,), grads = fbos[j](FboArgs(inputs_from_stack(x, layer.n_in), state,
+                                             args.rngs, ct_j), weights, index)
+            return x, outputs_onto_stack(ct_x, ct, layer.n_out), grads
+
+        if fbos[j] is None:
+            return reverse()
+        if table.all(j):
+            return recompute()
+        return jax.lax.cond(jnp.asarray(table.keep[:, j])[t], recompute, reverse)
+
+    def scan_reverse(carry: tuple, args: ScanReverseArgs, values: Any, shared: Shared) -> tuple:
+        weights = values if norm_only else values.weights
+
+        def body(carry, t):
+            y, ct, params = carry
+            outs = [None] * run.period
+            for j in reversed(range(run.period)):
+                index = shared.index + t * run.period + j
+                w = _at((weights if norm_only else params[0])[j], t)
+                if norm_only:
+                    def one_norm(y, ct, w, j=j, index=index):
+                        y, ct, grads = layer_grads(args, j, y, ct, w, t, index)
+                        return y, ct, squared_norm(grads)
+
+                    y, ct, outs[j] = _in_turn(one_norm, t, y, ct, w)
+                    continue
+
+                def one_layer(y, ct, w, slots, j=j, index=index):
+                    y, ct, grads = layer_grads(args, j, y, ct, w, t, index)
+                    new, out = programs._update(optimizer, grads, Params(w, slots), shared,
+                                                placement)
+                    return y, ct, new, out
+
+                y, ct, new, outs[j] = _in_turn(one_layer, t, y, ct, w, _at(params[1][j], t))
+                params = tuple(tuple(_put(p[k], n, t) if k == j else p[k]
+                                     for k in range(run.period))
+                               for p, n in zip(params, new, strict=True))
+            return (y, ct, params), tuple(outs)
+
+        params = None if norm_only else (tuple(values.weights), tuple(values.slots))
+        (x, ct_x, params), outs = _loop(body, (*carry, params), run.repeats, reverse=True)
+        x, ct_x = jax.lax.with_sharding_constraint((x, ct_x), placement.per_device)
+        if norm_only:  # In the order of the per-layer backward ops: last layer first.
+            return x, ct_x, jnp.stack([outs[j][t] for t in reversed(range(run.repeats))
+                                       for j in reversed(range(run.period))])
+        new_params = jax.lax.with_sharding_constraint(
+            Params(*params), stacked.stacked_shardings(placement, Params(*params)))
+        stats = LayerStats(*(jnp.stack([getattr(outs[j], name)[t] for t in range(run.repeats)
+                                        for j in range(run.period)])
+                             for name in LayerStats._fields))
+        return x, ct_x, new_params, stats
+    return scan_reverse
+
+
+def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
+                      optimizer: optax.GradientTransformation, placement: Placement,
+                      norm_only: bool = False) -> tuple[Callable, Callable]:
+    """The jitted ``SCAN_FORWARD`` or ``SCAN_REVERSE`` program of ``run`` (whose group is
+    ``group``) and its trace-counted function.
+
+    Called as ``program(args, weights, shared)`` (``SCAN_FORWARD``) or ``program(carry,
+    args, weights_or_params, shared)`` (``SCAN_REVERSE``), ``shared.index`` the run's first
+    flat layer; outputs by kind:
+
+    * ``SCAN_FORWARD`` (``args`` a `ForwardArgs` of the carry items and the stacked
+      states, stacked weights): ``(y, new stacked states, copies or None)``.
+    * ``SCAN_REVERSE`` (``carry`` the run's output items and their cotangents, ``args`` a
+      `ScanReverseArgs`, stacked `Params`; ``carry`` and the params donated, so the caller
+      must hold no other reference to their buffers): ``(x, ct_x, new stacked params,
+      stats)``, ``stats`` a `LayerStats` of float32 ``[n]`` vectors over the run's ``n``
+      flat layers, in order (two outputs whatever the run's length).
+    * ``SCAN_REVERSE`` with ``norm_only`` (stacked weights; nothing donated, as the
+      updating pass that follows reads the same items): ``(x, ct_x, squared norms)``, a
+      float32 ``[n]`` vector, last layer first.
+
+    Raises:
+      ValueError: for another kind.
+    """
+    if kind == OpKind.SCAN_FORWARD:
+        counted = eqx.debug.assert_max_traces(_forward_program(group, run, placement),
+                                              max_traces=None)
+        return jax.jit(counted), counted
+    if kind != OpKind.SCAN_REVERSE:
+        raise ValueError(f"kind={kind!r} is not a scan op; use make_program")
+    body = _reverse_program(group, run, optimizer, placement, norm_only)
+    if norm_only:
+        counted = eqx.debug.assert_max_traces(
+            lambda carry, args, weights, shared: body(carry, args, weights, shared),
+            max_traces=None)
+        return jax.jit(counted), counted
+    counted = eqx.debug.assert_max_traces(
+        lambda carry, args, params, shared: body(carry, args, params, shared),
+        max_traces=None)
+    return jax.jit(counted, donate_argnames=("carry", "params")), counted
+
+
+class ScanProgramCache:
+    """Compiled scan programs, one per (kind, norm_only, group structure, repeats, kept
+    offsets): runs of equal groups, repetitions and copies share them (the run's first
+    layer is an argument, ``Shared.index``).
+
+    Args:
+      placement: the trainer's placement.
+      optimizer: the per-layer transformation (the first layer's: ``optimizer_fn`` must
+        return equivalent ones on every call, as for `ProgramCache`).
+    """
+
+    def __init__(self, placement: Placement, optimizer: optax.GradientTransformation):
+        self._placement, self._optimizer = placement, optimizer
+        self._programs: dict[Any, tuple[Callable, Callable, str, tuple]] = {}
+
+    def get(self, op: Op, group: Sequence[Layer]) -> Callable:
+        """The program of scan op ``op`` whose run's group is ``group``, built once."""
+        run = op.run
+        keys = tuple(("object", id(layer)) if layer.structure_key is None
+                     else layer.structure_key for layer in group)
+        key = (op.kind, op.norm_only, keys, run.period, run.repeats, run.kept)
+        if key not in self._programs:
+            program, counted = make_scan_program(op.kind, group, run, self._optimizer,
+                                                 self._placement, norm_only=op.norm_only)
+            name = f"{'norm_' if op.norm_only else ''}{op.kind}/{group[0].name}"
+            self._programs[key] = (program, counted, f"{name}x{run.period}x{run.repeats}",
+                                   tuple(group))
+        return self._programs[key][0]
+
+    def trace_counts(self) -> dict[str, int]:
+        """``{'kind/layer_name x period x repeats#k': times traced}`` for every program."""
+        return {f"{name}#{k}": eqx.debug.get_num_traces(counted)
+                for k, (_, counted, name, _) in enumerate(self._programs.values())}
+
+
+__all__ = ["ScanProgramCache", "ScanReverseArgs", "find_runs", "make_scan_program"]

@@ -1,0 +1,25 @@
+"""revtrain.training.checkpoints: saving, retaining and restoring a run's checkpoints.
+
+- `checkpointer`: `Checkpointer`, flat checkpoints through orbax with Paxml-style retention;
+- `trees`: the flat form (path strings to arrays) and its checks;
+- `restore_templates`: what a checkpoint is read into, built from shapes;
+- `retention`: keeping the retention promises of earlier runs of a directory;
+- `resume`: what a loop checkpoint holds, and how a run picks one up again;
+- `orbax_workarounds`: filters for orbax's leftover reports after a failed read or write.
+"""
+
+from revtrain.training.checkpoints.checkpointer import (
+    Checkpointer,
+    CheckpointSaveError,
+    CheckpointUnreadableError,
+)
+from revtrain.training.checkpoints.trees import (
+    CheckpointMismatchError,
+    flatten_tree,
+    unflatten_tree,
+)
+
+__all__ = [
+    "CheckpointMismatchError", "CheckpointSaveError", "CheckpointUnreadableError",
+    "Checkpointer", "flatten_tree", "unflatten_tree",
+]

@@ -1,0 +1,65 @@
+"""Tests for revtrain.trainers.block.precompile: every program of a block trainer's step compiled
+ahead of the first step, concurrently, and nothing traced or compiled again afterwards."""
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer
+from tests.trainers.conftest import adam, initialised_blocks, run_steps, signature
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+class _CompileCounter:
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, event, duration, **kwargs):
+        if event == BACKEND_COMPILE:
+            self.n += 1
+
+
+@pytest.mark.parametrize("trainer_cls,n_devices,kwargs", [
+    (ReversibleSerialTrainer, 2, {}), (ReversibleSerialTrainer, 1, {"clip_global_norm": 0.1}),
+    (MemoryEfficientTrainer, 4, {"keep_every": 2})])
+def test_precompile_leaves_nothing_to_compile_in_the_steps(trainer_cls, n_devices, kwargs,
+                                                           batch):
+    trainer = trainer_cls(*initialised_blocks("two", batch), adam, n_devices=n_devices,
+                          **kwargs)
+    times = trainer.precompile(signature(batch))
+    assert times.n_programs >= 4 and math.isnan(times.run_s)
+    assert times.trace_s > 0 and times.compile_s > 0
+    counts = trainer.trace_counts()
+    assert set(counts.values()) == {1}  # Each distinct function traced exactly once.
+    counter = _CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        run_steps(trainer, batch, steps=2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    assert counter.n == 0
+    assert trainer.trace_counts() == counts
+    assert trainer.compile_times.run_s > 0
+
+
+def test_first_step_precompiles_and_matches_a_trainer_stepped_lazily(batch):
+    blocks = initialised_blocks("one", batch)
+    trainer = ReversibleSerialTrainer(*blocks, adam, n_devices=2)
+    assert trainer.compile_times is None
+    first = run_steps(trainer, batch, steps=2)
+    times = trainer.compile_times
+    assert times is not None and times.run_s > 0 and times.n_programs >= 4
+    assert set(trainer.trace_counts().values()) == {1}
+    again = ReversibleSerialTrainer(*initialised_blocks("one", batch), adam, n_devices=2)
+    again.precompile(signature(batch))
+    np.testing.assert_allclose(run_steps(again, batch, steps=2), first, rtol=1e-6)
+    assert again.compile_times.run_s > 0  # Only the first step's own time, measured once.
+
+
+def test_precompile_rejects_an_indivisible_batch(batch):
+    trainer = ReversibleSerialTrainer(*initialised_blocks("one", batch), adam, n_devices=4)
+    bad = tuple(jax.ShapeDtypeStruct((6,) + b.shape[1:], b.dtype) for b in batch)
+    with pytest.raises(ValueError, match="n_devices=4"):
+        trainer.precompile(bad)
