@@ -20,6 +20,7 @@ from revtrain.layers.base import Layer
 from revtrain.parallel import transfers
 from revtrain.parallel.inflight import InflightLimit
 from revtrain.parallel.placement import Placement
+from revtrain.trainers.dispatch import LiveDispatcher
 from revtrain.trainers.protocols import DeviceFootprint, Observer, TrainState
 from revtrain.trainers.structure import check_same_structure, lists_as_tuples
 from revtrain.trainers.updates import has_injectable_learning_rate, learning_rate_of
@@ -69,6 +70,7 @@ class TrainerBase:
         self._inflight = InflightLimit(self.mesh)  # Avoids a CPU-client hang; see inflight.
         self._optimizer_fn = optimizer_fn
         self.observers: list[Observer] = []
+        self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self._copy_batch = False
         self._lr_on_mesh: tuple[float, jax.Array] | None = None  # `_placed_learning_rate`
 
@@ -237,18 +239,6 @@ class TrainerBase:
         """``{function: times traced}`` of every compiled function (equinox's counter);
         after the first step these stay fixed unless something recompiles."""
         raise NotImplementedError
-
-    def _notify_dispatch(self, label: str, fn: Callable, args: tuple) -> None:
-        for observer in self.observers:
-            on_dispatch = getattr(observer, "on_dispatch", None)
-            if on_dispatch is not None:
-                on_dispatch(label, fn, args)
-
-    def _notify_phase(self, label: str) -> None:
-        for observer in self.observers:
-            on_phase = getattr(observer, "on_phase", None)
-            if on_phase is not None:
-                on_phase(label)
 
     # ----------------------------------------------------------------------------------
     # Learning rate.

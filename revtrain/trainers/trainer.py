@@ -185,14 +185,12 @@ class Trainer(TrainerBase):
         sharded = self._shard_batch(batch)
         args = (sharded, self._weights, self._state, self._keys(rng), self._slots,
                 self._placed_learning_rate(lr))
-        self._notify_phase("step_start")
-        if self.observers:
-            self._notify_dispatch("train_step", self._update, args)
-        self._weights, self._state, self._slots, stats = self._update(*args)
-        self._inflight.note(stats)
+        self._dispatcher.phase("step_start")
+        self._weights, self._state, self._slots, stats = self._dispatcher.dispatch(
+            "train_step", self._update, *args)
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
-        self._notify_phase("step_end")
+        self._dispatcher.phase("step_end")
         return stats["loss"], dict(stats)
 
     # ----------------------------------------------------------------------------------

@@ -1,100 +1,51 @@
 """Running a block trainer's step: one function, `run_step`, walks the plan.
 
 Read this module with `revtrain.trainers.block.plan` (what the ops are) and
-`revtrain.trainers.block.layer_programs` (what each op's program computes): together they are the
-whole step. `run_step` asks a `revtrain.trainers.protocols.ParamStore` for each op's values
-and hands the new ones back, and sends every call through a `Dispatcher`: the
-`LiveDispatcher` runs the programs and tells the observers; precompilation passes a
-recording one (`revtrain.trainers.block.precompile.RecordingDispatcher`) and an abstract store,
-and the same walk traces every program without running anything.
+`revtrain.trainers.block.ops` (what each op's program takes and gives): together they are
+the whole step. `run_step` hands each op to its kind's handler (`HANDLERS`, the one place
+that tells op kinds apart), which asks a `revtrain.trainers.block.stores.StepValues` for
+the op's values, calls its program through a `revtrain.trainers.dispatch.Dispatcher`, reads
+the program's typed outputs by name and hands the new values back. The
+`revtrain.trainers.dispatch.LiveDispatcher` runs the programs and tells the observers;
+precompilation passes a recording one
+(`revtrain.trainers.block.precompile.RecordingDispatcher`) and an abstract store, and the
+same walk traces every program without running anything.
 
 The step: forward ops move the stack up (stashing block inputs and ``keep_every`` copies);
 the loss op gives the final stack's cotangent; backward ops move the stack and its
 cotangent down, each reconstructing (``REVERSE``) or recomputing (``FBO``) its layer's
 input and updating the layer at once. A scanned run of layers
-(`revtrain.trainers.block.plan.Run`) is one op each way, its values one stacked key of the store
-(`revtrain.trainers.block.scan_programs`). With exact global-norm clipping a norm-only pass
-first walks the backward ops without updating, and its global norm scales every update.
+(`revtrain.trainers.block.plan.Run`) is one op each way, its values one stacked key of the
+store (`revtrain.trainers.block.scan_programs`). With exact global-norm clipping a
+norm-only pass first walks the backward ops without updating, and its global norm scales
+every update. What the ops hand on to each other is one `StepCarry`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from revtrain.layers.base import inputs_from_stack, outputs_onto_stack
-from revtrain.parallel.inflight import InflightLimit
-from revtrain.parallel.transfers import delete_arrays
-from revtrain.trainers.block.layer_programs import (
+from revtrain.trainers.block.ops import (
     FboArgs,
     ForwardArgs,
     LayerStats,
     LossArgs,
+    LossOut,
+    NormOut,
     ReverseArgs,
+    ScanReverseArgs,
     Shared,
 )
-from revtrain.trainers.block.plan import Op, OpKind, PlannedOp
-from revtrain.trainers.block.scan_programs import ScanReverseArgs
-from revtrain.trainers.block.stores import ParamStore
-from revtrain.trainers.protocols import Observer
-
-
-class Dispatcher(Protocol):
-    """How `run_step` calls programs.
-
-    ``dispatch(op, program, *args)`` calls one op's program and returns its outputs;
-    ``call(fn, *args)`` a small helper program of the step (the global norm), replicated
-    arguments only; ``phase(label)`` marks a phase boundary (``'step_start'``,
-    ``'loss_start'``, ``'backward_start'``); ``release(tree)`` frees the step's transient
-    buffers when the trainer frees accelerators on every step.
-    """
-
-    def dispatch(self, op: Op, program: Callable, *args: Any) -> Any: ...
-
-    def call(self, fn: Callable, *args: Any) -> Any: ...
-
-    def phase(self, label: str) -> None: ...
-
-    def release(self, tree: Any) -> None: ...
-
-
-class LiveDispatcher:
-    """Runs the programs: tells observers of each dispatch and phase, and bounds the
-    programs in flight on a multi-device CPU mesh (`InflightLimit`).
-
-    Args:
-      observers: returns the trainer's current observers.
-      inflight: the trainer's `InflightLimit`.
-    """
-
-    def __init__(self, observers: Callable[[], Sequence[Observer]], inflight: InflightLimit):
-        self._observers, self._inflight = observers, inflight
-
-    def dispatch(self, op: Op, program: Callable, *args: Any) -> Any:
-        for observer in self._observers():
-            on_dispatch = getattr(observer, "on_dispatch", None)
-            if on_dispatch is not None:
-                on_dispatch(op.label, program, args)
-        outputs = program(*args)
-        self._inflight.note(outputs)
-        return outputs
-
-    def call(self, fn: Callable, *args: Any) -> Any:
-        return fn(*args)
-
-    def phase(self, label: str) -> None:
-        for observer in self._observers():
-            on_phase = getattr(observer, "on_phase", None)
-            if on_phase is not None:
-                on_phase(label)
-
-    def release(self, tree: Any) -> None:
-        delete_arrays(tree)
+from revtrain.trainers.block.plan import Op, OpKind, PlannedOp, Run
+from revtrain.trainers.block.stores import StepValues
+from revtrain.trainers.dispatch import Dispatcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,27 +131,150 @@ def _as_items(stack: Any) -> tuple:
     return tuple(stack) if isinstance(stack, tuple) else (stack,)
 
 
-def _loss_input(p: PlannedOp, store: ParamStore, stack: Any) -> Any:
-    stack = store.unstash(stack)
-    n_items = len(_as_items(stack))
-    if n_items != p.layer.n_in:
-        raise ValueError(f"the loss layer {p.layer.name} takes {p.layer.n_in} stack items but "
-                         f"the model leaves {n_items}; make the loss layer consume the "
-                         f"whole stack")
-    return stack
+@dataclasses.dataclass
+class StepCarry:
+    """What the ops of one step hand on to each other (host-side references to device
+    values; nothing here is read to the host).
+
+    Attributes:
+      stack: the stack between ops: the batch, then activations, then -- going down --
+        the reconstructed (or unstashed) inputs of each layer.
+      ct: the cotangents of ``stack``'s items, from the loss op on.
+      final: the final activations as `StepValues.end_forward` handed them back, or None
+        before the loss op.
+      kept: stashed block inputs and ``keep_every`` copies by first flat layer (a run's
+        copies under its first layer), until the backward op that consumes them.
+      kept_weights: the stashed batch weights (the batch's third item), or None.
+      stats: each updated op's `LayerStats`, by first flat layer.
+      squared_norms: the norm-only pass's squared gradient norms, in op order.
+      loss: the loss op's float32 scalar, or None before it.
+      global_norm: the norm-only pass's global gradient norm, or None without clipping.
+      clip: ``(global_norm, max_norm)`` once the norm-only pass ended, else None.
+    """
+
+    stack: Any
+    ct: Any = None
+    final: Any = None
+    kept: dict[int, Any] = dataclasses.field(default_factory=dict)
+    kept_weights: Any = None
+    stats: dict[int, LayerStats] = dataclasses.field(default_factory=dict)
+    squared_norms: list[jax.Array] = dataclasses.field(default_factory=list)
+    loss: jax.Array | None = None
+    global_norm: jax.Array | None = None
+    clip: tuple[jax.Array, jax.Array] | None = None
 
 
-def _scan_forward(p: PlannedOp, store: ParamStore, dispatcher: Dispatcher, stack: Any,
-                  inputs: StepInputs, shared: Shared, kept: dict[int, Any]) -> Any:
+class _Walk(NamedTuple):
+    """What every handler reads and nothing changes during a step."""
+
+    step: BlockStep
+    store: StepValues
+    dispatcher: Dispatcher
+    inputs: StepInputs
+
+    def begin(self, p: PlannedOp, position: int, c: StepCarry) -> Shared:
+        """Marks the op's phase, lets the store prepare it; returns its `Shared`."""
+        if p.phase is not None:
+            self.dispatcher.phase(p.phase)
+        self.store.prepare(position)
+        return Shared(self.step.indices[p.op.layer], self.inputs.lr, c.clip)
+
+    def values(self, op: Op, key: Any) -> Any:
+        """The op's weights (norm-only: not donated) or params (donated to the update)."""
+        return self.store.weights(key) if op.norm_only else self.store.params(key)
+
+    def unstash(self, c: StepCarry, op: Op, key: int) -> Any:
+        """The stash the op consumes (the norm-only pass leaves it for the update)."""
+        return self.store.unstash(c.kept[key] if op.norm_only else c.kept.pop(key))
+
+    def take(self, c: StepCarry, key: Any, out: Any) -> None:
+        """Keeps an updating program's new params and stats, or a norm-only one's norm."""
+        if isinstance(out, NormOut):
+            c.squared_norms.append(out.squared_norm)
+        else:
+            self.store.keep_params(key, out.new_params)
+            c.stats[key.start if isinstance(key, Run) else key] = out.stats
+
+
+def _forward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
+    op, layer, i = p.op, p.layer, p.op.layer
+    shared = w.begin(p, position, c)
+    if op.starts_block or op.keep_point:
+        c.kept[i] = w.store.stash(c.stack)
+    x = inputs_from_stack(c.stack, layer.n_in)
+    if p.program is None:  # Reorders stack items only: no program.
+        y, _ = layer.pure_fn(x, (), (), None)
+        w.store.keep_state(i, w.store.state(i))
+    else:
+        out = w.dispatcher.dispatch(op.label, p.program, ForwardArgs(x, w.store.state(i),
+                                                               w.inputs.rngs),
+                                    w.store.weights(i), shared)
+        y = out.y
+        w.store.keep_state(i, out.new_state)
+    c.stack = outputs_onto_stack(y, c.stack, layer.n_in)
+
+
+def _scan_forward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     """A run's forward scan; its ``keep_every`` copies are stashed under its first layer."""
     run = p.op.run
-    args = ForwardArgs(inputs_from_stack(stack, run.n_items), store.state(run), inputs.rngs)
-    y, new_state, copies = dispatcher.dispatch(p.op, p.program, args, store.weights(run),
-                                               shared)
-    store.keep_state(run, new_state)
-    if copies is not None:
-        kept[run.start] = store.stash(copies)
-    return outputs_onto_stack(y, stack, run.n_items)
+    shared = w.begin(p, position, c)
+    args = ForwardArgs(inputs_from_stack(c.stack, run.n_items), w.store.state(run),
+                       w.inputs.rngs)
+    out = w.dispatcher.dispatch(p.op.label, p.program, args, w.store.weights(run), shared)
+    w.store.keep_state(run, out.new_state)
+    if out.copies is not None:
+        c.kept[run.start] = w.store.stash(out.copies)
+    c.stack = outputs_onto_stack(out.y, c.stack, run.n_items)
+
+
+def _loss(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
+    """The loss op: the final activations leave the forward pass (once), the norm-only
+    pass's global norm (if it ran) sets the clipping of the updates that follow."""
+    op, layer, i = p.op, p.layer, p.op.layer
+    c.final = w.store.end_forward(c.stack) if c.final is None else c.final
+    if not op.norm_only and c.squared_norms:
+        c.global_norm = w.dispatcher.call(w.step.sqrt_of_sum, tuple(c.squared_norms))
+        c.clip = (c.global_norm, w.step.max_norm)
+    shared = w.begin(p, position, c)
+    c.stack = w.store.unstash(c.final)
+    n_items = len(_as_items(c.stack))
+    if n_items != layer.n_in:
+        raise ValueError(f"the loss layer {layer.name} takes {layer.n_in} stack items but "
+                         f"the model leaves {n_items}; make the loss layer consume the "
+                         f"whole stack")
+    batch_weights = None if c.kept_weights is None else w.store.unstash(c.kept_weights)
+    args = LossArgs(c.stack, w.store.state(i), w.inputs.rngs, batch_weights)
+    out = w.dispatcher.dispatch(op.label, p.program, args, w.values(op, i), shared)
+    w.take(c, i, out)
+    c.ct = out.ct_x
+    if isinstance(out, LossOut):
+        c.loss = out.loss
+        w.store.keep_state(i, out.new_state)
+
+
+def _fbo(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
+    """A standard layer (or a kept position): recomputed from its stashed input."""
+    op, layer, i = p.op, p.layer, p.op.layer
+    shared = w.begin(p, position, c)
+    c.stack = w.unstash(c, op, i)
+    args = FboArgs(inputs_from_stack(c.stack, layer.n_in), w.store.state(i), w.inputs.rngs,
+                   inputs_from_stack(c.ct, layer.n_out))
+    out = w.dispatcher.dispatch(op.label, p.program, args, w.values(op, i), shared)
+    w.take(c, i, out)
+    c.ct = outputs_onto_stack(out.ct_x, c.ct, layer.n_out)
+
+
+def _reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
+    """A reversible layer: its input reconstructed from its output."""
+    op, layer, i = p.op, p.layer, p.op.layer
+    shared = w.begin(p, position, c)
+    args = ReverseArgs(inputs_from_stack(c.stack, layer.n_out),
+                       inputs_from_stack(c.ct, layer.n_out), w.store.state(i),
+                       w.store.new_state(i), w.inputs.rngs)
+    out = w.dispatcher.dispatch(op.label, p.program, args, w.values(op, i), shared)
+    w.take(c, i, out)
+    c.stack = outputs_onto_stack(out.x, c.stack, layer.n_out)
+    c.ct = outputs_onto_stack(out.ct_x, c.ct, layer.n_out)
 
 
 def _unshared(carry: Any, held: Any) -> Any:
@@ -218,37 +292,44 @@ def _unshared(carry: Any, held: Any) -> Any:
     return jax.tree.map(own, carry)
 
 
-def _scan_reverse(p: PlannedOp, store: ParamStore, dispatcher: Dispatcher, stack: Any,
-                  ct: Any, inputs: StepInputs, shared: Shared, kept: dict[int, Any],
-                  kept_weights: Any, stats: dict[int, LayerStats],
-                  squared_norms: list) -> tuple[Any, Any]:
-    """A run's reverse scan (every layer updated, or norm-only); returns (stack, ct).
+def _scan_reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
+    """A run's reverse scan (every layer updated, or norm-only).
 
     The updating scan donates its carry (the run's output items and their cotangents): the
     stack and cotangents below the run, the stashes and the batch weights keep theirs."""
     op, run = p.op, p.op.run
-    copies = None
-    if run.kept:
-        copies = store.unstash(kept[run.start] if op.norm_only else kept.pop(run.start))
+    shared = w.begin(p, position, c)
+    copies = w.unstash(c, op, run.start) if run.kept else None
     n = run.n_items
-    carry = (inputs_from_stack(stack, n), inputs_from_stack(ct, n))
-    args = ScanReverseArgs(store.state(run), store.new_state(run), inputs.rngs, copies)
-    if op.norm_only:
-        x, ct_x, squares = dispatcher.dispatch(op, p.program, carry, args,
-                                               store.weights(run), shared)
-        squared_norms.append(squares)
-    else:
-        held = (_as_items(stack)[n:], _as_items(ct)[n:], kept, kept_weights, copies)
-        x, ct_x, new_params, run_stats = dispatcher.dispatch(
-            op, p.program, _unshared(carry, held), args, store.params(run), shared)
-        store.keep_params(run, new_params)
-        stats[run.start] = run_stats
-    return outputs_onto_stack(x, stack, n), outputs_onto_stack(ct_x, ct, n)
+    carry = (inputs_from_stack(c.stack, n), inputs_from_stack(c.ct, n))
+    if not op.norm_only:
+        held = (_as_items(c.stack)[n:], _as_items(c.ct)[n:], c.kept, c.kept_weights, copies)
+        carry = _unshared(carry, held)
+    args = ScanReverseArgs(w.store.state(run), w.store.new_state(run), w.inputs.rngs, copies)
+    out = w.dispatcher.dispatch(op.label, p.program, carry, args, w.values(op, run), shared)
+    w.take(c, run, out)
+    c.stack = outputs_onto_stack(out.x, c.stack, n)
+    c.ct = outputs_onto_stack(out.ct_x, c.ct, n)
 
 
-def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
+# The one place that tells op kinds apart: each kind's handler.
+HANDLERS: dict[OpKind, Callable[[_Walk, StepCarry, PlannedOp, int], None]] = {
+    OpKind.FORWARD: _forward,
+    OpKind.SCAN_FORWARD: _scan_forward,
+    OpKind.LOSS: _loss,
+    OpKind.FBO: _fbo,
+    OpKind.REVERSE: _reverse,
+    OpKind.SCAN_REVERSE: _scan_reverse,
+}
+
+
+def run_step(step: BlockStep, store: StepValues, dispatcher: Dispatcher,
              inputs: StepInputs) -> StepResult:
     """Runs ``step``'s plan once against ``store``; returns the loss and stats.
+
+    Each op goes to its kind's handler (`HANDLERS`), which reads its values from the store,
+    dispatches its program, reads the program's typed outputs
+    (`revtrain.trainers.block.ops`) by name and hands the new values back.
 
     Raises:
       ValueError: for a final stack that does not match the loss layer's inputs (before any
@@ -256,90 +337,22 @@ def run_step(step: BlockStep, store: ParamStore, dispatcher: Dispatcher,
     """
     store.begin_step()
     dispatcher.phase("step_start")
-    stack, ct, final, clip = inputs.stack, None, None, None
-    kept: dict[int, Any] = {}
+    c = StepCarry(inputs.stack)
     # The batch weights wait like a block input (the loss op turns them into each device's
     # share of the global loss; a store may send the stack's arrays away meanwhile).
-    has_weights = isinstance(stack, tuple) and len(stack) >= 3
-    kept_weights = store.stash(stack[2]) if has_weights else None
-    stats: dict[int, LayerStats] = {}  # By first flat layer: one layer's, or a run's.
-    squared_norms: list[jax.Array] = []
-    loss = global_norm = None
+    if isinstance(c.stack, tuple) and len(c.stack) >= 3:
+        c.kept_weights = store.stash(c.stack[2])
+    walk = _Walk(step, store, dispatcher, inputs)
     for position, p in enumerate(step.plan):
-        op, layer, i = p.op, p.layer, p.op.layer
-        if op.kind == OpKind.LOSS:
-            final = store.end_forward(stack) if final is None else final
-            stack = final
-            if not op.norm_only and squared_norms:
-                global_norm = dispatcher.call(step.sqrt_of_sum, tuple(squared_norms))
-                clip = (global_norm, step.max_norm)
-        if p.phase is not None:
-            dispatcher.phase(p.phase)
-        store.prepare(position)
-        shared = Shared(step.indices[i], inputs.lr, clip)
-        if op.kind == OpKind.SCAN_FORWARD:
-            stack = _scan_forward(p, store, dispatcher, stack, inputs, shared, kept)
-            continue
-        if op.kind == OpKind.SCAN_REVERSE:
-            stack, ct = _scan_reverse(p, store, dispatcher, stack, ct, inputs, shared, kept,
-                                      kept_weights, stats, squared_norms)
-            continue
-        if op.kind == OpKind.FORWARD:
-            if op.starts_block or op.keep_point:
-                kept[i] = store.stash(stack)
-            if p.program is None:  # Reorders stack items only: no program.
-                y, _ = layer.pure_fn(inputs_from_stack(stack, layer.n_in), (), (), None)
-                store.keep_state(i, store.state(i))
-            else:
-                args = ForwardArgs(inputs_from_stack(stack, layer.n_in), store.state(i),
-                                   inputs.rngs)
-                y, new_state = dispatcher.dispatch(op, p.program, args, store.weights(i),
-                                                   shared)
-                store.keep_state(i, new_state)
-            stack = outputs_onto_stack(y, stack, layer.n_in)
-            continue
-        if op.kind == OpKind.FBO:
-            stack = store.unstash(kept[i] if op.norm_only else kept.pop(i))
-        if op.kind == OpKind.LOSS:
-            stack = _loss_input(p, store, stack)
-            args = LossArgs(stack, store.state(i), inputs.rngs,
-                            store.unstash(kept_weights) if has_weights else None)
-        elif op.kind == OpKind.FBO:
-            args = FboArgs(inputs_from_stack(stack, layer.n_in), store.state(i), inputs.rngs,
-                           inputs_from_stack(ct, layer.n_out))
-        else:
-            args = ReverseArgs(inputs_from_stack(stack, layer.n_out),
-                               inputs_from_stack(ct, layer.n_out), store.state(i),
-                               store.new_state(i), inputs.rngs)
-        if op.norm_only:
-            *outs, squared_norm = dispatcher.dispatch(op, p.program, args, store.weights(i),
-                                                      shared)
-            squared_norms.append(squared_norm)
-        else:
-            outs = list(dispatcher.dispatch(op, p.program, args, store.params(i), shared))
-            stats[i] = outs.pop()
-            store.keep_params(i, outs.pop(2 if op.kind != OpKind.FBO else 1))
-        if op.kind == OpKind.LOSS:
-            if op.norm_only:
-                (ct,) = outs
-            else:
-                loss, ct, new_state = outs
-                store.keep_state(i, new_state)
-        elif op.kind == OpKind.FBO:
-            ct = outputs_onto_stack(outs[0], ct, layer.n_out)
-        else:
-            x, ct_x = outs
-            stack = outputs_onto_stack(x, stack, layer.n_out)
-            ct = outputs_onto_stack(ct_x, ct, layer.n_out)
+        HANDLERS[p.op.kind](walk, c, p, position)
     layer_stats, gradients_norm, weights_norm = dispatcher.call(
-        step.summarize, tuple(stats[i] for i in sorted(stats)))
-    if global_norm is None:
-        global_norm = gradients_norm
+        step.summarize, tuple(c.stats[i] for i in sorted(c.stats)))
     if step.free_transients:
-        dispatcher.release((stack, ct, kept, final, kept_weights))
+        dispatcher.release((c.stack, c.ct, c.kept, c.final, c.kept_weights))
     store.finish_step()
-    return StepResult(loss, layer_stats, global_norm, weights_norm)
+    global_norm = gradients_norm if c.global_norm is None else c.global_norm
+    return StepResult(c.loss, layer_stats, global_norm, weights_norm)
 
 
-__all__ = ["BlockStep", "Dispatcher", "LiveDispatcher", "StepInputs", "StepResult",
-           "run_step", "summary_program"]
+__all__ = ["HANDLERS", "BlockStep", "StepCarry", "StepInputs", "StepResult", "run_step",
+           "summary_program"]

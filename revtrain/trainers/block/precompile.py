@@ -36,7 +36,7 @@ import numpy as np
 
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import stacked
-from revtrain.trainers.block.plan import Op, Run
+from revtrain.trainers.block.plan import Run
 from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
 
 
@@ -171,7 +171,7 @@ def abstract_learning_rate(placement: Placement, lr: Any) -> jax.ShapeDtypeStruc
 
 
 class RecordingDispatcher:
-    """A `revtrain.trainers.block.executor.Dispatcher` that runs nothing: it records each call
+    """A `revtrain.trainers.dispatch.Dispatcher` that runs nothing: it records each call
     and returns ``jax.eval_shape`` of it.
 
     ``jax.eval_shape`` gives outputs without shardings; the real outputs of the programs
@@ -197,8 +197,8 @@ class RecordingDispatcher:
         self.calls.setdefault((id(fn), treedef, key), (fn, args))
         return jax.eval_shape(fn, *args)
 
-    def dispatch(self, op: Op, program: Callable, *args: Any) -> Any:
-        del op
+    def dispatch(self, label: str, program: Callable, *args: Any) -> Any:
+        del label
         return self._record(program, args, grouped=True)
 
     def call(self, fn: Callable, *args: Any) -> Any:

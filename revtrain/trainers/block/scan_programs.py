@@ -44,7 +44,7 @@ depth.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -57,13 +57,16 @@ from revtrain.layers.reversible import ReversibleSelect
 from revtrain.layers.scan import MIN_REPEATS, layer_signature, plan_runs, serial_arity
 from revtrain.parallel import collectives as fsdp
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.block import layer_programs as programs
-from revtrain.trainers.block import stacked
-from revtrain.trainers.block.layer_programs import (
+from revtrain.trainers.block import ops, stacked
+from revtrain.trainers.block.ops import (
     FboArgs,
     ForwardArgs,
+    ForwardOut,
     LayerStats,
+    NormOut,
     ReverseArgs,
+    ReverseOut,
+    ScanReverseArgs,
     Shared,
 )
 from revtrain.trainers.block.plan import Op, OpKind, Run
@@ -93,26 +96,6 @@ def find_runs(layers: Sequence[Layer], block_sizes: Sequence[int]) -> tuple[Run,
                 runs.append(Run(i + 1 + start, period, repeats, n_in))
         i += 1 + n_rev
     return tuple(runs)
-
-
-class ScanReverseArgs(NamedTuple):
-    """Per-device arguments of a run's reverse scan beside its carry (leading device axis
-    on every leaf). The carry, ``(y, ct_y)``, is a separate argument: the run's output stack
-    items (its top ``n_items``) and their cotangents, which the updating program donates.
-
-    Attributes:
-      state: per group position, the stacked states before the forward pass
-        ``[devices, repeats, ...]``.
-      new_state: likewise, after it.
-      rngs: the step's key data ``[devices, n_layers, *key]``.
-      kept: the forward scan's ``keep_every`` copies (per carry item ``[devices,
-        len(run.kept), ...]``), or None for a run without any.
-    """
-
-    state: Any
-    new_state: Any
-    rngs: jax.Array
-    kept: Any = None
 
 
 def _at(tree: Any, t: jax.Array, axis: int = 0) -> Any:
@@ -207,8 +190,8 @@ class _KeptTable:
 def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> Callable:
     dev = placement.per_device.spec
     forwards = [None if isinstance(layer, ReversibleSelect) else fsdp.gathering_shard_map(
-        lambda a, w, i, layer=layer: programs._forward(layer, a, w, i), placement,
-        (dev, dev), with_grads=False)[0] for layer in group]
+        lambda a, w, i, layer=layer: ops.forward(layer, a, w, i), placement,
+        ForwardOut(dev, dev, None), with_grads=False)[0] for layer in group]
     table = _KeptTable(run)
 
     def scan_forward(args: ForwardArgs, weights: tuple, shared: Shared) -> tuple:
@@ -223,10 +206,11 @@ def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> 
                 if forward is None:  # Reorders stack items only (no weights, state, rng).
                     y, new_state = layer.pure_fn(x_j, (), (), None)[0], state
                 else:
-                    y, new_state = _in_turn(
+                    out = _in_turn(
                         lambda x_j, state, w, i, forward=forward: forward(
                             ForwardArgs(x_j, state, args.rngs), w, i),
                         t, x_j, state, _at(weights[j], t), shared.index + t * run.period + j)
+                    y, new_state = out.y, out.new_state
                 x = outputs_onto_stack(y, x, layer.n_in)
                 new_states.append(new_state)
             return (x, copies), tuple(new_states)
@@ -234,7 +218,8 @@ def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> 
         copies = table.buffers(args.x) if table.n else None
         (x, copies), new_states = _loop(body, (args.x, copies), run.repeats, reverse=False)
         new_states = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), new_states)
-        return jax.lax.with_sharding_constraint((x, new_states, copies), placement.per_device)
+        return jax.lax.with_sharding_constraint(ForwardOut(x, new_states, copies),
+                                                placement.per_device)
     return scan_forward
 
 
@@ -243,11 +228,12 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
     dev = placement.per_device.spec
     table = _KeptTable(run)
     reverses = [fsdp.gathering_shard_map(
-        lambda a, w, i, layer=layer: programs._reverse_grads(layer, a, w, i), placement,
-        (dev, dev), with_grads=True)[0] for layer in group]
+        lambda a, w, i, layer=layer: ops.reverse_grads(layer, a, w, i), placement,
+        ReverseOut(dev, dev, None, None), with_grads=True)[0] for layer in group]
     fbos = [fsdp.gathering_shard_map(
-        lambda a, w, i, layer=layer: programs._std_grads(layer, a, w, i), placement, (dev,),
-        with_grads=True)[0] if table.any(j) else None for j, layer in enumerate(group)]
+        lambda a, w, i, layer=layer: ops.std_grads(layer, a, w, i), placement,
+        ops.FboOut(dev, None, None), with_grads=True)[0] if table.any(j) else None
+        for j, layer in enumerate(group)]
 
     def layer_grads(args, j, y, ct, weights, t, index):
         """One layer's ``(input stack items, their cotangents, global weight gradient)``."""
@@ -256,16 +242,16 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
         y_j, ct_j = inputs_from_stack(y, layer.n_out), inputs_from_stack(ct, layer.n_out)
 
         def reverse():
-            (x, ct_x), grads = reverses[j](ReverseArgs(y_j, ct_j, state, new_state, args.rngs),
-                                           weights, index)
-            return (outputs_onto_stack(x, y, layer.n_out),
-                    outputs_onto_stack(ct_x, ct, layer.n_out), grads)
+            out, grads = reverses[j](ReverseArgs(y_j, ct_j, state, new_state, args.rngs),
+                                     weights, index)
+            return (outputs_onto_stack(out.x, y, layer.n_out),
+                    outputs_onto_stack(out.ct_x, ct, layer.n_out), grads)
 
         def recompute():  # A kept position: the layer's fbo from its exact input.
             x = table.read(args.kept, j, t)
-            (ct_x,), grads = fbos[j](FboArgs(inputs_from_stack(x, layer.n_in), state,
-                                             args.rngs, ct_j), weights, index)
-            return x, outputs_onto_stack(ct_x, ct, layer.n_out), grads
+            out, grads = fbos[j](FboArgs(inputs_from_stack(x, layer.n_in), state,
+                                         args.rngs, ct_j), weights, index)
+            return x, outputs_onto_stack(out.ct_x, ct, layer.n_out), grads
 
         if fbos[j] is None:
             return reverse()
@@ -292,7 +278,7 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
 
                 def one_layer(y, ct, w, slots, j=j, index=index):
                     y, ct, grads = layer_grads(args, j, y, ct, w, t, index)
-                    new, out = programs._update(optimizer, grads, Params(w, slots), shared,
+                    new, out = ops.update(optimizer, grads, Params(w, slots), shared,
                                                 placement)
                     return y, ct, new, out
 
@@ -306,14 +292,14 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
         (x, ct_x, params), outs = _loop(body, (*carry, params), run.repeats, reverse=True)
         x, ct_x = jax.lax.with_sharding_constraint((x, ct_x), placement.per_device)
         if norm_only:  # In the order of the per-layer backward ops: last layer first.
-            return x, ct_x, jnp.stack([outs[j][t] for t in reversed(range(run.repeats))
-                                       for j in reversed(range(run.period))])
+            return NormOut(x, ct_x, jnp.stack([outs[j][t] for t in reversed(range(run.repeats))
+                                               for j in reversed(range(run.period))]))
         new_params = jax.lax.with_sharding_constraint(
             Params(*params), stacked.stacked_shardings(placement, Params(*params)))
         stats = LayerStats(*(jnp.stack([getattr(outs[j], name)[t] for t in range(run.repeats)
                                         for j in range(run.period)])
                              for name in LayerStats._fields))
-        return x, ct_x, new_params, stats
+        return ReverseOut(x, ct_x, new_params, stats)
     return scan_reverse
 
 
@@ -325,18 +311,19 @@ def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
 
     Called as ``program(args, weights, shared)`` (``SCAN_FORWARD``) or ``program(carry,
     args, weights_or_params, shared)`` (``SCAN_REVERSE``), ``shared.index`` the run's first
-    flat layer; outputs by kind:
+    flat layer; outputs by kind (`revtrain.trainers.block.ops`):
 
     * ``SCAN_FORWARD`` (``args`` a `ForwardArgs` of the carry items and the stacked
-      states, stacked weights): ``(y, new stacked states, copies or None)``.
+      states, stacked weights): a `ForwardOut` whose ``copies`` are the ``keep_every``
+      copies, or None.
     * ``SCAN_REVERSE`` (``carry`` the run's output items and their cotangents, ``args`` a
       `ScanReverseArgs`, stacked `Params`; ``carry`` and the params donated, so the caller
-      must hold no other reference to their buffers): ``(x, ct_x, new stacked params,
-      stats)``, ``stats`` a `LayerStats` of float32 ``[n]`` vectors over the run's ``n``
-      flat layers, in order (two outputs whatever the run's length).
+      must hold no other reference to their buffers): a `ReverseOut`, its ``stats`` a
+      `LayerStats` of float32 ``[n]`` vectors over the run's ``n`` flat layers, in order
+      (two outputs whatever the run's length).
     * ``SCAN_REVERSE`` with ``norm_only`` (stacked weights; nothing donated, as the
-      updating pass that follows reads the same items): ``(x, ct_x, squared norms)``, a
-      float32 ``[n]`` vector, last layer first.
+      updating pass that follows reads the same items): a `NormOut`, its ``squared_norm``
+      a float32 ``[n]`` vector, last layer first.
 
     Raises:
       ValueError: for another kind.
@@ -394,4 +381,4 @@ class ScanProgramCache:
                 for k, (_, counted, name, _) in enumerate(self._programs.values())}
 
 
-__all__ = ["ScanProgramCache", "ScanReverseArgs", "find_runs", "make_scan_program"]
+__all__ = ["ScanProgramCache", "find_runs", "make_scan_program"]

@@ -34,7 +34,6 @@ from revtrain.parallel.rngs import StepKeys
 from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.block.executor import (
     BlockStep,
-    LiveDispatcher,
     StepInputs,
     run_step,
     summary_program,
@@ -207,7 +206,6 @@ class BlockTrainer(TrainerBase):
             free_transients=free_accelerators_on_step, summarize=summarize,
             sqrt_of_sum=sqrt_of_sum)
         self._keys = StepKeys(self.placement, len(self.layers))
-        self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self.compile_times: CompileTimes | None = None
 
     def _program(self, op: Any, layer: Layer) -> Any:
@@ -298,7 +296,7 @@ class BlockTrainer(TrainerBase):
         result = run_step(self._step, self._store, self._dispatcher, inputs)
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
-        self._notify_phase("step_end")
+        self._dispatcher.phase("step_end")
         stats = {"loss": result.loss, "gradients_l2": result.gradients_l2,
                  "weights_l2": result.weights_l2}
         if lr is not None:

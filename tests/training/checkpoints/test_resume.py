@@ -4,8 +4,8 @@ import jax
 from revtrain import trainers
 from revtrain.training import CheckpointConfig, EvalConfig, LogConfig, build_loop
 from revtrain.training.checkpoints.resume import resume
-from tests.training.test_loop import _ckpt_run, _loop
 from tests.training.checkpoints.test_restore_templates import _record_reads
+from tests.training.test_loop import _ckpt_run, _loop
 
 
 def test_without_a_checkpoint_the_run_starts_at_step_0():

@@ -1,0 +1,324 @@
+"""What each op of a block step takes and gives, typed both ways, and the per-layer bodies.
+
+Every program of a block step -- one layer's (`revtrain.trainers.block.layer_programs`) or
+a scanned run's (`revtrain.trainers.block.scan_programs`) -- takes one of the argument
+types below and returns one of the output types; the executor
+(`revtrain.trainers.block.executor`) reads outputs by field name, never by position:
+
+========================  ==================  ==============================================
+op kind                   arguments           outputs
+========================  ==================  ==============================================
+``FORWARD``               `ForwardArgs`       `ForwardOut` (``copies`` None)
+``SCAN_FORWARD``          `ForwardArgs`       `ForwardOut` (``copies``: ``keep_every``)
+``FBO``                   `FboArgs`           `FboOut`
+``REVERSE``               `ReverseArgs`       `ReverseOut`
+``SCAN_REVERSE``          `ScanReverseArgs`   `ReverseOut` (stats as ``[n]`` vectors)
+``LOSS``                  `LossArgs`          `LossOut`
+any of the last four,     as above            `NormOut` (no update; ``x`` None for ``FBO``
+``norm_only``                                 and ``LOSS``)
+========================  ==================  ==============================================
+
+Programs are called as ``program(args, weights_or_params, shared)`` (``SCAN_REVERSE``:
+``program(carry, args, weights_or_params, shared)``), ``shared`` the replicated `Shared`
+scalars; an updating program takes the layer's `Params` and donates them (its
+``new_params`` output reuses their buffers).
+
+The per-device bodies (`forward`, `std_grads`, `reverse_grads`, `loss_grads`) run inside
+``shard_map`` on one device's values; both program families call them, so one layer
+computes the same thing in a per-layer program and inside a scan. Each returns its outputs
+typed, the fields that only the update fills (``new_params``, ``stats``) None, and the
+per-device weight cotangent beside them. `update` is the optimizer step on global arrays,
+after the bodies.
+
+References: Trax's ``ReversibleSerialTrainer`` (one fbo -- forward, backward, optimizer --
+per layer); Gomez et al. 2017 (RevNet) for reconstructing a layer's input from its output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from revtrain.layers.base import Layer
+from revtrain.parallel.batches import device_weight_total
+from revtrain.parallel.placement import Placement
+from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
+from revtrain.trainers.protocols import Params
+from revtrain.trainers.updates import apply_optimizer, clip_by_given_global_norm
+
+
+class ForwardArgs(NamedTuple):
+    """Per-device arguments of a forward program (leading device axis on every leaf).
+
+    Attributes:
+      x: the layer's (or run's) input stack items.
+      state: the layer's state (a run's: per group position, stacked over repetitions,
+        ``[devices, repeats, ...]``).
+      rngs: uint32 key data ``[devices, n_layers, *key]`` of the step
+        (`revtrain.parallel.rngs.StepKeys`).
+    """
+
+    x: Any
+    state: Any
+    rngs: jax.Array
+
+
+class FboArgs(NamedTuple):
+    """A standard layer's fbo (recomputed from its stashed input ``x``): `ForwardArgs`
+    plus ``ct_y``, the cotangent of the layer's outputs."""
+
+    x: Any
+    state: Any
+    rngs: jax.Array
+    ct_y: Any
+
+
+class ReverseArgs(NamedTuple):
+    """A reversible layer's reverse-and-fbo: its outputs ``y`` (from which the input is
+    reconstructed), their cotangent ``ct_y``, the state before (``state``) and after
+    (``new_state``) its forward pass, and the step's ``rngs``."""
+
+    y: Any
+    ct_y: Any
+    state: Any
+    new_state: Any
+    rngs: jax.Array
+
+
+class LossArgs(NamedTuple):
+    """The loss layer's fbo: the final stack ``x``, ``state``, ``rngs`` and
+    ``batch_weights``, the batch's third item (per-position loss weights) or None for a
+    batch without weights (every device's share is then equal)."""
+
+    x: Any
+    state: Any
+    rngs: jax.Array
+    batch_weights: Any
+
+
+class ScanReverseArgs(NamedTuple):
+    """Per-device arguments of a run's reverse scan beside its carry (leading device axis
+    on every leaf). The carry, ``(y, ct_y)``, is a separate argument: the run's output stack
+    items (its top ``n_items``) and their cotangents, which the updating program donates.
+
+    Attributes:
+      state: per group position, the stacked states before the forward pass
+        ``[devices, repeats, ...]``.
+      new_state: likewise, after it.
+      rngs: the step's key data ``[devices, n_layers, *key]``.
+      kept: the forward scan's ``keep_every`` copies (per carry item ``[devices,
+        len(run.kept), ...]``), or None for a run without any.
+    """
+
+    state: Any
+    new_state: Any
+    rngs: jax.Array
+    kept: Any = None
+
+
+class Shared(NamedTuple):
+    """Replicated scalars of a program call.
+
+    Attributes:
+      index: int32, the flat layer index (selects the layer's key from ``rngs``; a run's
+        first layer for a scan program).
+      lr: float32 learning rate to inject, or None.
+      clip: None, or float32 ``(global_norm, max_norm)``: the gradient is scaled as
+        ``optax.clip_by_global_norm`` would scale the whole model's before the update.
+    """
+
+    index: jax.Array
+    lr: jax.Array | None = None
+    clip: tuple[jax.Array, jax.Array] | None = None
+
+
+class LayerStats(NamedTuple):
+    """Norms of one layer's update, float32 scalars of global arrays (a scanned run's:
+    ``[n]`` vectors over its flat layers, in order)."""
+
+    gradients_l2: jax.Array
+    weights_l2: jax.Array
+
+
+class ForwardOut(NamedTuple):
+    """A forward program's outputs.
+
+    Attributes:
+      y: the layer's (run's) output stack items, per device.
+      new_state: its state after the pass (a run's stacked as in `ForwardArgs`).
+      copies: a scan's ``keep_every`` copies (per carry item ``[devices, n_kept, ...]``),
+        or None.
+    """
+
+    y: Any
+    new_state: Any
+    copies: Any = None
+
+
+class FboOut(NamedTuple):
+    """A standard layer's fbo: ``ct_x`` (its input's cotangent, per device), the updated
+    ``new_params`` (in the donated buffers) and its `LayerStats`."""
+
+    ct_x: Any
+    new_params: Params | None
+    stats: LayerStats | None
+
+
+class ReverseOut(NamedTuple):
+    """A reversible layer's (or scanned run's) reverse-and-fbo: the reconstructed input
+    ``x``, its cotangent ``ct_x`` (both per device), ``new_params`` and ``stats``."""
+
+    x: Any
+    ct_x: Any
+    new_params: Params | None
+    stats: LayerStats | None
+
+
+class LossOut(NamedTuple):
+    """The loss layer's fbo.
+
+    Attributes:
+      loss: float32 scalar, the weighted mean loss over the global batch.
+      ct_x: the final stack's cotangent, per device (each device's share of the loss).
+      new_params: the loss layer's updated weights and slots.
+      new_state: its state after the pass, per device.
+      stats: its `LayerStats`.
+    """
+
+    loss: jax.Array
+    ct_x: Any
+    new_params: Params | None
+    new_state: Any
+    stats: LayerStats | None
+
+
+class NormOut(NamedTuple):
+    """A norm-only program (exact global-norm clipping's first backward pass): what moves
+    the pass on and the squared norm of the global gradient; nothing is updated.
+
+    Attributes:
+      x: the reconstructed input (``REVERSE``, ``SCAN_REVERSE``), or None.
+      ct_x: the input's cotangent.
+      squared_norm: float32, the layer's squared gradient norm (a scanned run's ``[n]``
+        vector, last layer first).
+    """
+
+    x: Any
+    ct_x: Any
+    squared_norm: jax.Array
+
+
+def norm_out(out: FboOut | ReverseOut | LossOut, squared_norm: jax.Array) -> NormOut:
+    """The `NormOut` of a gradient body's ``out`` (whichever kind) and its norm."""
+    return NormOut(getattr(out, "x", None), out.ct_x, squared_norm)
+
+
+def _squeeze(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _unsqueeze(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating)
+
+
+def _ct_for_outputs(y: Any, ct: Any) -> Any:
+    """Cotangents for vjp: the given ones for float outputs, float0 zeros for the rest."""
+    if isinstance(y, tuple):
+        return tuple(_ct_for_outputs(a, c) for a, c in zip(y, ct, strict=True))
+    if _is_float(y):
+        return ct.astype(y.dtype)
+    return np.zeros(y.shape, dtype=jax.dtypes.float0)
+
+
+def _placeholders(ct: Any) -> Any:
+    """Replaces float0 cotangents by float32 scalars, so they can leave a shard_map."""
+    if isinstance(ct, tuple):
+        return tuple(_placeholders(c) for c in ct)
+    if ct.dtype == jax.dtypes.float0:
+        return jnp.zeros((), jnp.float32)
+    return ct
+
+
+def _layer_key(rngs: jax.Array, index: jax.Array) -> jax.Array:
+    """This device's key of flat layer ``index`` from ``[1, n_layers, *key]`` key data."""
+    return jax.random.wrap_key_data(rngs[0, index])
+
+
+# Per-device bodies: ``(layer, args, whole weights, index) -> outputs`` (forward) or
+# ``-> (outputs, per-device weight cotangent)``, on one device's block of every argument.
+
+def forward(layer: Layer, args: ForwardArgs, weights: Any, index: jax.Array) -> ForwardOut:
+    """One layer's forward pass on this device: `ForwardOut` ``(y, new_state)``."""
+    y, new_state = layer.pure_fn(_squeeze(args.x), weights, _squeeze(args.state),
+                                 _layer_key(args.rngs, index))
+    return ForwardOut(_unsqueeze(y), _unsqueeze(new_state))
+
+
+def std_grads(layer: Layer, args: FboArgs, weights: Any,
+              index: jax.Array) -> tuple[FboOut, Any]:
+    """A standard layer's input cotangent and weight gradient, recomputed from its stashed
+    input."""
+    state, rng = _squeeze(args.state), _layer_key(args.rngs, index)
+    fn = lambda x_, w_: layer.pure_fn(x_, w_, state, rng)
+    y, vjp_fn, _ = jax.vjp(fn, _squeeze(args.x), weights, has_aux=True)
+    ct_x, ct_w = vjp_fn(_ct_for_outputs(y, _squeeze(args.ct_y)))
+    return FboOut(_unsqueeze(_placeholders(ct_x)), None, None), ct_w
+
+
+def reverse_grads(layer: Layer, args: ReverseArgs, weights: Any,
+                  index: jax.Array) -> tuple[ReverseOut, Any]:
+    """A reversible layer's reconstructed input, its cotangent and the weight gradient
+    (`revtrain.layers.reversible.ReversibleLayer.reverse_and_grad`)."""
+    y = _squeeze(args.y)
+    x, (ct_x, ct_w) = layer.reverse_and_grad(
+        y, _ct_for_outputs(y, _squeeze(args.ct_y)), weights, _squeeze(args.state),
+        _squeeze(args.new_state), _layer_key(args.rngs, index))
+    return ReverseOut(_unsqueeze(x), _unsqueeze(_placeholders(ct_x)), None, None), ct_w
+
+
+def loss_grads(layer: Layer, args: LossArgs, weights: Any, index: jax.Array, *,
+               axes: tuple[str, ...]) -> tuple[LossOut, Any]:
+    """The loss layer's global loss, final-stack cotangent, new state and weight gradient,
+    the loss combined over the mesh ``axes`` (`Placement.device_axes`): each device's
+    cotangent is its share ``W_d / sum W`` of the global batch weights
+    (`revtrain.trainers.global_loss`)."""
+    x, state = _squeeze(args.x), _squeeze(args.state)
+    fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _layer_key(args.rngs, index))
+    loss, vjp_fn, new_state = jax.vjp(fn, x, weights, has_aux=True)
+    check_scalar_loss(layer, loss)
+    weights_item = None if args.batch_weights is None else _squeeze(args.batch_weights)
+    share = loss_share(device_weight_total(weights_item, axes), axes)
+    ct_x, ct_w = vjp_fn(share.astype(loss.dtype))
+    out = LossOut(global_loss(share, loss, axes), _unsqueeze(_placeholders(ct_x)), None,
+                  _unsqueeze(new_state), None)
+    return out, ct_w
+
+
+def update(optimizer: optax.GradientTransformation, grads: Any, params: Params,
+           shared: Shared, placement: Placement) -> tuple[Params, LayerStats]:
+    """One layer's optimizer update on global arrays: ``(new params, stats)``.
+
+    The gradient is clipped by the given global norm first (``shared.clip``), the learning
+    rate injected (``shared.lr``); the new values keep the stored layout
+    (`Placement.weight_shardings`). ``stats`` holds the norms of the gradient (before
+    clipping) and of the new weights.
+    """
+    clipped = clip_by_given_global_norm(grads, shared.clip)
+    new_w, new_slots = apply_optimizer(optimizer, clipped, params.weights, params.slots,
+                                       shared.lr)
+    new_params = jax.lax.with_sharding_constraint(Params(new_w, new_slots),
+                                                  placement.weight_shardings(params))
+    return new_params, LayerStats(optax.tree.norm(grads), optax.tree.norm(new_w))
+
+
+__all__ = ["FboArgs", "FboOut", "ForwardArgs", "ForwardOut", "LayerStats", "LossArgs",
+           "LossOut", "NormOut", "ReverseArgs", "ReverseOut", "ScanReverseArgs", "Shared",
+           "forward", "loss_grads", "norm_out", "reverse_grads", "std_grads", "update"]
