@@ -92,58 +92,79 @@ def fsdp_spec(shape: tuple[int, ...], n_shards: int, min_size: int = FSDP_MIN_SI
 class Placement:
     """Where a trainer's values live: its mesh, the batch split and the weight layout.
 
-    Build one with `Placement.resolve` (from a trainer's ``n_devices``/``mesh``/``fsdp``
-    arguments); it is immutable and shared by everything a trainer builds.
+    ``Placement(mesh)`` is the documented route, as ``jax.sharding.NamedSharding(mesh,
+    spec)`` is JAX's: everything else follows from the mesh. A trainer's ``n_devices=``,
+    ``mesh=`` and ``fsdp=`` arguments are conveniences that build one
+    (`Placement.resolve`). It is immutable and shared by everything a trainer (and the
+    run's evaluation) builds.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh``: the named axes among ``('data', 'fsdp', 'seq')``
+        (any subset, any order: it becomes the canonical three-axis mesh,
+        `revtrain.parallel.mesh.canonical_mesh`), or a one-axis mesh of another name,
+        whose devices become the ``batch`` axis (`BATCH_AXIS`). May span processes.
+      fsdp: shard weights and optimizer slots over `weight_axes` (`fsdp_spec`) instead of
+        replicating them. None (the default) decides from the mesh: on a named mesh,
+        exactly when its ``fsdp`` axis is larger than 1; on a one-axis mesh, no.
 
     Attributes:
-      mesh: the trainer's mesh: the one axis `BATCH_AXIS`, or the named axes ``('data',
-        'fsdp', 'seq')`` (`revtrain.parallel.mesh`).
+      mesh: the canonical mesh: the one axis `BATCH_AXIS`, or ``('data', 'fsdp', 'seq')``.
+      fsdp: the resolved bool.
       n_devices: this process's devices in the mesh (the rows of this process's
-        per-device values; its batch is split into ``n_devices // seq`` slices of rows).
-      fsdp: weights and optimizer slots are sharded over `weight_axes` by `fsdp_spec`
-        instead of replicated (on a named mesh: exactly when its ``fsdp`` axis is > 1).
+        per-device values; its batch is split into ``n_devices // seq`` slices of rows),
+        derived from the mesh.
 
     Raises:
-      ValueError: for a mesh of other axes, or an ``fsdp`` that contradicts a named mesh.
+      TypeError: for a ``mesh`` that is not a ``jax.sharding.Mesh``, or an ``fsdp`` that is
+        not a bool or None.
+      ValueError: for an ``fsdp`` that contradicts a named mesh, and as
+        `revtrain.parallel.mesh.resolve_mesh` (axis names, devices per process).
     """
 
     mesh: Mesh
-    n_devices: int
-    fsdp: bool = False
+    fsdp: bool | None = None
+    n_devices: int = dataclasses.field(init=False)
 
     def __post_init__(self):
-        names = tuple(self.mesh.axis_names)
-        if names not in ((BATCH_AXIS,), mesh_lib.MESH_AXES):
-            raise ValueError(f"Placement of {mesh_lib.describe(self.mesh)}: build it with "
-                             f"Placement.resolve, which names the axes")
-        if self.named and self.fsdp != (self.mesh.shape[mesh_lib.FSDP_AXIS] > 1):
-            raise ValueError(f"fsdp={self.fsdp} contradicts {mesh_lib.describe(self.mesh)}: "
-                             f"on a named mesh its 'fsdp' axis shards the weights; build "
-                             f"the Placement with Placement.resolve")
+        if self.fsdp is not None and not isinstance(self.fsdp, bool):
+            raise TypeError(f"fsdp={self.fsdp!r} must be True, False or None")
+        mesh, n_devices = resolve_mesh(None, self.mesh)
+        named = tuple(mesh.axis_names) == mesh_lib.MESH_AXES
+        fsdp = self.fsdp
+        if named:
+            sharded = mesh.shape[mesh_lib.FSDP_AXIS] > 1
+            if fsdp and not sharded:
+                raise ValueError(f"fsdp=True but {mesh_lib.describe(mesh)} has fsdp=1; on a "
+                                 f"named mesh the 'fsdp' axis shards the weights: give it "
+                                 f"the devices to shard over, or drop fsdp=True")
+            if fsdp is False and sharded:
+                raise ValueError(f"fsdp=False contradicts {mesh_lib.describe(mesh)}: on a "
+                                 f"named mesh its 'fsdp' axis shards the weights; use an "
+                                 f"fsdp axis of 1 (or the 'data' axis) to replicate them")
+            fsdp = sharded
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "fsdp", bool(fsdp))
+        object.__setattr__(self, "n_devices", n_devices)
 
     @classmethod
     def resolve(cls, n_devices: int | None = None, mesh: Mesh | None = None,
                 fsdp: bool = False) -> Placement:
-        """The placement of a trainer built with these arguments.
+        """The placement a trainer's ``n_devices``/``mesh``/``fsdp`` arguments describe.
 
-        On a named mesh its ``fsdp`` axis decides the weight sharding; ``fsdp=True`` is
-        then only accepted when that axis is larger than 1.
+        Without ``mesh``, a one-axis mesh of ``n_devices`` devices of every process
+        (`revtrain.parallel.mesh.make_mesh`); with one, ``n_devices`` may only repeat its
+        count of this process's devices. On a named mesh its ``fsdp`` axis decides the
+        weight sharding; ``fsdp=True`` is then only accepted when that axis is larger
+        than 1.
 
         Raises:
           TypeError: for a non-bool ``fsdp`` and as `resolve_mesh`.
-          ValueError: as `resolve_mesh`, and for ``fsdp=True`` on a named mesh whose
-            ``fsdp`` axis is 1.
+          ValueError: as `resolve_mesh` and `Placement`.
         """
         if not isinstance(fsdp, bool):
             raise TypeError(f"fsdp={fsdp!r} must be True or False")
-        mesh, n_devices = resolve_mesh(n_devices, mesh)
-        if tuple(mesh.axis_names) == mesh_lib.MESH_AXES:
-            if fsdp and mesh.shape[mesh_lib.FSDP_AXIS] == 1:
-                raise ValueError(f"fsdp=True but {mesh_lib.describe(mesh)} has fsdp=1; on a "
-                                 f"named mesh the 'fsdp' axis shards the weights: give it "
-                                 f"the devices to shard over, or drop fsdp=True")
-            fsdp = mesh.shape[mesh_lib.FSDP_AXIS] > 1
-        return cls(mesh, n_devices, fsdp)
+        mesh, _ = resolve_mesh(n_devices, mesh)
+        return cls(mesh, fsdp=True if fsdp else None if mesh_lib.is_named(mesh) else False)
 
     # ----------------------------------------------------------------------------------
     # Axes.
@@ -191,6 +212,15 @@ class Placement:
     def n_batch_shards(self) -> int:
         """How many slices of rows the global batch is split into (``data x fsdp``)."""
         return self.n_global_devices // self.n_seq
+
+    @functools.cached_property
+    def rows_mesh(self) -> Mesh:
+        """This process's devices of the mesh that hold distinct rows, as one `BATCH_AXIS`
+        (``n_devices // seq`` of them: a ``seq`` group counts once): where evaluation
+        splits an eval batch's rows, each process its own, summed over processes on the
+        host (`revtrain.training.evaluation.Evaluator`)."""
+        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        return Mesh(np.array(local[:self.n_devices // self.n_seq]), (BATCH_AXIS,))
 
     # ----------------------------------------------------------------------------------
     # Shardings.

@@ -27,6 +27,7 @@ from revtrain.layers import (
     nest_flat_values,
     signature_of,
 )
+from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
@@ -141,10 +142,12 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
     return BuiltModel(model, loss, flat, signature)
 
 
-def build_evaluator(run: RunConfig, built: BuiltModel, inputs: Inputs) -> Evaluator:
-    """The eval-mode model scored by ``{'loss', 'accuracy'}`` on the run's devices."""
+def build_evaluator(run: RunConfig, built: BuiltModel, inputs: Inputs,
+                    placement: Placement | None = None) -> Evaluator:
+    """The eval-mode model scored by ``{'loss', 'accuracy'}`` on the run's `Placement`
+    (``placement``, the trainer's, or `RunConfig.placement`)."""
     return Evaluator(run.model(mode="eval"), {"loss": built.loss, "accuracy": Accuracy()},
-                     byte_level=inputs.byte_level, n_devices=run.eval_devices())
+                     byte_level=inputs.byte_level, placement=placement or run.placement())
 
 
 def _schedule(run: RunConfig) -> optax.Schedule | None:
@@ -172,8 +175,9 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     eval_config = eval_config or EvalConfig()
     inputs = resolve_inputs(run.inputs)
     built = build_model(run, inputs)
+    placement = run.placement()
     trainer = build_trainer(run.trainer_class, built.model, built.loss, run.optimizer,
-                            run.n_devices, **run.trainer_arguments())
+                            placement=placement, **run.trainer_arguments())
     splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
     # Validated before anything is created in output_dir.
@@ -191,7 +195,7 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
             init.close()
         raise
     writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
-    return Loop(trainer, inputs, built, build_evaluator(run, built, inputs), splits,
+    return Loop(trainer, inputs, built, build_evaluator(run, built, inputs, placement), splits,
                 checkpointer=checkpointer, init_checkpointer=init, writer=writer,
                 schedule=_schedule(run), eval_config=eval_config, checkpoint=checkpoint,
                 log=log or LogConfig(), seed=run.seed)

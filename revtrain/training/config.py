@@ -23,13 +23,13 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import optax
 from jax.sharding import Mesh
 
 from revtrain.data.inputs import Inputs
 from revtrain.layers import Layer
 from revtrain.parallel.mesh import check_mesh_shape, mesh_from_shape
+from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer
 from revtrain.training.optimizers import optimizer_fn
 from revtrain.training.validation import check_arguments
@@ -137,23 +137,27 @@ class RunConfig:
             return None
         return mesh_from_shape(self.mesh_shape, self.n_devices, "RunConfig.mesh_shape")
 
-    def trainer_arguments(self) -> dict[str, Any]:
-        """Keyword arguments of ``trainer_class`` beyond the model, optimizer and devices:
-        ``trainer_kwargs``, plus ``fsdp=True`` or the ``mesh`` of ``mesh_shape`` when set
-        (builds the mesh: call it after ``jax.distributed`` is initialised)."""
-        extra = {"fsdp": True} if self.fsdp else {}
-        if self.mesh_shape is not None:
-            extra = {"mesh": self.mesh()}
-        return dict(self.trainer_kwargs or {}) | extra
+    def placement(self) -> Placement:
+        """The run's one `revtrain.parallel.Placement`, which its trainer and its evaluation
+        share: ``trainer_kwargs['placement']`` when given, else the mesh of ``mesh_shape``
+        (or a ``mesh`` in ``trainer_kwargs``) or ``n_devices`` devices, with ``fsdp``.
+        Builds the mesh: call it after ``jax.distributed`` is initialised.
 
-    def eval_devices(self) -> int | None:
-        """Devices per process evaluation splits rows over: ``n_devices``, or with a
-        ``mesh_shape`` this process's devices of its ``data x fsdp`` (its ``seq`` groups
-        count once: evaluation does not split the length)."""
-        if self.mesh_shape is None:
-            return self.n_devices
-        seq = check_mesh_shape(self.mesh_shape, "RunConfig.mesh_shape")["seq"]
-        return max(1, (self.n_devices or jax.local_device_count()) // seq)
+        Raises:
+          ValueError, TypeError: as `Placement.resolve` and `mesh`.
+        """
+        kwargs = dict(self.trainer_kwargs or {})
+        if kwargs.get("placement") is not None:
+            return kwargs["placement"]
+        mesh = self.mesh() if self.mesh_shape is not None else kwargs.get("mesh")
+        fsdp = self.fsdp or bool(kwargs.get("fsdp", False))
+        return Placement.resolve(self.n_devices, mesh, fsdp)
+
+    def trainer_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of ``trainer_class`` beyond the model, optimizer and
+        `placement`: ``trainer_kwargs`` without the ones `placement` reads."""
+        return {k: v for k, v in (self.trainer_kwargs or {}).items()
+                if k not in ("placement", "mesh", "fsdp", "n_devices")}
 
     def check_complete(self) -> None:
         """Raises a ValueError naming the binding when ``model`` or ``inputs`` is unset."""

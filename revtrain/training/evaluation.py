@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revtrain.batch_checks import check_divisible
 from revtrain.data.inputs import Batch, Inputs
 from revtrain.layers.base import Layer
-from revtrain.parallel.placement import BATCH_AXIS, resolve_n_devices
+from revtrain.parallel.placement import BATCH_AXIS, Placement
 
 
 def bits_per_byte(loss_nats: float) -> float:
@@ -66,23 +66,33 @@ class Evaluator:
         weighted mean, as `revtrain.layers.metrics`).
       byte_level: also report ``bits_per_byte`` = ``loss / ln 2`` (needs a ``'loss'``
         metric); true when the data's tokens are bytes (`Inputs.byte_level`).
-      n_devices: devices per process to split each batch over (default: all local
-        devices); a batch's rows must divide by it.
+      placement: the run's `revtrain.parallel.Placement` (the trainer's): each process
+        splits its eval rows over its devices that hold distinct rows
+        (`Placement.rows_mesh`: evaluation does not split the length over ``seq``), and the
+        processes' sums are added on the host.
+      n_devices: a convenience instead of ``placement``: ``Placement.resolve(n_devices)``
+        (default: all local devices). A batch's rows must divide by the devices used.
 
     Raises:
-      ValueError: for ``byte_level`` without a ``'loss'`` metric, or a bad ``n_devices``.
+      ValueError: for ``byte_level`` without a ``'loss'`` metric, a bad ``n_devices``, or
+        both ``placement`` and ``n_devices``.
     """
 
     def __init__(self, eval_model: Layer, metrics: Mapping[str, Layer],
-                 byte_level: bool = False, n_devices: int | None = None):
+                 byte_level: bool = False, n_devices: int | None = None,
+                 placement: Placement | None = None):
         if byte_level and "loss" not in metrics:
             raise ValueError(f"byte_level=True needs a 'loss' metric; got {sorted(metrics)}")
+        if placement is not None and n_devices is not None:
+            raise ValueError(f"Evaluator got placement= and n_devices={n_devices}; pass "
+                             f"one of them")
         self.eval_model = eval_model
         self._names = tuple(metrics)
         self._byte_level = byte_level
-        self.n_devices = resolve_n_devices(n_devices)
+        placement = placement or Placement.resolve(n_devices)
         # This process's devices only: processes' sums are added after each evaluation.
-        self.mesh = Mesh(np.array(jax.local_devices()[:self.n_devices]), (BATCH_AXIS,))
+        self.mesh = placement.rows_mesh
+        self.n_devices = self.mesh.devices.size
         self._replicated = NamedSharding(self.mesh, P())
         self._rows = NamedSharding(self.mesh, P(BATCH_AXIS))
         self._default_rng = jax.device_put(jax.random.key(0), self._replicated)

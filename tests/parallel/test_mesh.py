@@ -68,7 +68,7 @@ def test_a_sequence_mesh_is_no_longer_taken_as_the_batch_axis():
      r"n_devices=2 but mesh \{'data': 2, 'fsdp': 2, 'seq': 1\} holds 4 devices"),
     (lambda: Placement.resolve(mesh=named((4, 1, 1)), fsdp=True),
      r"fsdp=True but mesh \{'data': 4, 'fsdp': 1, 'seq': 1\} has fsdp=1"),
-    (lambda: Placement(named((1, 4, 1)), 4, fsdp=False), r"fsdp=False contradicts mesh"),
+    (lambda: Placement(named((1, 4, 1)), fsdp=False), r"fsdp=False contradicts mesh"),
     (lambda: mesh_lib.mesh_from_shape({"data": 2, "fsdp": 4}),
      r"mesh_shape=\{'data': 2, 'fsdp': 4\} has 8 devices but the run has 4 \(1 process x "
      r"4 devices\); give axis sizes whose product is 4"),

@@ -49,12 +49,12 @@ def test_weight_shardings_and_put_sharded_hold_one_slice_per_device():
     mesh = placement.make_mesh(4)
     tree = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
             "b": np.ones(8, np.float32)}
-    shardings = placement.Placement(mesh, 4, fsdp=True).weight_shardings(tree)
+    shardings = placement.Placement(mesh, fsdp=True).weight_shardings(tree)
     put = transfers.put_sharded(tree, shardings)
     assert [s.data.shape for s in put["w"].addressable_shards] == [(16, 32)] * 4
     assert [s.data.shape for s in put["b"].addressable_shards] == [(8,)] * 4
     np.testing.assert_array_equal(np.asarray(put["w"]), tree["w"])
-    replicated = placement.Placement(mesh, 4).weight_shardings(tree)
+    replicated = placement.Placement(mesh).weight_shardings(tree)
     assert all(s.spec == P() for s in jax.tree.leaves(replicated))
 
 
@@ -88,7 +88,7 @@ def test_put_sharded_gives_strongly_typed_copies():
     mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
     weak = jax.numpy.asarray(0.9)
     assert weak.weak_type
-    shardings = placement.Placement(mesh, 2).weight_shardings({"b1": weak})
+    shardings = placement.Placement(mesh).weight_shardings({"b1": weak})
     put = transfers.put_sharded({"b1": weak}, shardings)
     assert not put["b1"].weak_type
     assert float(put["b1"]) == pytest.approx(0.9)
@@ -121,3 +121,28 @@ def test_a_trainer_takes_a_placement_or_the_triple_but_not_both():
     assert trainer.placement is p and trainer.n_devices == 2 and trainer.mesh is p.mesh
     with pytest.raises(ValueError, match=r"placement= was given with n_devices="):
         Trainer(model, lambda: optax.sgd(0.1), n_devices=2, placement=p)
+
+
+def test_a_placement_is_built_from_its_mesh_alone():
+    """``Placement(mesh)`` derives the device count and the weight layout from the mesh;
+    the trainers' ``n_devices``/``mesh``/``fsdp`` route (`Placement.resolve`) gives the
+    same placement."""
+    named = jax.make_mesh((2, 2, 1), ("data", "fsdp", "seq"))
+    built = placement.Placement(named)
+    assert built.n_devices == 4 and built.fsdp and built.mesh.axis_names == (
+        "data", "fsdp", "seq")
+    resolved = placement.Placement.resolve(mesh=named)
+    assert (resolved.n_devices, resolved.fsdp, resolved.mesh.shape) == (
+        built.n_devices, built.fsdp, built.mesh.shape)
+    one_axis = placement.Placement(Mesh(np.array(jax.devices()[:2]), ("data",)))
+    assert (one_axis.n_devices, one_axis.fsdp, one_axis.mesh.axis_names) == (
+        2, False, ("batch",))
+    assert placement.Placement.resolve(n_devices=2, fsdp=True).fsdp
+    with pytest.raises(TypeError, match="fsdp='yes' must be True, False or None"):
+        placement.Placement(named, fsdp="yes")
+
+
+def test_the_rows_mesh_counts_a_seq_group_once():
+    seq = placement.Placement(jax.make_mesh((1, 1, 4), ("data", "fsdp", "seq")))
+    assert seq.rows_mesh.axis_names == ("batch",) and seq.rows_mesh.devices.size == 1
+    assert placement.Placement.resolve(n_devices=4).rows_mesh.devices.size == 4

@@ -72,6 +72,7 @@ def test_gin_binds_a_mesh_shape_by_axis_name():
         run = configurables.run_configs()["run"]
     finally:
         gin.clear_config()
-    mesh = run.trainer_arguments()["mesh"]
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "seq": 2}
-    assert run.eval_devices() == 2  # Evaluation splits rows only, over data x fsdp.
+    placement = run.placement()
+    assert dict(placement.mesh.shape) == {"data": 2, "fsdp": 1, "seq": 2}
+    # Evaluation splits rows only, over data x fsdp: a seq group counts once.
+    assert placement.rows_mesh.devices.size == 2 and run.trainer_arguments() == {}

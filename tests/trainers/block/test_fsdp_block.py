@@ -174,7 +174,7 @@ def test_saved_values_are_the_stored_shards(batch):
 
 def _sharded_arrays(values, mesh, fsdp):
     """``values`` (host) as jax.Arrays in the fsdp layout (weights, slots) of ``mesh``."""
-    layout = placement.Placement(mesh, mesh.devices.size, fsdp)
+    layout = placement.Placement(mesh, fsdp)
     put = lambda tree: transfers.put_sharded(tree, layout.weight_shardings(tree))
     return TrainState(put(values.weights), values.state, put(values.slots))
 
