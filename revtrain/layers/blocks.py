@@ -273,13 +273,21 @@ def _run(layer: Layer, stack: Any, rng: jax.Array | None) -> Any:
     return outputs_onto_stack(y, stack, layer.n_in)
 
 
+def is_keep_point(position: int, keep_every: int | None) -> bool:
+    """Whether reversible layer ``position`` of a block (counting from 0) keeps a copy of
+    its input, so the backward pass recomputes it from that copy instead of reversing it:
+    every ``keep_every``-th layer after the first (None: none). The one rule of the block
+    trainers' plans (`revtrain.trainers.block.plan`) and of `reconstruction_error`."""
+    return keep_every is not None and position > 0 and position % keep_every == 0
+
+
 def _reverse_block(records: list, stack: Any, keep_every: int | None) -> list[float]:
     """Reverses ``records`` (layer, stored input, new state, rng) from ``stack``, taking
     the stored input of every ``keep_every``-th layer instead of reversing it."""
     errors = []
     for p in range(len(records) - 1, -1, -1):
         layer, stored, new_state, r = records[p]
-        if keep_every is not None and p > 0 and p % keep_every == 0:
+        if is_keep_point(p, keep_every):
             x = stored
         else:
             y = inputs_from_stack(stack, layer.n_out)
@@ -290,4 +298,4 @@ def _reverse_block(records: list, stack: Any, keep_every: int | None) -> list[fl
 
 
 __all__ = ["Block", "extract_reversible_blocks", "blocks_to_layers", "init_reversible_blocks",
-           "reconstruction_error"]
+           "is_keep_point", "reconstruction_error"]

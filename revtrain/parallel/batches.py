@@ -53,34 +53,6 @@ def reshape_by_device(x: Any, n_devices: int) -> Any:
     return jax.tree.map(reshape, x)
 
 
-def weight_totals_by_device(batch: Any, n_devices: int) -> np.ndarray:
-    """The total of each device's batch weights: float32 ``[n_devices]``, on the host.
-
-    A batch ``(inputs, targets, weights, ...)`` carries per-position loss weights (a 0/1
-    padding mask, Trax's convention) as its third item; device ``d`` gets rows
-    ``[d * batch // n_devices, (d + 1) * batch // n_devices)`` and its total is the sum of
-    those rows' weights. A batch of fewer than three items has no weights: each device's
-    total is its row count. The trainers weight each device's loss by its total over the
-    global sum (`revtrain.trainers.global_loss.loss_share`), so the loss is the weighted mean over
-    the global batch however it is split: ``sum(w * loss) / sum(w)``, the same number as
-    on one device. A weights item broadcast to the targets' shape counts each weight the
-    same number of times on every device, so its ratio of totals is unchanged.
-
-    Args:
-      batch: a tuple of arrays with a leading batch axis divisible by ``n_devices``.
-      n_devices: number of devices (this process's, under ``jax.distributed``).
-
-    Raises:
-      ValueError: as `reshape_by_device`, for a batch that does not split.
-    """
-    items = tuple(batch)
-    if len(items) < 3:
-        rows = np.shape(jax.tree.leaves(reshape_by_device(items, n_devices))[0])[1]
-        return np.full((n_devices,), rows, np.float32)
-    weights = reshape_by_device(np.asarray(items[2]), n_devices)
-    return weights.reshape(n_devices, -1).sum(axis=1, dtype=np.float64).astype(np.float32)
-
-
 def for_n_devices(x: Any, n_devices: int) -> Any:
     """Broadcasts each leaf to a leading device axis: ``[...] -> [n_devices, ...]``."""
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (n_devices,) + np.shape(a)), x)
@@ -121,10 +93,9 @@ def split_sequence(x: Any, n_seq: int, layout: np.ndarray) -> Any:
 def device_weight_total(weights: Any | None, axis_name: str | tuple[str, ...]) -> jax.Array:
     """Inside ``shard_map``: the total of this device's batch weights, float32 scalar.
 
-    The on-device form of `weight_totals_by_device`. ``weights`` is the device's slice of
-    the batch's third item: integer and boolean weights are summed exactly (int32), float
-    ones in float32 (for fractional weights an ulp from `weight_totals_by_device`'s
-    float64 sum; 0/1 masks are exact up to 2**24 positions per device). For a batch
+    ``weights`` is the device's slice of the batch's third item (per-position loss weights,
+    Trax's 0/1 padding mask): integer and boolean weights are summed exactly (int32), float
+    ones in float32 (for fractional weights an ulp from a float64 sum on the host; 0/1 masks are exact up to 2**24 positions per device). For a batch
     without weights (None) the total is 1: every device has the same number of rows (and
     positions), so each device's share of the loss
     (`revtrain.trainers.global_loss.loss_share`) is ``1 / devices`` either way, whatever
@@ -139,4 +110,4 @@ def device_weight_total(weights: Any | None, axis_name: str | tuple[str, ...]) -
 
 
 __all__ = ["check_split", "device_weight_total", "for_n_devices", "reshape_by_device",
-           "split_sequence", "weight_totals_by_device"]
+           "split_sequence"]

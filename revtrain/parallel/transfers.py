@@ -169,6 +169,11 @@ def host_value(a: Any) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
+def host_values(tree: Any) -> Any:
+    """Every leaf of ``tree`` as a host numpy array (`host_value`, leaf by leaf)."""
+    return jax.tree.map(host_value, tree)
+
+
 def covered_by_every_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
     """Whether each process's devices hold every element of an array of ``shape`` laid
     out by ``sharding`` (the same answer on every process: it reads the global layout)."""

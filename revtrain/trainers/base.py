@@ -7,7 +7,6 @@ module holds the parts that must not differ between them, so they stay equivalen
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,9 +20,14 @@ from revtrain.parallel import transfers
 from revtrain.parallel.inflight import InflightLimit
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.dispatch import LiveDispatcher
+from revtrain.trainers.learning_rate import (
+    PlacedRate,
+    check_learning_rate,
+    has_injectable_learning_rate,
+    learning_rate_of,
+)
 from revtrain.trainers.protocols import DeviceFootprint, Observer, TrainState
 from revtrain.trainers.structure import check_same_structure, lists_as_tuples
-from revtrain.trainers.updates import has_injectable_learning_rate, learning_rate_of
 
 OptimizerFn = Callable[[], optax.GradientTransformation]
 
@@ -72,7 +76,7 @@ class TrainerBase:
         self.observers: list[Observer] = []
         self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self._copy_batch = False
-        self._lr_on_mesh: tuple[float, jax.Array] | None = None  # `_placed_learning_rate`
+        self._placed_learning_rate = PlacedRate(self.placement)
 
     @property
     def mesh(self) -> Mesh:
@@ -248,34 +252,8 @@ class TrainerBase:
         self.learning_rate = learning_rate_of(slots)
 
     def _learning_rate_arg(self, learning_rate: float | None) -> np.ndarray | None:
-        """Validates a ``learning_rate`` override and returns the value to pass this step."""
-        if learning_rate is None:
-            return np.float32(self.learning_rate) if self._injectable else None
-        if isinstance(learning_rate, (np.ndarray, np.generic, jax.Array)) and (
-                np.ndim(learning_rate) == 0 and np.issubdtype(np.asarray(learning_rate).dtype,
-                                                              np.number)):
-            learning_rate = float(learning_rate)  # e.g. a schedule's value, jnp.float32(...)
-        if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real):
-            raise TypeError(f"learning_rate={learning_rate!r} must be a real number (or None "
-                            f"to keep the current rate)")
-        if not self._injectable:
-            raise ValueError(
-                f"learning_rate={learning_rate} was given but the optimizer has no injectable "
-                f"learning rate (none, or a schedule that sets it itself); build it with "
-                f"optax.inject_hyperparams(optax.adam)(learning_rate=<a number>)")
-        if not np.isfinite(learning_rate):
-            raise ValueError(f"learning_rate={learning_rate} is not finite")
-        return np.float32(learning_rate)
-
-    def _placed_learning_rate(self, lr: np.ndarray | None) -> jax.Array | None:
-        """``lr`` replicated on the mesh; the same rate as the last step's is not sent
-        again (one explicit transfer per change of rate)."""
-        if lr is None:
-            return None
-        cached = self._lr_on_mesh
-        if cached is None or cached[0] != float(lr):
-            cached = self._lr_on_mesh = (float(lr), jax.device_put(lr, self.placement.replicated))
-        return cached[1]
+        """The checked float32 rate of this step (`check_learning_rate`)."""
+        return check_learning_rate(learning_rate, self.learning_rate, self._injectable)
 
     # ----------------------------------------------------------------------------------
     # Batches.

@@ -25,10 +25,6 @@ from revtrain.trainers.block.plan import Run
 from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
 
 
-def _host_values(tree: Any) -> Any:
-    return jax.tree.map(transfers.host_value, tree)
-
-
 class DeviceStore:
     """All values on the devices: weights and slots replicated (or sharded), states per
     device; the layers of each run stacked.
@@ -75,7 +71,7 @@ class DeviceStore:
         for (run, part), position_writers in writers.items():
             kept = self._weights if part == "weights" else self._slots
             kept[run] = tuple(w.buffers for w in position_writers)
-        states = [for_n_devices(_host_values(s), self._placement.n_devices)
+        states = [for_n_devices(transfers.host_values(s), self._placement.n_devices)
                   for s in train_state.state]
         self._n_layers = len(states)
         self._states = {i: self._per_device(s) for i, s in enumerate(states)
@@ -154,8 +150,8 @@ class DeviceStore:
                     if not isinstance(i, Run)}
             return self._per_layer(flat, lambda run, j, t: stacked.entry(host[run][j], t))
         values = {"weights": self._weights, "slots": self._slots}[part]
-        host = {run: tuple(_host_values(v) for v in values[run]) for run in self._runs}
-        flat = {i: _host_values(v) for i, v in values.items() if not isinstance(i, Run)}
+        host = {run: tuple(transfers.host_values(v) for v in values[run]) for run in self._runs}
+        flat = {i: transfers.host_values(v) for i, v in values.items() if not isinstance(i, Run)}
         return self._per_layer(flat, lambda run, j, t: stacked.entry(host[run][j], t))
 
     def saved_values(self, part: str) -> tuple:

@@ -32,10 +32,6 @@ from revtrain.trainers.block.plan import Op, OpKind, Run, runs_of
 from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
 
 
-def _host_values(tree: Any) -> Any:
-    return jax.tree.map(transfers.host_value, tree)
-
-
 def _host_buffers(tree: Any) -> Any:
     """Writeable C-contiguous numpy copies the store owns (a caller's array is never
     aliased): its host buffers, allocated once and updated in place by every step."""
@@ -124,8 +120,8 @@ class HostStore:
         for _, params in self._pending:  # Not landed (last or failed step): replaced.
             transfers.delete_quietly(params)
         self._pending = []
-        self._weights = [_host_values(w) for w in train_state.weights]
-        self._slots = [_host_values(s) for s in train_state.slots]
+        self._weights = [transfers.host_values(w) for w in train_state.weights]
+        self._slots = [transfers.host_values(s) for s in train_state.slots]
         in_runs = {i for run in self._runs.values() for i in run.layers}
         for values in (self._weights, self._slots):
             for i in range(len(values)):
@@ -143,7 +139,8 @@ class HostStore:
             key: tuple(stacked.stacked_shardings(self._placement, v) if key in self._runs
                        else self._placement.weight_shardings(v) for v in values)
             for key, values in self._buffers.items()}
-        self._states = [_host_copy(for_n_devices(_host_values(s), self._placement.n_devices))
+        self._states = [_host_copy(for_n_devices(transfers.host_values(s),
+                                                 self._placement.n_devices))
                         for s in train_state.state]
         self._new_states: list[Any] = [None] * len(self._states)
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from revtrain.layers.base import Layer
+from revtrain.layers.blocks import is_keep_point
 from revtrain.layers.reversible import ReversibleSelect
 
 
@@ -140,10 +141,6 @@ class Op(NamedTuple):
     run: Run | None = None
 
 
-def _is_keep_point(position: int, keep_every: int | None) -> bool:
-    return keep_every is not None and position > 0 and position % keep_every == 0
-
-
 def _runs_by_start(runs: Sequence[Run], block_sizes: Sequence[int]) -> dict[int, Run]:
     """``{start: run}`` after checking each run lies inside one block's reversible layers
     and no two overlap."""
@@ -203,14 +200,14 @@ def build_schedule(block_sizes: Sequence[int], keep_every: int | None = None,
             if run is not None:
                 n = run.stop - run.start
                 run = run._replace(kept=tuple(
-                    q for q in range(n) if _is_keep_point(p + q, keep_every)))
+                    q for q in range(n) if is_keep_point(p + q, keep_every)))
                 forward.append(Op(OpKind.SCAN_FORWARD, j, b, f"forward/{_run_label(run)}",
                                   run=run))
                 block_backward.insert(0, Op(OpKind.SCAN_REVERSE, j, b,
                                             f"backward/{_run_label(run)}", run=run))
                 p += n
                 continue
-            keep = _is_keep_point(p, keep_every)
+            keep = is_keep_point(p, keep_every)
             forward.append(Op(OpKind.FORWARD, j, b, f"forward/layer{j}", keep_point=keep))
             kind = OpKind.FBO if keep else OpKind.REVERSE
             block_backward.insert(0, Op(kind, j, b, f"backward/layer{j}", keep_point=keep))

@@ -163,13 +163,6 @@ def abstract_batch(batch_signature: Sequence[Any], placement: Placement) -> tupl
                  for item in batch_signature)
 
 
-def abstract_learning_rate(placement: Placement, lr: Any) -> jax.ShapeDtypeStruct | None:
-    """The abstract learning-rate argument (float32 scalar, replicated) or None."""
-    if lr is None:
-        return None
-    return jax.ShapeDtypeStruct((), np.float32, sharding=placement.replicated)
-
-
 class RecordingDispatcher:
     """A `revtrain.trainers.dispatch.Dispatcher` that runs nothing: it records each call
     and returns ``jax.eval_shape`` of it.
@@ -243,4 +236,4 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
 
 
 __all__ = ["AbstractStore", "CompileTimes", "RecordingDispatcher", "abstract_batch",
-           "abstract_learning_rate", "compile_all", "timed"]
+           "compile_all", "timed"]

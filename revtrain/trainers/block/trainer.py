@@ -45,7 +45,6 @@ from revtrain.trainers.block.precompile import (
     CompileTimes,
     RecordingDispatcher,
     abstract_batch,
-    abstract_learning_rate,
     compile_all,
     timed,
 )
@@ -336,7 +335,7 @@ class BlockTrainer(TrainerBase):
         inputs = StepInputs(
             abstract_batch(batch_signature, placement),
             self._keys.signature(),
-            abstract_learning_rate(placement, self._learning_rate_arg(learning_rate)))
+            self._placed_learning_rate.abstract(self._learning_rate_arg(learning_rate)))
         recorder = RecordingDispatcher(placement)
         start = time.perf_counter()
         store = AbstractStore(placement, self._signature, self._runs)
