@@ -96,8 +96,9 @@ def device_weight_total(weights: Any | None, axis_name: str | tuple[str, ...]) -
     ``weights`` is the device's slice of the batch's third item (per-position loss weights,
     Trax's 0/1 padding mask): integer and boolean weights are summed exactly (int32), float
     ones in float32 (for fractional weights an ulp from a float64 sum on the host; 0/1
-    masks are exact up to 2**24 positions per device). For a batch without weights (None) the total is 1: every device has the same number of rows (and
-    positions), so each device's share of the loss
+    masks are exact up to 2**24 positions per device). For a batch without weights (None)
+    the total is 1: every device has the same number of rows (and positions), so each
+    device's share of the loss
     (`revtrain.trainers.global_loss.loss_share`) is ``1 / devices`` either way, whatever
     the stack holds. ``axis_name`` is the mesh axis, or axes, the batch is split over (the
     total varies over them: `revtrain.parallel.placement.Placement.device_axes`).
