@@ -145,6 +145,7 @@ def first_device_slice(tree: Any) -> Any:
     return jax.tree.map(lambda a: _host(a.addressable_shards[0].data)[0]
                         if isinstance(a, jax.Array) else np.asarray(a)[0], tree)
 
+
 def host_value(a: Any) -> np.ndarray:
     """The whole (global) value of one leaf in host memory.
 
@@ -168,12 +169,12 @@ def host_value(a: Any) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
-@functools.lru_cache(maxsize=256)
 def host_values(tree: Any) -> Any:
     """Every leaf of ``tree`` as a host numpy array (`host_value`, leaf by leaf)."""
     return jax.tree.map(host_value, tree)
 
 
+@functools.lru_cache(maxsize=256)
 def covered_by_every_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
     """Whether each process's devices hold every element of an array of ``shape`` laid
     out by ``sharding`` (the same answer on every process: it reads the global layout)."""
