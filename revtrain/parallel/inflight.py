@@ -26,7 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+
+from revtrain.parallel.placement import Placement
 
 #: Programs (per trainer) dispatched between two waits. Each counted program brings at most
 #: a few small ones with it (an optimizer update, a copy), so this stays well below the CPU
@@ -38,19 +39,18 @@ class InflightLimit:
     """Waits for every ``limit``-th counted program to finish.
 
     Args:
-      mesh: the trainer's mesh; the limit is active only for a CPU mesh of more than one
-        device.
+      placement: the trainer's placement; the limit is active only on a CPU mesh of more
+        than one device (`Placement.is_multi_device_cpu`).
       limit: programs dispatched between two waits (positive).
 
     Raises:
       ValueError: for ``limit < 1``.
     """
 
-    def __init__(self, mesh: Mesh, limit: int = DEFAULT_LIMIT):
+    def __init__(self, placement: Placement, limit: int = DEFAULT_LIMIT):
         if limit < 1:
             raise ValueError(f"limit={limit} must be at least 1")
-        self.active = mesh.devices.size > 1 and all(
-            d.platform == "cpu" for d in mesh.devices.flat)
+        self.active = placement.is_multi_device_cpu
         self.limit = limit
         self._count = 0
 

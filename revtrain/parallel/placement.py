@@ -219,8 +219,7 @@ class Placement:
         (``n_devices // seq`` of them: a ``seq`` group counts once): where evaluation
         splits an eval batch's rows, each process its own, summed over processes on the
         host (`revtrain.training.evaluation.Evaluator`)."""
-        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-        return Mesh(np.array(local[:self.n_devices // self.n_seq]), (BATCH_AXIS,))
+        return Mesh(self.local_mesh.devices[:self.n_devices // self.n_seq], (BATCH_AXIS,))
 
     # ----------------------------------------------------------------------------------
     # Shardings.

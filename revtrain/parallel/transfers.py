@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain.parallel.placement import per_device_spec
+from revtrain.parallel.placement import Placement
 
 
 def _host(a: Any) -> np.ndarray:
@@ -85,14 +85,14 @@ def unreplicate(tree: Any) -> Any:
                         if isinstance(a, jax.Array) else np.asarray(a), tree)
 
 
-def shard_per_device(tree: Any, mesh: Mesh) -> Any:
-    """Puts this process's ``[n_devices, ...]`` leaves on ``mesh``, one row per device
-    (`revtrain.parallel.placement.per_device_spec`: in the mesh's row-major order).
+def shard_per_device(tree: Any, placement: Placement) -> Any:
+    """Puts this process's ``[n_devices, ...]`` leaves on the placement's mesh, one row per
+    device (`Placement.per_device`: in the mesh's row-major order).
 
     With several processes the result is a global array of ``n_devices * process_count``
     rows (``jax.make_array_from_process_local_data``).
     """
-    sharding = NamedSharding(mesh, per_device_spec(mesh))
+    sharding = placement.per_device
     if jax.process_count() == 1:  # One call for the whole tree: its puts are batched.
         return jax.device_put(tree, sharding)
     with jax.transfer_guard_host_to_device("allow"):  # Explicit, as device_put above.

@@ -71,7 +71,7 @@ class TrainerBase:
             raise TypeError(f"optimizer_fn must be a function returning an optax "
                             f"GradientTransformation; got {optimizer_fn!r}")
         self.placement = resolve_placement(n_devices, mesh, fsdp, placement)
-        self._inflight = InflightLimit(self.mesh)  # Avoids a CPU-client hang; see inflight.
+        self._inflight = InflightLimit(self.placement)  # Avoids a CPU-client hang; see inflight.
         self._optimizer_fn = optimizer_fn
         self.observers: list[Observer] = []
         self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
@@ -267,7 +267,7 @@ class TrainerBase:
             # Host copies first, so every device buffer of the step is the trainer's own.
             batch = tuple(transfers.on_cpu(b) for b in batch)
         split = self.placement.split_batch(tuple(batch))
-        return transfers.shard_per_device(split, self.mesh)
+        return transfers.shard_per_device(split, self.placement)
 
 
 def _shape_dtype(a: Any) -> jax.ShapeDtypeStruct:

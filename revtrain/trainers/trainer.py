@@ -108,7 +108,7 @@ class Trainer(TrainerBase):
 
     def _put_state(self, state: Any) -> None:
         self._state = transfers.shard_per_device(for_n_devices(state, self.n_devices),
-                                                 self.mesh)
+                                                 self.placement)
 
     def _put(self, values: TrainState) -> None:
         self._weights = transfers.put_sharded(values.weights, self._shardings["weights"])

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh
 
 from revtrain.parallel.inflight import InflightLimit
+from revtrain.parallel.placement import Placement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,12 +68,12 @@ def _mesh(n: int) -> Mesh:
 def test_waits_on_every_limit_th_program_and_only_on_several_cpu_devices(monkeypatch):
     waited = []
     monkeypatch.setattr("revtrain.parallel.inflight.jax.block_until_ready", waited.append)
-    limit = InflightLimit(_mesh(4), limit=3)
+    limit = InflightLimit(Placement(_mesh(4)), limit=3)
     assert limit.active
     for i in range(7):
         limit.note(i)
     assert waited == [2, 5]
-    single = InflightLimit(_mesh(1), limit=1)
+    single = InflightLimit(Placement(_mesh(1)), limit=1)
     assert not single.active
     single.note("not waited for")
     assert waited == [2, 5]
@@ -80,4 +81,4 @@ def test_waits_on_every_limit_th_program_and_only_on_several_cpu_devices(monkeyp
 
 def test_limit_must_be_positive():
     with pytest.raises(ValueError, match="limit=0 must be at least 1"):
-        InflightLimit(_mesh(4), limit=0)
+        InflightLimit(Placement(_mesh(4)), limit=0)

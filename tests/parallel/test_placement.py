@@ -12,7 +12,8 @@ from revtrain.parallel import placement, transfers
 def test_local_rows_round_trips_per_device_values():
     mesh = placement.make_mesh(4)
     x = np.arange(8.0).reshape(4, 2)
-    np.testing.assert_array_equal(transfers.local_rows(transfers.shard_per_device(x, mesh)), x)
+    np.testing.assert_array_equal(transfers.local_rows(
+        transfers.shard_per_device(x, placement.Placement(mesh))), x)
 
 
 def test_replicate_copies_and_unreplicate_round_trips():

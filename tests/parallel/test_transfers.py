@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from revtrain.parallel import transfers
+from revtrain.parallel.placement import Placement
 
 
 def test_on_accelerator_rejects_a_missing_device():
@@ -38,7 +39,7 @@ def test_shard_per_device_puts_a_tree_row_by_row():
     from jax.sharding import Mesh
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     tree = (np.arange(8.0).reshape(4, 2), {"s": np.arange(4)})
-    put = transfers.shard_per_device(tree, mesh)
+    put = transfers.shard_per_device(tree, Placement(mesh))
     for got, want in zip(jax.tree.leaves(put), jax.tree.leaves(tree), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
         assert [s.data.shape[0] for s in got.addressable_shards] == [1, 1, 1, 1]
@@ -48,7 +49,7 @@ def test_local_rows_reads_a_mixed_tree_in_row_order():
     from jax.sharding import Mesh
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     host = {"a": np.arange(8.0).reshape(4, 2), "b": np.arange(4, dtype=np.int32)}
-    tree = (transfers.shard_per_device(host, mesh), np.ones(3), ())
+    tree = (transfers.shard_per_device(host, Placement(mesh)), np.ones(3), ())
     rows = transfers.local_rows(tree)
     assert jax.tree.structure(rows) == jax.tree.structure(tree)
     for got, want in zip(jax.tree.leaves(rows), jax.tree.leaves((host, np.ones(3))),

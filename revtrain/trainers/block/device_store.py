@@ -85,7 +85,7 @@ class DeviceStore:
         self._kept_bytes = 0
 
     def _per_device(self, state: Any) -> Any:
-        return transfers.shard_per_device(state, self._placement.mesh)
+        return transfers.shard_per_device(state, self._placement)
 
     def begin_step(self) -> None:
         self._new_states = {}

@@ -241,12 +241,12 @@ class HostStore:
     def state(self, i: int | Run) -> Any:
         host = (self._stacked_states(self._states, i) if isinstance(i, Run)
                 else self._states[i])
-        return transfers.shard_per_device(host, self._placement.mesh)
+        return transfers.shard_per_device(host, self._placement)
 
     def new_state(self, i: int | Run) -> Any:
         host = (self._stacked_states(self._new_states, i) if isinstance(i, Run)
                 else self._new_states[i])
-        return transfers.shard_per_device(host, self._placement.mesh)
+        return transfers.shard_per_device(host, self._placement)
 
     def keep_state(self, i: int | Run, new_state: Any) -> None:
         host = transfers.local_rows(new_state)
@@ -263,7 +263,7 @@ class HostStore:
 
     def unstash(self, kept: Any) -> Any:
         if all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(kept)):
-            return transfers.shard_per_device(kept, self._placement.mesh)
+            return transfers.shard_per_device(kept, self._placement)
         return kept
 
     def end_forward(self, stack: Any) -> Any:

@@ -80,13 +80,14 @@ def test_identical_layers_share_one_program_per_kind(batch):
 def test_loss_share_is_each_devices_fraction_of_the_total_weight():
     from revtrain.parallel import transfers
     from revtrain.parallel.collectives import DEV
-    from revtrain.parallel.placement import make_mesh
+    from revtrain.parallel.placement import Placement, make_mesh
     from revtrain.trainers.global_loss import loss_share
     mesh = make_mesh(4)
     shares = jax.jit(jax.shard_map(lambda w: loss_share(w[0])[None], mesh=mesh,
                                    in_specs=DEV, out_specs=DEV))
-    totals = transfers.shard_per_device(np.array([3.0, 1.0, 0.0, 4.0], np.float32), mesh)
+    totals = transfers.shard_per_device(np.array([3.0, 1.0, 0.0, 4.0], np.float32),
+                                        Placement(mesh))
     np.testing.assert_allclose(shares(totals), [3 / 8, 1 / 8, 0, 4 / 8])
-    zeros = transfers.shard_per_device(np.zeros(4, np.float32), mesh)
+    zeros = transfers.shard_per_device(np.zeros(4, np.float32), Placement(mesh))
     np.testing.assert_array_equal(shares(zeros), np.zeros(4))
     assert jnp.asarray(shares(totals)).dtype == jnp.float32
