@@ -61,6 +61,13 @@ def test_cli_resume_without_keep_period_keeps_permanent_checkpoints(tmp_path):
     ('{"promises": [{"keep_period": 2, "last', "is not JSON"),
     ('{"promises": [{"keep_period": 2}]}', "is not a retention record (KeyError"),
     ("[]", "is not a retention record (TypeError"),
+    # Values CheckpointConfig refuses (a keep_period of 0 divided by zero).
+    ('{"promises": [{"keep_period": 0, "keep_time_interval": null, "last_step": 5}]}',
+     "is not a retention record (ValueError: keep_period=0 must be an integer >= 1"),
+    ('{"promises": [{"keep_period": null, "keep_time_interval": -1, "last_step": 5}]}',
+     "is not a retention record (ValueError: keep_time_interval=-1.0 seconds must be > 0"),
+    ('{"promises": [{"keep_period": 2, "keep_time_interval": null, "last_step": -1}]}',
+     "is not a retention record (ValueError: last_step=-1 must be >= 0"),
 ])
 def test_damaged_record_keeps_every_checkpoint_warns_and_is_rebuilt(tmp_path, caplog,
                                                                     damage, reason):
