@@ -47,6 +47,7 @@ from absl import app, flags
 
 from revtrain import host_heap
 from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: used by tests)
+    GinFileError,
     UsageError,
     _absl_logging,
     _common_flags,
@@ -56,7 +57,12 @@ from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: use
     _print_metrics,
     _run,
 )
-from revtrain.training.run_directory import CONFIG_FILE, DECODER_DIR, TENSORBOARD_CONFIG_DIR
+from revtrain.training.run_directory import (
+    CONFIG_FILE,
+    DECODER_DIR,
+    HISTORY_DIR,
+    TENSORBOARD_CONFIG_DIR,
+)
 
 # --------------------------------------------------------------------------------------
 # revtrain-train.
@@ -136,11 +142,41 @@ def _read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
     if not os.path.isfile(config):
         raise UsageError(f"{config} not found; is {output_dir} a revtrain-train output_dir?")
     _initialize_distributed(fv)
-    _parse_gin([config, *fv.config_file], fv.gin_bindings)
+    try:
+        _parse_gin([config, *fv.config_file], fv.gin_bindings)
+    except GinFileError as e:
+        if e.path != config:
+            raise
+        raise _damaged_config(output_dir, f"it does not parse ({e.reason})") from e
     from revtrain import configurables
 
     bindings = gin.get_bindings("train")
-    return output_dir, configurables.run_configs(), int(bindings.get("steps", 1000))
+    configs = configurables.run_configs()
+    missing = [f"RunConfig.{name}" for name in ("model", "inputs")
+               if getattr(configs["run"], name) is None]
+    if missing:  # Not the operative config revtrain-train writes (emptied, cut, replaced).
+        raise _damaged_config(output_dir, "it is empty" if not _gin_statements(config) else
+                              f"it binds no {' and no '.join(missing)}")
+    return output_dir, configs, int(bindings.get("steps", 1000))
+
+
+def _gin_statements(path: str) -> list[str]:
+    """The lines of a gin file that are neither blank nor comments."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [line for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _damaged_config(output_dir: str, what: str) -> UsageError:
+    """The one-line error for a run's ``config.gin`` that is not a run's configuration:
+    the file, ``what`` is wrong, and the fix: copy back the newest config the run kept
+    (`revtrain.training.config_history`)."""
+    history = os.path.join(output_dir, HISTORY_DIR)
+    kept = sorted(n for n in os.listdir(history) if n.endswith(".gin")) if os.path.isdir(
+        history) else []
+    fix = (f"copy the run's newest kept config, {os.path.join(history, kept[-1])}, over it"
+           if kept else "replace it with the gin config the run was trained with")
+    return UsageError(f"{os.path.join(output_dir, CONFIG_FILE)} is not a run's "
+                      f"configuration: {what}; {fix}")
 
 
 def _eval(fv: flags.FlagValues) -> int:

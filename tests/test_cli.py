@@ -172,6 +172,31 @@ def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
     assert os.listdir(fresh) == ["config.gin"]  # Nothing created.
 
 
+@pytest.mark.parametrize("content, what", [
+    ("", "it is empty"),
+    ("# only a comment\n\n", "it is empty"),
+    ("RunConfig.model = @ReversibleTransformerLM(\n",
+     "it does not parse (TokenError: EOF in multi-line statement)"),
+    ("RunConfig.model = @Nope\n", "it does not parse (ValueError: No configurable matching"),
+    ("RunConfig.inputs = @CopyTask\n", "it binds no RunConfig.model"),
+])
+@pytest.mark.parametrize("tool", ["eval", "decode"])
+def test_a_damaged_config_gin_is_one_line_naming_the_file_and_what_it_lacks(
+        tmp_path, capsys, tool, content, what):
+    (tmp_path / "config.gin").write_text(content)
+    history = tmp_path / "config_history"
+    history.mkdir()
+    for stamp in ("20260101T000000.000000Z", "20260102T000000.000000Z"):
+        (history / f"{stamp}.gin").write_text("RunConfig.model = @ReversibleTransformerLM\n")
+    main = getattr(cli, f"{tool}_main")
+    assert main([f"revtrain-{tool}", f"--output_dir={tmp_path}"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"revtrain-{tool}: error: {tmp_path}/config.gin is not a run's "
+                           f"configuration: {what}"), line
+    assert line.endswith(f"; copy the run's newest kept config, {history}/"
+                         f"20260102T000000.000000Z.gin, over it"), line
+
+
 def _start_and_signal(out, signals, *bindings, wait_for=" train: loss"):
     """Starts revtrain-train, sends ``signals`` 50 ms apart once a stderr line holds
     ``wait_for``; returns ``(returncode, stderr)``. It sees as many CPU devices as the
