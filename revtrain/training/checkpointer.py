@@ -20,7 +20,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -47,7 +47,9 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's per-step metadata file.
+_TREE_METADATA = "_METADATA"  # orbax's metadata of the item's tree (paths, shapes, dtypes).
 _NO_SPACE = "No space left on device"  # strerror(ENOSPC), also in tensorstore's messages.
+_NO_TREE_METADATA = f"its metadata ({_TREE_METADATA}) is missing or unreadable"
 
 
 class CheckpointUnreadableError(OSError):
@@ -75,10 +77,14 @@ def _step_dirs(directory: str) -> list[int]:
 
 def _check_layout(step_dir: str) -> None:
     """Raises FileNotFoundError (the reason, one line) unless ``step_dir`` has orbax's
-    step metadata (``_CHECKPOINT_METADATA``, a JSON object) and its ``default`` item."""
+    step metadata (``_CHECKPOINT_METADATA``, a JSON object) and its ``default`` item with
+    the item's tree metadata (``default/_METADATA``; orbax, asked about an item without
+    it, logs a warning of its own before failing)."""
     if not os.path.isdir(os.path.join(step_dir, _DEFAULT_ITEM)):
         raise FileNotFoundError(f"it has no {_DEFAULT_ITEM}/ item (an empty or partly "
                                 f"deleted step directory)")
+    if not os.path.isfile(os.path.join(step_dir, _DEFAULT_ITEM, _TREE_METADATA)):
+        raise FileNotFoundError(_NO_TREE_METADATA)
     try:
         with open(os.path.join(step_dir, _STEP_METADATA)) as f:
             metadata = json.load(f)
@@ -113,6 +119,12 @@ class Checkpointer:
     saved into it, so a run that fails before its first save leaves no empty
     ``checkpoints/``.
 
+    Attributes:
+      restored_step: the step of the checkpoint the last `restore` or `restore_values`
+        read (None before any).
+      unreadable_steps: the steps the last restore of the newest checkpoint skipped as
+        unreadable.
+
     Raises:
       ValueError: for ``max_to_keep < 1``, ``keep_period < 1`` or a non-positive interval.
     """
@@ -142,6 +154,7 @@ class Checkpointer:
                 preservation_policy=retention.preservation_policy(
                     max_to_keep, keep_period, keep_time_interval, kept))
         self.unreadable_steps: list[int] = []
+        self.restored_step: int | None = None
         self._saving: int | None = None  # The step of a save not known to be complete.
         self._async = async_save
         self._manager = ocp.CheckpointManager(self.directory, options=options,
@@ -238,14 +251,31 @@ class Checkpointer:
         self.wait_until_finished()
         drop_closed_event_loop_reports()  # Before: a failed read may report at once.
         if step is not None:
-            return self._restore_step(template, step)
+            tree = self._restore_step(template, step)
+            self.restored_step = step
+            return tree
+        return self._newest_readable(lambda each: self._restore_step(template, each))
+
+    def _newest_readable(self, read: Callable[[int], Any]) -> Any:
+        """``read(step)`` of the newest checkpoint it succeeds on, newest first.
+
+        The one fallback of every program that reads "the newest checkpoint" (`restore`
+        and `restore_values` without a step): a checkpoint that cannot be read is skipped
+        with a warning naming it and the reason, and listed in `unreadable_steps`; the
+        step read is `restored_step`.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint.
+          CheckpointUnreadableError: none can be read; names the newest one's failure.
+          CheckpointMismatchError: from ``read`` (another model: no older step helps).
+        """
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"{self.directory} holds no checkpoint")
         failures = []
         for step in steps:
             try:
-                tree = self._restore_step(template, step)
+                tree = read(step)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
@@ -255,6 +285,7 @@ class Checkpointer:
                                "the previous one", where, short_reason(e))
                 continue
             self.unreadable_steps = steps[:len(failures)]
+            self.restored_step = step
             return tree
         raise CheckpointUnreadableError(
             f"none of the {len(steps)} checkpoints in {self.directory} can be read; the "
@@ -302,7 +333,7 @@ class Checkpointer:
         metadata = self._manager.metadata(step).item_metadata
         tree = None if metadata is None else getattr(metadata, "tree", None)
         if tree is None:
-            raise FileNotFoundError("its metadata (_METADATA) is missing or unreadable")
+            raise FileNotFoundError(_NO_TREE_METADATA)
         found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()
                  if roots is None or k.split(SEPARATOR)[0] in roots}
         check_matches(signatures(expected), found,
@@ -312,21 +343,33 @@ class Checkpointer:
         """Re-reads the directory: sees checkpoints other processes saved or deleted since."""
         self._manager.reload()
 
-    def restore_values(self, template: Mapping[str, Any], step: int) -> dict[str, Any]:
+    def restore_values(self, template: Mapping[str, Any],
+                       step: int | None = None) -> dict[str, Any]:
         """Restores only ``template``'s top-level entries of the checkpoint of ``step``.
 
         For programs that need a model's values but no optimizer (``revtrain-eval``,
-        ``revtrain-decode``): ``template`` is e.g. ``{'weights': ..., 'state': ...}``. The
-        other entries of the checkpoint (``slots``, ``step``, ``rng``) are not read from
-        disk (orbax's partial restore, ``PyTreeRestore(partial_restore=True)``).
+        ``revtrain-decode``, a weights-only warm start): ``template`` is e.g.
+        ``{'weights': ..., 'state': ...}``. The other entries of the checkpoint (``slots``,
+        ``step``, ``rng``) are not read from disk (orbax's partial restore,
+        ``PyTreeRestore(partial_restore=True)``). Without ``step``, the newest readable
+        checkpoint, skipping unreadable ones with a warning as `restore` does; its step is
+        then `restored_step`.
 
         Raises:
-          FileNotFoundError: when there is no checkpoint of ``step`` (e.g. retention deleted
-            it after it was listed), or its metadata is unreadable.
+          FileNotFoundError: when there is no checkpoint (of ``step``: e.g. retention
+            deleted it after it was listed), or the metadata of ``step`` is unreadable.
+          CheckpointUnreadableError: without ``step``, when no checkpoint can be read.
           CheckpointMismatchError: naming the first path whose shape or dtype differs, or
             that is missing.
         """
         drop_closed_event_loop_reports()  # A damaged file's leftover reads, as `restore`.
+        if step is None:
+            return self._newest_readable(lambda each: self._restore_values(template, each))
+        values = self._restore_values(template, step)
+        self.restored_step = step
+        return values
+
+    def _restore_values(self, template: Mapping[str, Any], step: int) -> dict[str, Any]:
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         where = os.path.join(self.directory, str(step))

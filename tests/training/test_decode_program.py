@@ -1,6 +1,9 @@
 """Tests of revtrain/training/decode_program.py: decoding a run to decoder_out files."""
 import functools
 import json
+import logging
+import os
+import shutil
 
 import jax
 import pytest
@@ -47,6 +50,31 @@ def test_random_init_only_when_allowed_then_checkpoint_and_file(tmp_path):
         if cache:
             first = records
     assert records == first  # Cached and uncached sampling agree for the same seed.
+
+
+@pytest.mark.parametrize("damage", ["metadata removed", "empty step directory"])
+def test_a_damaged_newest_checkpoint_is_skipped_named_and_the_previous_one_decoded(
+        tmp_path, caplog, damage):
+    run, out = _run(tmp_path), str(tmp_path / "run")
+    with build_loop(run, EvalConfig(steps=0), CheckpointConfig(every=1, max_to_keep=None),
+                    LogConfig(progress=False), out) as loop:
+        loop.run(1)
+        trained, _ = loop.model_values()
+        loop.run(2)
+    newest = os.path.join(out, "checkpoints", "2")
+    if damage == "metadata removed":
+        os.remove(os.path.join(newest, "default", "_METADATA"))
+    else:
+        shutil.rmtree(newest)
+        os.makedirs(newest)
+    with caplog.at_level(logging.WARNING):
+        decoder, step = load_decoder(run, out, cache=False)
+    assert step == 1
+    assert_trees_close(decoder._values[0], trained, rtol=0, atol=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"skipping the checkpoint {newest}: it cannot be read (FileNotFoundError: "), warnings
+    assert warnings[0].endswith("; trying the previous one")  # Not orbax's own warning.
 
 
 def test_a_checkpoints_decoder_builds_the_model_from_shapes_only(tmp_path, monkeypatch):
