@@ -58,6 +58,7 @@ from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: use
     _run,
 )
 from revtrain.training.run_directory import (
+    CHECKPOINT_DIR,
     CONFIG_FILE,
     DECODER_DIR,
     HISTORY_DIR,
@@ -71,15 +72,21 @@ def _write_operative_config(output_dir: str) -> Callable:
     """A `Loop` callback writing gin's operative config to ``config.gin`` and TensorBoard."""
     def write(loop) -> None:
         if _is_chief():
-            from tensorboardX import SummaryWriter  # Lazy: it imports protobuf.
-
             from revtrain.training.config_history import write_run_config
+            from revtrain.training.metrics_writer import EventFile
+            from revtrain.training.write_failures import reporting_write_failures
 
             config = gin.operative_config_str()
             write_run_config(output_dir, config)
-            with SummaryWriter(logdir=os.path.join(output_dir, TENSORBOARD_CONFIG_DIR)) as w:
-                w.add_text("gin/operative_config", gin.config.markdown(config),
-                           global_step=loop.step)
+            logdir = os.path.join(output_dir, TENSORBOARD_CONFIG_DIR)
+            with reporting_write_failures(f"write the TensorBoard events in {logdir}",
+                                          os.path.join(output_dir, CHECKPOINT_DIR)):
+                events = EventFile(logdir)
+                try:
+                    events.add_text("gin/operative_config", gin.config.markdown(config),
+                                    loop.step)
+                finally:
+                    events.close()
     return write
 
 
@@ -351,9 +358,9 @@ def _nothing_after_the_last_line(status: int) -> None:
     released), so a Ctrl-C now exits at once with status 130 instead of raising
     ``KeyboardInterrupt`` inside an ``atexit`` handler. After a failure reported in one
     line (status not 0; ``--traceback`` raises instead of returning), what the failure left
-    behind -- orbax's and tensorstore's threads, asyncio's "Event loop is closed",
-    tensorboardX's ``atexit`` flush on a full disk, C++ logs -- is not shown: Python's
-    reports of it are dropped and stderr goes to ``/dev/null``.
+    behind -- orbax's and tensorstore's threads, asyncio's "Event loop is closed", C++
+    logs -- is not shown: Python's reports of it are dropped and stderr goes to
+    ``/dev/null``.
     """
     import signal
     import threading

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
-import json
 import logging
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -38,61 +36,32 @@ from revtrain.training.checkpoint_trees import (
     unflatten_tree,
 )
 from revtrain.training.orbax_workarounds import (
+    DEFAULT_ITEM,
+    NO_TREE_METADATA,
+    check_step_layout,
     drop_closed_event_loop_reports,
     drop_step_metadata_reports,
 )
 from revtrain.training.run_directory import UNREADABLE_SUFFIX
+from revtrain.training.write_failures import (  # noqa: F401  (short_reason: re-exported)
+    RunWriteError,
+    checkpoint_steps,
+    short_reason,
+    write_failure,
+)
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
-_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's per-step metadata file.
-_TREE_METADATA = "_METADATA"  # orbax's metadata of the item's tree (paths, shapes, dtypes).
-_NO_SPACE = "No space left on device"  # strerror(ENOSPC), also in tensorstore's messages.
-_NO_TREE_METADATA = f"its metadata ({_TREE_METADATA}) is missing or unreadable"
 
 
 class CheckpointUnreadableError(OSError):
     """No checkpoint of a directory can be read; the message names the first failure."""
 
 
-class CheckpointSaveError(OSError):
+class CheckpointSaveError(RunWriteError):
     """A checkpoint could not be written (e.g. a full disk); the message names the step,
-    the directory, the cause and the newest checkpoint that is intact."""
-
-
-def short_reason(error: BaseException) -> str:
-    """A short one-line reason (tensorstore appends its whole JSON spec to messages)."""
-    text = " ".join(str(error).split()).split(" [tensorstore_spec=")[0]
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _step_dirs(directory: str) -> list[int]:
-    """Steps of the checkpoint directories in ``directory`` (complete or not)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
-
-
-def _check_layout(step_dir: str) -> None:
-    """Raises FileNotFoundError (the reason, one line) unless ``step_dir`` has orbax's
-    step metadata (``_CHECKPOINT_METADATA``, a JSON object) and its ``default`` item with
-    the item's tree metadata (``default/_METADATA``; orbax, asked about an item without
-    it, logs a warning of its own before failing)."""
-    if not os.path.isdir(os.path.join(step_dir, _DEFAULT_ITEM)):
-        raise FileNotFoundError(f"it has no {_DEFAULT_ITEM}/ item (an empty or partly "
-                                f"deleted step directory)")
-    if not os.path.isfile(os.path.join(step_dir, _DEFAULT_ITEM, _TREE_METADATA)):
-        raise FileNotFoundError(_NO_TREE_METADATA)
-    try:
-        with open(os.path.join(step_dir, _STEP_METADATA)) as f:
-            metadata = json.load(f)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"its {_STEP_METADATA} is missing or not JSON ("
-                                f"{type(e).__name__})") from e
-    if not isinstance(metadata, dict):
-        raise FileNotFoundError(f"its {_STEP_METADATA} is not a JSON object")
+    the directory, the cause and the newest checkpoint that is intact
+    (`revtrain.training.write_failures`)."""
 
 
 class Checkpointer:
@@ -146,7 +115,7 @@ class Checkpointer:
             # is deleted either; create=False keeps a missing directory missing.
             options = ocp.CheckpointManagerOptions(create=False)
         else:
-            existing = _step_dirs(self.directory)
+            existing = checkpoint_steps(self.directory)
             self._promises = retention.read_promises(self.directory, existing)
             kept = retention.promised_steps(self._promises, existing)
             options = ocp.CheckpointManagerOptions(
@@ -209,18 +178,12 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            if self._saving is None or isinstance(e, CheckpointSaveError):
+            if self._saving is None or isinstance(e, RunWriteError):
                 raise
             step, self._saving = self._saving, None
-            intact = [s for s in _step_dirs(self.directory) if s < step]
-            kept = (f"the newest checkpoint, step {intact[-1]}, is intact" if intact else
-                    "no earlier checkpoint is there")
-            full = _NO_SPACE in str(e) or getattr(e, "errno", None) == errno.ENOSPC
-            cause = f"the disk is full ({_NO_SPACE})" if full else short_reason(e)
-            raise CheckpointSaveError(
-                f"could not save the checkpoint of step {step} in {self.directory}: "
-                f"{cause}; {kept}; {'free space' if full else 'fix the cause'} and run "
-                f"the same command to resume") from e
+            raise CheckpointSaveError(write_failure(
+                f"save the checkpoint of step {step} in {self.directory}", e,
+                self.directory, before_step=step)) from e
 
     def restore(self, template: Any, step: int | None = None) -> Any:
         """Restores the checkpoint of ``step`` (default: the newest readable one).
@@ -320,7 +283,7 @@ class Checkpointer:
         """Checks ``step``'s saved paths (those under ``roots``; None: all), shapes and
         dtypes against ``expected`` (a `flatten_tree` result) without reading arrays.
 
-        The step directory's layout is checked on disk first (`_check_layout`), so orbax is
+        The step directory's layout is checked on disk first (`check_step_layout`), so orbax is
         only asked about a step that has its ``default`` item: orbax's manager decides
         once, on the first step it reads, whether its checkpoints hold one unnamed item,
         and an empty step directory read first would make it misread every later step.
@@ -329,11 +292,11 @@ class Checkpointer:
           FileNotFoundError: the step's layout or metadata is missing or unreadable.
           CheckpointMismatchError: as `check_matches`.
         """
-        _check_layout(os.path.join(self.directory, str(step)))
+        check_step_layout(os.path.join(self.directory, str(step)))
         metadata = self._manager.metadata(step).item_metadata
         tree = None if metadata is None else getattr(metadata, "tree", None)
         if tree is None:
-            raise FileNotFoundError(_NO_TREE_METADATA)
+            raise FileNotFoundError(NO_TREE_METADATA)
         found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()
                  if roots is None or k.split(SEPARATOR)[0] in roots}
         check_matches(signatures(expected), found,
@@ -419,7 +382,7 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     """
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
-        registry.add(_DEFAULT_ITEM, args, ocp.StandardCheckpointHandler)
+        registry.add(DEFAULT_ITEM, args, ocp.StandardCheckpointHandler)
     # The same files read by the general handler, for `restore_values`' partial restore.
-    registry.add(_DEFAULT_ITEM, ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
+    registry.add(DEFAULT_ITEM, ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
     return registry

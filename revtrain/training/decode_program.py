@@ -25,6 +25,7 @@ from revtrain.training.decoding import (
 )
 from revtrain.training.run_directory import CHECKPOINT_DIR
 from revtrain.training.run_files import write_atomic
+from revtrain.training.write_failures import reporting_write_failures
 
 
 def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
@@ -127,7 +128,9 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
     Raises:
       ValueError: ``prompts`` is empty, or a prompt plus its new bytes exceeds the cache
         (``path`` is left as it was).
-      OSError: ``path`` could not be written; it is left as it was.
+      RunWriteError: ``path`` could not be written (e.g. a full disk); it is left as it
+        was. The message names the newest checkpoint of the run ``path`` is in
+        (``<run>/decoder_out/step_<N>.jsonl``).
     """
     prompts = list(prompts)
     if not prompts:
@@ -139,6 +142,9 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
                                    top_p)
         records.append({"prompt": prompt, "continuation": text, "tokens": tokens})
     if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        with reporting_write_failures(f"write {path}", os.path.join(run_dir, CHECKPOINT_DIR),
+                                      then="run the same command again"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
     return records

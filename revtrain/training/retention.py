@@ -32,6 +32,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from revtrain.training.run_directory import RETENTION_FILE
 from revtrain.training.run_files import UnreadableFileError, read_json, write_atomic
+from revtrain.training.write_failures import reporting_write_failures
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ def record_promise(directory: str, promises: Sequence[dict[str, Any]],
 
     Does nothing when this run promises nothing (neither ``keep_period`` nor
     ``keep_time_interval``) and there is nothing recorded. The file is replaced atomically.
+
+    Raises:
+      RunWriteError: the record could not be written (e.g. a full disk); it is as it was.
     """
     current = {"keep_period": keep_period, "keep_time_interval": _seconds(keep_time_interval),
                "last_step": int(last_step)}
@@ -123,7 +127,9 @@ def record_promise(directory: str, promises: Sequence[dict[str, Any]],
             return
         current = None
     record = {"promises": list(promises) + ([current] if current else [])}
-    write_atomic(os.path.join(directory, RETENTION_FILE), json.dumps(record, indent=1))
+    path = os.path.join(directory, RETENTION_FILE)
+    with reporting_write_failures(f"write {path}", directory):
+        write_atomic(path, json.dumps(record, indent=1))
 
 
 def preservation_policy(max_to_keep: int | None, keep_period: int | None,

@@ -18,6 +18,8 @@ from revtrain.training.decode_program import (
     new_bytes_per_prompt,
 )
 from revtrain.training.decoding import CachedDecoder, Decoder
+from revtrain.training.write_failures import RunWriteError
+from tests.full_disk import fill_disk
 from tests.tree_utils import assert_trees_close
 
 
@@ -117,3 +119,23 @@ def test_every_prompt_is_checked_before_any_is_decoded_and_the_note_says_how_far
     assert default_length_note(uncached, [200]) == (
         "continuing the prompt by 200 bytes (the default), recomputing a window of 16 "
         "positions for every byte; --max_new_bytes sets another length")
+
+
+def test_a_full_disk_while_writing_the_output_is_one_line_and_the_old_file_is_kept(
+        tmp_path, monkeypatch):
+    model_fn = functools.partial(ReversibleTransformerLM, vocab_size=256, d_model=8, d_ff=16,
+                                 n_layers=1, n_heads=2, max_len=16, dropout=0.0)
+    model = model_fn(mode="train")
+    model.init(jax.ShapeDtypeStruct((1, 16), jax.numpy.int32), rng=jax.random.key(0))
+    decoder = Decoder(model_fn(mode="eval"), model.weights, model.state, 16)
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    path = tmp_path / "decoder_out" / "step_2.jsonl"
+    decode_to_file(decoder, ["a"], str(path), 2)
+    before = path.read_text()
+    fill_disk(monkeypatch, "step_2.jsonl")
+    with pytest.raises(RunWriteError) as error:
+        decode_to_file(decoder, ["b"], str(path), 2)
+    assert str(error.value) == (
+        f"could not write {path}: the disk is full (No space left on device); the newest "
+        f"checkpoint, step 2, is intact; free space and run the same command again")
+    assert path.read_text() == before
