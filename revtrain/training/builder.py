@@ -148,10 +148,11 @@ def check_sequence_split(run: RunConfig, built: BuiltModel) -> None:
     """Checks every layer of the model and loss accepts ``RunConfig.mesh_shape``'s
     split of the length (``seq > 1``), before a run writes anything.
 
-    One training step's forward pass is traced abstractly on the run's mesh, as the
-    trainers trace it (`revtrain.layers.sequence_parallel.trace_split`: ``jax.eval_shape``,
-    nothing compiled or run), so a layer that cannot compute a shard of the length alone
-    (`LSHCausalAttention`, `Conv`, ``ShiftRight``...) is found here, not in the first step.
+    One training step's forward pass (model, then loss) is traced abstractly on the run's
+    mesh under the split the trainers use (`revtrain.layers.sequence_parallel.trace_split`:
+    ``jax.eval_shape``, nothing compiled or run), so a layer that cannot compute a shard of
+    the length alone (`LSHCausalAttention`, `Conv`, ``ShiftRight``...) is found here, not
+    in the first step.
 
     Raises:
       ValueError: naming ``RunConfig.mesh_shape``, the refusing layer and the fix.
