@@ -47,6 +47,7 @@ from absl import app, flags
 
 from revtrain import host_heap
 from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: used by tests)
+    GinFileError,
     UsageError,
     _absl_logging,
     _common_flags,
@@ -56,7 +57,13 @@ from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: use
     _print_metrics,
     _run,
 )
-from revtrain.training.run_directory import CONFIG_FILE, DECODER_DIR, TENSORBOARD_CONFIG_DIR
+from revtrain.training.run_directory import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    DECODER_DIR,
+    HISTORY_DIR,
+    TENSORBOARD_CONFIG_DIR,
+)
 
 # --------------------------------------------------------------------------------------
 # revtrain-train.
@@ -65,15 +72,21 @@ def _write_operative_config(output_dir: str) -> Callable:
     """A `Loop` callback writing gin's operative config to ``config.gin`` and TensorBoard."""
     def write(loop) -> None:
         if _is_chief():
-            from tensorboardX import SummaryWriter  # Lazy: it imports protobuf.
-
             from revtrain.training.config_history import write_run_config
+            from revtrain.training.metrics_writer import EventFile
+            from revtrain.training.write_failures import reporting_write_failures
 
             config = gin.operative_config_str()
             write_run_config(output_dir, config)
-            with SummaryWriter(logdir=os.path.join(output_dir, TENSORBOARD_CONFIG_DIR)) as w:
-                w.add_text("gin/operative_config", gin.config.markdown(config),
-                           global_step=loop.step)
+            logdir = os.path.join(output_dir, TENSORBOARD_CONFIG_DIR)
+            with reporting_write_failures(f"write the TensorBoard events in {logdir}",
+                                          os.path.join(output_dir, CHECKPOINT_DIR)):
+                events = EventFile(logdir)
+                try:
+                    events.add_text("gin/operative_config", gin.config.markdown(config),
+                                    loop.step)
+                finally:
+                    events.close()
     return write
 
 
@@ -136,11 +149,41 @@ def _read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
     if not os.path.isfile(config):
         raise UsageError(f"{config} not found; is {output_dir} a revtrain-train output_dir?")
     _initialize_distributed(fv)
-    _parse_gin([config, *fv.config_file], fv.gin_bindings)
+    try:
+        _parse_gin([config, *fv.config_file], fv.gin_bindings)
+    except GinFileError as e:
+        if e.path != config:
+            raise
+        raise _damaged_config(output_dir, f"it does not parse ({e.reason})") from e
     from revtrain import configurables
 
     bindings = gin.get_bindings("train")
-    return output_dir, configurables.run_configs(), int(bindings.get("steps", 1000))
+    configs = configurables.run_configs()
+    missing = [f"RunConfig.{name}" for name in ("model", "inputs")
+               if getattr(configs["run"], name) is None]
+    if missing:  # Not the operative config revtrain-train writes (emptied, cut, replaced).
+        raise _damaged_config(output_dir, "it is empty" if not _gin_statements(config) else
+                              f"it binds no {' and no '.join(missing)}")
+    return output_dir, configs, int(bindings.get("steps", 1000))
+
+
+def _gin_statements(path: str) -> list[str]:
+    """The lines of a gin file that are neither blank nor comments."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [line for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _damaged_config(output_dir: str, what: str) -> UsageError:
+    """The one-line error for a run's ``config.gin`` that is not a run's configuration:
+    the file, ``what`` is wrong, and the fix: copy back the newest config the run kept
+    (`revtrain.training.config_history`)."""
+    history = os.path.join(output_dir, HISTORY_DIR)
+    kept = sorted(n for n in os.listdir(history) if n.endswith(".gin")) if os.path.isdir(
+        history) else []
+    fix = (f"copy the run's newest kept config, {os.path.join(history, kept[-1])}, over it"
+           if kept else "replace it with the gin config the run was trained with")
+    return UsageError(f"{os.path.join(output_dir, CONFIG_FILE)} is not a run's "
+                      f"configuration: {what}; {fix}")
 
 
 def _eval(fv: flags.FlagValues) -> int:
@@ -315,9 +358,9 @@ def _nothing_after_the_last_line(status: int) -> None:
     released), so a Ctrl-C now exits at once with status 130 instead of raising
     ``KeyboardInterrupt`` inside an ``atexit`` handler. After a failure reported in one
     line (status not 0; ``--traceback`` raises instead of returning), what the failure left
-    behind -- orbax's and tensorstore's threads, asyncio's "Event loop is closed",
-    tensorboardX's ``atexit`` flush on a full disk, C++ logs -- is not shown: Python's
-    reports of it are dropped and stderr goes to ``/dev/null``.
+    behind -- orbax's and tensorstore's threads, asyncio's "Event loop is closed", C++
+    logs -- is not shown: Python's reports of it are dropped and stderr goes to
+    ``/dev/null``.
     """
     import signal
     import threading

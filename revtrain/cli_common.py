@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import tokenize
 from collections.abc import Callable, Iterator, Sequence
 
 import gin
@@ -32,6 +33,14 @@ _QUIET_LOGGERS = ("absl", "jax", "orbax")
 
 class UsageError(Exception):
     """A command-line mistake: reported in one line with exit status 2."""
+
+
+class GinFileError(UsageError):
+    """A gin file that does not parse or names an unknown configurable; ``path`` names it."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"gin config {path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 # --------------------------------------------------------------------------------------
@@ -176,7 +185,12 @@ def resolve_config_file(path: str) -> str:
 
 
 def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
-    """Clears gin and parses files then bindings; gin errors become one-line ValueErrors."""
+    """Clears gin and parses files then bindings.
+
+    Raises:
+      GinFileError: a file does not parse (its path, gin's reason, in one line).
+      UsageError: a binding does not parse, or an unknown configurable or parameter.
+    """
     from revtrain import configurables  # registers the gin configurables
 
     files = [resolve_config_file(path) for path in config_files]
@@ -189,11 +203,24 @@ def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
         known = getattr(gin.config, "_LOCATION_PREFIXES", ())  # Avoid repeats in-process.
         if os.path.isdir(directory) and directory not in known:
             gin.add_config_file_search_path(directory)
+    # tokenize's error of an unclosed bracket is no SyntaxError.
+    errors = (ValueError, KeyError, SyntaxError, TypeError, OSError, tokenize.TokenError)
+    for path in files:  # One by one, as gin does, so that an error names its file.
+        try:
+            gin.parse_config_file(path)
+        except errors as e:
+            raise GinFileError(os.path.abspath(path), _reason(e)) from e
     try:
-        gin.parse_config_files_and_bindings(files, list(bindings), finalize_config=False)
+        gin.parse_config(list(bindings))
         configurables.check_bindings()
-    except (ValueError, KeyError, SyntaxError, TypeError, OSError) as e:
+    except errors as e:
         raise UsageError(f"gin config: {_one_line(e)}") from e
+
+
+def _reason(error: BaseException) -> str:
+    """``<type>: <message>`` on one line (tokenize's error is a tuple: its text only)."""
+    text = error.args[0] if isinstance(error, tokenize.TokenError) else _one_line(error)
+    return f"{type(error).__name__}: {text}"
 
 
 def _one_line(error: BaseException) -> str:

@@ -13,6 +13,7 @@ import pytest
 from revtrain import cli
 from revtrain.training import read_metrics
 from tests.cli_helpers import CONFIGS, COPY_TASK, TINY, TRAINERS, _checkpoint, _steps, _train
+from tests.full_disk import fill_disk
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
@@ -170,6 +171,31 @@ def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
         f"revtrain-eval: error: no checkpoint to load in {fresh}/checkpoints; train first, "
         f"or pass --wait to evaluate the checkpoints as they appear")
     assert os.listdir(fresh) == ["config.gin"]  # Nothing created.
+
+
+@pytest.mark.parametrize("content, what", [
+    ("", "it is empty"),
+    ("# only a comment\n\n", "it is empty"),
+    ("RunConfig.model = @ReversibleTransformerLM(\n",
+     "it does not parse (TokenError: EOF in multi-line statement)"),
+    ("RunConfig.model = @Nope\n", "it does not parse (ValueError: No configurable matching"),
+    ("RunConfig.inputs = @CopyTask\n", "it binds no RunConfig.model"),
+])
+@pytest.mark.parametrize("tool", ["eval", "decode"])
+def test_a_damaged_config_gin_is_one_line_naming_the_file_and_what_it_lacks(
+        tmp_path, capsys, tool, content, what):
+    (tmp_path / "config.gin").write_text(content)
+    history = tmp_path / "config_history"
+    history.mkdir()
+    for stamp in ("20260101T000000.000000Z", "20260102T000000.000000Z"):
+        (history / f"{stamp}.gin").write_text("RunConfig.model = @ReversibleTransformerLM\n")
+    main = getattr(cli, f"{tool}_main")
+    assert main([f"revtrain-{tool}", f"--output_dir={tmp_path}"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"revtrain-{tool}: error: {tmp_path}/config.gin is not a run's "
+                           f"configuration: {what}"), line
+    assert line.endswith(f"; copy the run's newest kept config, {history}/"
+                         f"20260102T000000.000000Z.gin, over it"), line
 
 
 def _start_and_signal(out, signals, *bindings, wait_for=" train: loss"):
@@ -338,6 +364,70 @@ def test_a_warm_start_without_a_checkpoint_is_one_line_and_creates_nothing(tmp_p
     assert line.startswith(f"revtrain-train: error: FileNotFoundError: CheckpointConfig."
                            f"init_checkpoint_dir='{source}' {reason}"), line
     assert not new.exists()  # Not even an empty checkpoints/.
+
+
+_KEEP = ("CheckpointConfig.every=2", "CheckpointConfig.keep_period=2", "EvalConfig.steps=0")
+
+
+@pytest.fixture(scope="module")
+def trained_to_step_2(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("trained") / "run")
+    assert _train(out, "train.steps=2", *_KEEP) == 0
+    return out
+
+
+@pytest.mark.parametrize("full, what", [
+    ("run.lock", "write {out}/run.lock"),
+    ("tfevents", "write the TensorBoard events in {out}/tensorboard/text"),
+    ("Z.gin", "write {out}/config_history/"),
+    ("config.gin", "write {out}/config.gin"),
+    ("metrics.jsonl", "write {out}/metrics.jsonl"),
+    ("retention.json", "write {out}/checkpoints/retention.json"),
+])
+def test_a_full_disk_under_any_file_of_a_run_ends_with_the_same_one_line(
+        tmp_path, capsys, monkeypatch, trained_to_step_2, full, what):
+    out = str(tmp_path / "run")
+    shutil.copytree(trained_to_step_2, out)
+    fill_disk(monkeypatch, full)
+    assert _train(out, "train.steps=4", *_KEEP) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"revtrain-train: error: RunWriteError: could not "
+                                f"{what.format(out=out)}"), lines[-1]
+    assert lines[-1].endswith(": the disk is full (No space left on device); the newest "
+                              "checkpoint, step 2, is intact; free space and run the same "
+                              "command to resume (rerun with --traceback for details)"), lines[-1]
+    assert [line for line in lines if "rror" in line] == [lines[-1]], err
+    assert "Traceback" not in err and "Exception in thread" not in err
+    assert _steps(out) == [2]
+
+
+def test_a_run_that_fills_the_disk_with_metrics_stops_with_one_line(tmp_path):
+    """A real full disk (a small tmpfs; needs root): tensorboardX's writer thread used to
+    die on it with a traceback and then block the run forever."""
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "256k")
+    try:
+        out = str(disk / "run")
+        script = shutil.which("revtrain-train", path=os.path.dirname(sys.executable))
+        argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
+        argv += [f"--gin_bindings={b}" for b in TINY + [
+            "train.steps=100000", "CheckpointConfig.every=0", "LogConfig.every=1"]]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=root)  # This checkout's revtrain.
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 1, run.stderr[-3000:]
+        lines = run.stderr.strip().splitlines()
+        assert lines[-1].startswith("revtrain-train: error: RunWriteError: could not write "
+                                    ) and f" {out}/" in lines[-1], lines[-1]  # Which: timing.
+        assert lines[-1].endswith(": the disk is full (No space left on device); no "
+                                  "checkpoint is saved yet; free space and run the same "
+                                  "command to resume (rerun with --traceback for details)"
+                                  ), lines[-1]
+        assert [line for line in lines if "rror" in line] == [lines[-1]], run.stderr[-3000:]
+        assert "Traceback" not in run.stderr and "Exception in thread" not in run.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def _mount_tmpfs(path, size):

@@ -31,10 +31,11 @@ The contract between a trainer and the layers:
    length in ``'train'`` mode, `Mean`, `Flatten`, `Concatenate`, `Split`, `Softmax` and
    `LogSoftmax` over axis 1, `ReversibleReshape`, and the dense attention functions
    (`dot_product_attention`, `einsum_attention`, `blockwise_attention`) called directly.
-   A user's `Fn` is not checked. The split axis is axis 1 of ``[batch, length, ...]``
-   activations (rank 3 or more); rank-2 arrays are not refused by the reductions above,
-   as they may as well be rows of positions (``[positions, vocab]`` in a fused loss) as
-   ``[batch, length]`` token ids.
+   A user's `Fn` is not checked. `trace_split` traces a model abstractly under a split,
+   so a program can find such a layer before it writes anything. The split axis is axis 1
+   of ``[batch, length, ...]`` activations (rank 3 or more); rank-2 arrays are not
+   refused by the reductions above, as they may as well be rows of positions
+   (``[positions, vocab]`` in a fused loss) as ``[batch, length]`` token ids.
 4. **Losses.** A loss layer returns this shard's weighted mean; the trainer combines the
    shards as it combines devices over the batch (weights summed over every axis the
    batch and the length are split over), so the invariance holds.
@@ -71,13 +72,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 SEQ_AXIS = "seq"
 
@@ -207,13 +210,58 @@ def split() -> SequenceSharding | None:
     return sharding if sharding is not None and sharding.n_shards > 1 else None
 
 
+class SequenceSplitError(ValueError):
+    """A layer refuses to run with its length split over devices (`check_not_split`)."""
+
+
 def check_not_split(owner: str, fix: str, why: str = "mixes positions") -> None:
-    """Raises a one-line ValueError when the length is split (`split`): ``owner`` ``why``
-    across the shards, which one shard cannot compute; ``fix`` says what to use instead."""
+    """Raises a one-line `SequenceSplitError` when the length is split (`split`):
+    ``owner`` ``why`` across the shards, which one shard cannot compute; ``fix`` says what
+    to use instead."""
     sharding = split()
     if sharding is not None:
-        raise ValueError(f"{owner} {why} along the length, which {sharding.describe()} "
-                         f"splits over devices; {fix}")
+        raise SequenceSplitError(f"{owner} {why} along the length, which "
+                                 f"{sharding.describe()} splits over devices; {fix}")
+
+
+def trace_split(fn: Callable[..., Any], batch: Any, *replicated: Any, mesh: Mesh,
+                axis_name: str = SEQ_AXIS) -> Any:
+    """``jax.eval_shape`` of ``fn(batch, *replicated)`` traced as a trainer traces its
+    program body on ``mesh``: inside ``shard_map``, every ``[batch, length, ...]`` leaf of
+    ``batch`` split along its length over ``axis_name`` (``replicated`` whole on every
+    device), under `sequence_sharded`. Nothing is compiled or run, so a model can be
+    checked against a mesh before a run writes anything: a layer that refuses the split
+    raises its `SequenceSplitError` here rather than in the first step.
+
+    Args:
+      fn: the program body, e.g. a model's ``pure_fn`` followed by its loss.
+      batch: arrays or ``jax.ShapeDtypeStruct`` s, global shapes; leaves of rank >= 2 have
+        the length on axis 1 (all the same length).
+      *replicated: arrays or ``jax.ShapeDtypeStruct`` s (weights, state, rng).
+      mesh: a mesh with an axis ``axis_name``.
+      axis_name: the mesh axis of the length.
+
+    Returns:
+      The ``jax.ShapeDtypeStruct`` s of ``fn``'s per-device outputs.
+
+    Raises:
+      ValueError: as `check_layout` for a length ``axis_name`` does not divide; whatever
+        ``fn`` raises while traced (`SequenceSplitError` for a refused split).
+    """
+    n_shards = mesh.shape[axis_name]
+    lengths = [np.shape(a)[1] for a in jax.tree.leaves(batch) if np.ndim(a) >= 2]
+    if not lengths:
+        raise ValueError(f"trace_split: no leaf of the batch has a length axis (rank >= 2) "
+                         f"to split over {axis_name!r}")
+
+    def body(local_batch: Any, *values: Any) -> Any:
+        with sequence_sharded(axis_name, n_shards, lengths[0]):
+            return fn(local_batch, *values)
+
+    specs = jax.tree.map(lambda a: P(None, axis_name) if np.ndim(a) >= 2 else P(), batch)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, *[P()] * len(replicated)),
+                           out_specs=P(), check_vma=False)
+    return jax.eval_shape(mapped, batch, *replicated)
 
 
 def check_local_length(owner: str, length: int) -> SequenceSharding | None:
@@ -270,6 +318,6 @@ def ring_block_counts(perm: np.ndarray, n_shards: int, block_size: int) -> np.nd
     return counts
 
 
-__all__ = ["SEQ_AXIS", "SequenceSharding", "check_layout", "check_local_length",
-           "check_not_split", "current", "ring_block_counts", "sequence_layout",
-           "sequence_sharded", "shard_key", "split"]
+__all__ = ["SEQ_AXIS", "SequenceSharding", "SequenceSplitError", "check_layout",
+           "check_local_length", "check_not_split", "current", "ring_block_counts",
+           "sequence_layout", "sequence_sharded", "shard_key", "split", "trace_split"]

@@ -28,13 +28,14 @@ from revtrain.training.optimizers import optimizer_fn
 from revtrain.training.run_lock import RunLock, RunLockError
 from revtrain.training.schedules import constant, warmup_cosine_decay, warmup_rsqrt_decay
 from revtrain.training.train_lib import train
+from revtrain.training.write_failures import RunWriteError
 
 __all__ = [
     "BuiltModel", "CachedDecoder", "CheckpointConfig", "CheckpointEvaluator",
     "CheckpointMismatchError", "CheckpointSaveError", "CheckpointUnreadableError",
     "Checkpointer", "Decoder",
     "EvalConfig", "Evaluator", "LogConfig", "Loop", "MetricsWriter", "NonFiniteLossError",
-    "RunConfig", "RunLock", "RunLockError", "StopOnSignals", "bits_per_byte",
+    "RunConfig", "RunLock", "RunLockError", "RunWriteError", "StopOnSignals", "bits_per_byte",
     "build_evaluator", "build_loop", "build_model", "build_trainer", "constant",
     "decode_text", "flatten_tree", "optimizer_fn", "read_metrics", "train",
     "unflatten_tree", "warmup_cosine_decay", "warmup_rsqrt_decay",

@@ -19,14 +19,17 @@ import optax
 
 from revtrain.data.inputs import Inputs
 from revtrain.layers import (
+    SEQ_AXIS,
     Accuracy,
     Layer,
+    LayerError,
     Serial,
     WeightedCategoryCrossEntropy,
     fuse_loss_heads,
     nest_flat_values,
     signature_of,
 )
+from revtrain.layers.sequence_parallel import SequenceSplitError, trace_split
 from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
 from revtrain.training.checkpoints.checkpointer import Checkpointer
@@ -142,6 +145,40 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
     return BuiltModel(model, loss, flat, signature)
 
 
+def check_sequence_split(run: RunConfig, built: BuiltModel) -> None:
+    """Checks every layer of the model and loss accepts ``RunConfig.mesh_shape``'s
+    split of the length (``seq > 1``), before a run writes anything.
+
+    One training step's forward pass (model, then loss) is traced abstractly on the run's
+    mesh under the split the trainers use (`revtrain.layers.sequence_parallel.trace_split`:
+    ``jax.eval_shape``, nothing compiled or run), so a layer that cannot compute a shard of
+    the length alone (`LSHCausalAttention`, `Conv`, ``ShiftRight``...) is found here, not
+    in the first step.
+
+    Raises:
+      ValueError: naming ``RunConfig.mesh_shape``, the refusing layer and the fix.
+    """
+    mesh = run.mesh()
+    if mesh is None or mesh.shape[SEQ_AXIS] == 1:
+        return
+    model, loss = built.model, built.loss
+
+    def step(batch: Any, weights: Any, state: Any, loss_values: Any, rng: jax.Array) -> Any:
+        inputs, *rest = batch
+        outputs, _ = model.pure_fn(inputs, weights, state, rng)
+        return loss.pure_fn((outputs, *rest), *loss_values, rng)[0]
+
+    try:
+        trace_split(step, built.batch_signature, model.weights, model.state,
+                    (loss.weights, loss.state), jax.random.key(0), mesh=mesh)
+    except (LayerError, SequenceSplitError) as e:
+        refusal = getattr(e, "original", e)
+        if not isinstance(refusal, SequenceSplitError):
+            raise
+        raise ValueError(f"RunConfig.mesh_shape={dict(run.mesh_shape)!r} splits the length "
+                         f"over seq={mesh.shape[SEQ_AXIS]}, but {refusal}") from e
+
+
 def build_evaluator(run: RunConfig, built: BuiltModel, inputs: Inputs,
                     placement: Placement | None = None) -> Evaluator:
     """The eval-mode model scored by ``{'loss', 'accuracy'}`` on the run's `Placement`
@@ -170,11 +207,13 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
         files go; None keeps nothing.
 
     Raises:
-      ValueError: as `build_model`, or for a checkpoint that does not match the model.
+      ValueError: as `build_model` and `check_sequence_split`, or for a checkpoint that
+        does not match the model.
     """
     eval_config = eval_config or EvalConfig()
     inputs = resolve_inputs(run.inputs)
     built = build_model(run, inputs)
+    check_sequence_split(run, built)
     placement = run.placement()
     trainer = build_trainer(run.trainer_class, built.model, built.loss, run.optimizer,
                             placement=placement, **run.trainer_arguments())

@@ -109,9 +109,6 @@ class RunConfig:
 
     def __post_init__(self):
         check_arguments(_fields(self), "RunConfig")
-        if not isinstance(self.fsdp, bool):
-            raise ValueError(f"RunConfig.fsdp={self.fsdp!r} must be True or False; change "
-                             f"the gin binding RunConfig.fsdp")
         if self.fsdp and "fsdp" in (self.trainer_kwargs or {}):
             raise ValueError("RunConfig.fsdp=True and RunConfig.trainer_kwargs['fsdp'] are "
                              "both set; bind only RunConfig.fsdp")
@@ -185,8 +182,8 @@ class EvalConfig:
         ``'eval_train'``), as Paxml's ``eval_train`` does.
 
     Raises:
-      ValueError: for ``every < 0``, ``steps < 0``, or a split named ``'eval'``,
-        ``'train'`` or ``'eval_train'``.
+      ValueError: for ``every < 0``, ``steps < 0``, an ``eval_train`` that is not True or
+        False, or a split named ``'eval'``, ``'train'`` or ``'eval_train'``.
     """
 
     every: int = 100
@@ -231,7 +228,7 @@ class CheckpointConfig:
 
     Raises:
       ValueError: for a value below its limit (``every``, ``restore_step >= 0``, the
-        others >= 1 or > 0).
+        others >= 1 or > 0), or a switch that is not True or False.
     """
 
     every: int = 100
@@ -261,7 +258,8 @@ class LogConfig:
         (``StepTraceAnnotation``) in any trace.
 
     Raises:
-      ValueError: for ``every < 1`` or ``profile_steps`` not ``1 <= first <= last``.
+      ValueError: for ``every < 1``, ``profile_steps`` not integers ``1 <= first <=
+        last``, or a ``progress`` that is not True, False or None.
     """
 
     every: int | None = None
@@ -271,9 +269,12 @@ class LogConfig:
     def __post_init__(self):
         check_arguments(_fields(self), "LogConfig")
         steps = self.profile_steps
-        if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
-            raise ValueError(f"LogConfig.profile_steps={steps!r} must be (first, last) with "
-                             f"1 <= first <= last; change the gin binding "
+        if steps is not None and not (
+                isinstance(steps, (tuple, list)) and len(steps) == 2
+                and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                and 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"LogConfig.profile_steps={steps!r} must be (first, last) integers "
+                             f"with 1 <= first <= last; change the gin binding "
                              f"LogConfig.profile_steps")
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import datetime
 import os
 
-from revtrain.training.run_directory import CONFIG_FILE, HISTORY_DIR
+from revtrain.training.run_directory import CHECKPOINT_DIR, CONFIG_FILE, HISTORY_DIR
 from revtrain.training.run_files import write_atomic
+from revtrain.training.write_failures import reporting_write_failures
 
 
 def write_run_config(output_dir: str, text: str,
@@ -31,16 +32,19 @@ def write_run_config(output_dir: str, text: str,
       The path of the history file.
 
     Raises:
-      FileExistsError: a history file of the same start time exists.
-      OSError: a file could not be written (e.g. a full disk); ``config.gin`` is then as
-        it was.
+      RunWriteError: a file could not be written (e.g. a full disk, or a history file of
+        the same start time exists); ``config.gin`` is then as it was.
     """
     started = started or datetime.datetime.now(datetime.UTC)
     history = os.path.join(output_dir, HISTORY_DIR)
-    os.makedirs(history, exist_ok=True)
     stamp = started.astimezone(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     path = os.path.join(history, f"{stamp}.gin")
-    write_atomic(path, text, overwrite=False)  # Never overwrites an earlier run's record.
+    checkpoints = os.path.join(output_dir, CHECKPOINT_DIR)
+    with reporting_write_failures(f"write {path}", checkpoints):
+        os.makedirs(history, exist_ok=True)
+        write_atomic(path, text, overwrite=False)  # Never overwrites an earlier run's record.
     # Whole or not at all: a crash or a full disk never leaves half a config.gin.
-    write_atomic(os.path.join(output_dir, CONFIG_FILE), text)
+    config = os.path.join(output_dir, CONFIG_FILE)
+    with reporting_write_failures(f"write {config}", checkpoints):
+        write_atomic(config, text)
     return path

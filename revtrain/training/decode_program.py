@@ -25,6 +25,7 @@ from revtrain.training.decoding import (
 )
 from revtrain.training.run_directory import CHECKPOINT_DIR
 from revtrain.training.run_files import write_atomic
+from revtrain.training.write_failures import reporting_write_failures
 
 
 def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
@@ -35,15 +36,18 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
     Args:
       run: the run's configuration (its model must be an LM on byte-level data).
       output_dir: the run directory.
-      step: the checkpoint to load; None for the newest.
+      step: the checkpoint to load; None for the newest readable one (an unreadable one
+        is skipped with a warning naming it, as `Checkpointer.restore` does).
       allow_random_init: without any checkpoint, decode with the initial weights (step 0)
         instead of failing.
       cache: decode with the key/value cache (`CachedDecoder`); False recomputes a
         sliding window (`Decoder`).
 
     Raises:
-      ValueError: the data is not byte-level, or there is no checkpoint (of ``step``) and
-        random initialisation was not allowed.
+      ValueError: the data is not byte-level, or there is no checkpoint and random
+        initialisation was not allowed.
+      FileNotFoundError: there is no checkpoint of ``step``.
+      CheckpointUnreadableError: no checkpoint can be read.
     """
     inputs = resolve_inputs(run.inputs)
     if not inputs.byte_level:
@@ -52,14 +56,16 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
     checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=None,
                                 read_only=True)
     try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None and not allow_random_init:
+        saved = step is not None or checkpointer.latest_step() is not None
+        if not saved and not allow_random_init:
             raise ValueError(f"no checkpoint in {checkpointer.directory}; train first, or "
                              f"pass --allow_random_init to decode with random weights")
         # With a checkpoint, shapes only: every value is read from it.
-        built = build_model(run, inputs, abstract=step is not None)
-        values = (built.initial_values() if step is None else
-                  checkpointer.restore_values(built.initial_values(), step))
+        built = build_model(run, inputs, abstract=saved)
+        values = built.initial_values()
+        if saved:  # Without a step, the newest readable one, as train and eval restore.
+            values = checkpointer.restore_values(values, step)
+            step = checkpointer.restored_step
     finally:
         checkpointer.close()
     weights, state = built.nest(values["weights"]), built.nest(values["state"])
@@ -122,7 +128,9 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
     Raises:
       ValueError: ``prompts`` is empty, or a prompt plus its new bytes exceeds the cache
         (``path`` is left as it was).
-      OSError: ``path`` could not be written; it is left as it was.
+      RunWriteError: ``path`` could not be written (e.g. a full disk); it is left as it
+        was. The message names the newest checkpoint of the run ``path`` is in
+        (``<run>/decoder_out/step_<N>.jsonl``).
     """
     prompts = list(prompts)
     if not prompts:
@@ -134,6 +142,9 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
                                    top_p)
         records.append({"prompt": prompt, "continuation": text, "tokens": tokens})
     if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        with reporting_write_failures(f"write {path}", os.path.join(run_dir, CHECKPOINT_DIR),
+                                      then="run the same command again"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
     return records

@@ -375,7 +375,7 @@ class Loop:
         Raises:
           CheckpointSaveError: an asynchronous save failed (names the step and what is
             intact).
-          OSError: the metric writers could not flush (e.g. a full disk).
+          RunWriteError: the metric writers could not flush (e.g. a full disk).
         """
         closers = [self._stop_trace]
         closers += [c.close for c in (self._checkpointer, self._init_checkpointer)

@@ -33,15 +33,16 @@ import uuid
 
 import psutil
 
-from revtrain.training.run_directory import LOCK_FILE
+from revtrain.training.run_directory import CHECKPOINT_DIR, LOCK_FILE
 from revtrain.training.run_files import write_atomic
+from revtrain.training.write_failures import reporting_write_failures
 
 logger = logging.getLogger(__name__)
 
 
 
 class RunLockError(RuntimeError):
-    """``output_dir`` is in use by another process, or cannot hold a lock file."""
+    """``output_dir`` is in use by another process, or is not a directory it can create."""
 
 
 def _owner() -> dict:
@@ -82,8 +83,10 @@ class RunLock:
       output_dir: the run directory; created (with parents) if missing.
 
     Raises (from `acquire` / ``__enter__``):
-      RunLockError: when ``output_dir`` is a file, is not writable, or is locked by a
+      RunLockError: when ``output_dir`` is a file, cannot be created, or is locked by a
         running process (on this host) or by a process on another host.
+      RunWriteError: the lock file cannot be written (a full disk, a read-only
+        directory); one line, as every file of a run (`revtrain.training.write_failures`).
     """
 
     def __init__(self, output_dir: str):
@@ -98,7 +101,8 @@ class RunLock:
         or an unreadable lock file).
 
         Raises:
-          RunLockError: as the class says; a directory this call created is removed.
+          RunLockError, RunWriteError: as the class says; a directory this call created
+            is removed.
         """
         self._make_dir()
         try:
@@ -161,13 +165,12 @@ class RunLock:
                                f"{e.strerror}; choose a writable directory") from e
 
     def _try_create(self) -> bool:
-        try:
-            write_atomic(self.path, json.dumps(self._owner), overwrite=False)
-        except FileExistsError:
-            return False
-        except OSError as e:
-            raise RunLockError(f"cannot write the lock file {self.path}: {e.strerror}; "
-                               f"free space or choose a writable --output_dir") from e
+        with reporting_write_failures(f"write {self.path}",
+                                      os.path.join(self.output_dir, CHECKPOINT_DIR)):
+            try:
+                write_atomic(self.path, json.dumps(self._owner), overwrite=False)
+            except FileExistsError:
+                return False
         return True
 
     def _read(self) -> bytes | None:

@@ -26,19 +26,24 @@ import numpy as np
 
 from revtrain.batch_checks import check_divisible
 
-# Numeric arguments by gin name: (kind, smallest allowed value, None allowed).
+# Numeric and switch arguments by gin name: (kind, smallest allowed value, None allowed);
+# a "bool" is True or False (a 0 or 1 is refused: it is a typo for another field's value).
 _RANGES: dict[str, dict[str, tuple[str, float, bool]]] = {
     "train": {"steps": ("int", 1, False)},
-    "RunConfig": {"seed": ("int", 0, False), "n_devices": ("int", 1, True)},
-    "EvalConfig": {"every": ("int", 0, False), "steps": ("int", 0, True)},
+    "RunConfig": {"seed": ("int", 0, False), "n_devices": ("int", 1, True),
+                  "fsdp": ("bool", 0, False)},
+    "EvalConfig": {"every": ("int", 0, False), "steps": ("int", 0, True),
+                   "eval_train": ("bool", 0, False)},
     "CheckpointConfig": {
         "every": ("int", 0, False),
         "max_to_keep": ("int", 1, True),
         "keep_period": ("int", 1, True),
         "keep_time_interval": ("float", math.ulp(0.0), True),
         "restore_step": ("int", 0, True),
+        "init_weights_only": ("bool", 0, False),
+        "async_save": ("bool", 0, False),
     },
-    "LogConfig": {"every": ("int", 1, True)},
+    "LogConfig": {"every": ("int", 1, True), "progress": ("bool", 0, True)},
 }
 
 
@@ -54,6 +59,9 @@ def check_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None
     finite and > 0), ``EvalConfig`` (``every >= 0``, ``steps >= 0`` or None),
     ``CheckpointConfig`` (``every >= 0``; ``max_to_keep``, ``keep_period >= 1`` or None;
     ``keep_time_interval > 0`` seconds or None) or ``LogConfig`` (``every >= 1`` or None).
+    Their switches (``RunConfig.fsdp``, ``EvalConfig.eval_train``,
+    ``CheckpointConfig.init_weights_only`` and ``async_save``, ``LogConfig.progress``) must
+    be True or False (``progress`` also None).
 
     Raises:
       ValueError: naming the first bad argument as ``<prefix>.<name>=<value>``, its limit
@@ -63,6 +71,11 @@ def check_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None
         if name not in arguments or (optional and arguments[name] is None):
             continue
         value, binding = arguments[name], f"{prefix}.{name}"
+        if kind == "bool":
+            if not isinstance(value, (bool, np.bool_)):
+                _fail(binding, value, "must be True or False" + (" or None" if optional
+                                                                  else ""))
+            continue
         number = (int, np.integer) if kind == "int" else (int, float, np.number)
         if isinstance(value, bool) or not isinstance(value, number):
             _fail(binding, value, f"must be {'an integer' if kind == 'int' else 'a number'}"

@@ -216,3 +216,31 @@ def test_rank_2_rows_are_not_taken_for_a_split_length():
     with sequence_sharded("seq", 4, 16):
         np.testing.assert_allclose(LogSoftmax().pure_fn(rows, (), (), None)[0],
                                    jnp.full((16, 8), -np.log(8)), rtol=1e-6)
+
+
+def test_trace_split_finds_a_refusing_layer_and_passes_ring_attention():
+    """The abstract trace sees each shard's length and raises the layer's own refusal; a
+    model every layer of which accepts the split gives its per-shard output shapes."""
+    x = ShapeDtype((2, 16, 8), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:N]).reshape(1, 1, N), ("data", "fsdp", "seq"))
+    ring = CausalAttention(8, n_heads=2)
+    ring.init(x, rng=jax.random.key(0))
+    seen = []
+
+    def forward(layer):
+        def fn(batch, weights, state, rng):
+            seen.append(batch.shape)
+            return layer.pure_fn(batch, weights, state, rng)[0]
+        return fn
+
+    out = sp.trace_split(forward(ring), x, ring.weights, ring.state, jax.random.key(1),
+                         mesh=mesh)
+    assert seen == [(2, 16 // N, 8)] and out.shape == (2, 16 // N, 8)
+    lsh = LSHCausalAttention(8, chunk_len=4)
+    lsh.init(x, rng=jax.random.key(0))
+    with pytest.raises(LayerError) as error:
+        sp.trace_split(forward(lsh), x, lsh.weights, lsh.state, jax.random.key(1), mesh=mesh)
+    assert isinstance(error.value.original, sp.SequenceSplitError)
+    assert str(error.value.original).startswith(
+        "LSHCausalAttention sorts positions into hash buckets along the length, which "
+        "sequence_sharded(axis_name='seq', n_shards=4, length=16) splits over devices")

@@ -1,5 +1,6 @@
 """Tests of revtrain/training/config.py: the run configuration dataclasses."""
 import dataclasses
+import re
 
 import gin
 import pytest
@@ -17,9 +18,19 @@ from revtrain.training.config import LEGACY_BINDINGS, legacy_binding_error
     (lambda: LogConfig(every=0), "LogConfig.every=0 must be >= 1 or None"),
     (lambda: RunConfig(n_devices=9), "RunConfig.n_devices=9 is more than the 4 local"),
     (lambda: RunConfig(schedule=-1.0), "RunConfig.schedule=-1.0 must be a finite number"),
+    # Every switch is checked like the numbers, naming its binding.
+    (lambda: RunConfig(fsdp=1), "RunConfig.fsdp=1 must be True or False; change the gin "
+                                "binding RunConfig.fsdp"),
+    (lambda: EvalConfig(eval_train="yes"), "EvalConfig.eval_train='yes' must be True or"),
+    (lambda: CheckpointConfig(async_save=1), "CheckpointConfig.async_save=1 must be True or"),
+    (lambda: CheckpointConfig(init_weights_only=None),
+     "CheckpointConfig.init_weights_only=None must be True or False; change"),
+    (lambda: LogConfig(progress=0), "LogConfig.progress=0 must be True or False or None"),
+    (lambda: LogConfig(profile_steps=(1.5, 2)), "LogConfig.profile_steps=(1.5, 2) must be "
+                                                "(first, last) integers"),
 ])
 def test_fields_are_checked_when_built(build, message):
-    with pytest.raises(ValueError, match="^" + message.replace(".", r"\.")):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
         build()
 
 

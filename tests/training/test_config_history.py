@@ -2,9 +2,13 @@
 import datetime
 import os
 
+import pytest
+
 from revtrain.training.config_history import write_run_config
 from revtrain.training.run_directory import HISTORY_DIR
+from revtrain.training.write_failures import RunWriteError
 from tests.cli_helpers import _train
+from tests.full_disk import fill_disk
 
 
 def test_history_keeps_each_run_and_config_gin_is_the_latest(tmp_path):
@@ -27,3 +31,19 @@ def test_resumed_run_with_other_bindings_keeps_the_earlier_config(tmp_path):
     assert ["train.steps = 2" in t for t in texts] == [True, False]
     assert "train.steps = 4" in texts[1]
     assert (tmp_path / "config.gin").read_text() == texts[1]
+
+
+@pytest.mark.parametrize("full, path", [
+    ("Z.gin", "config_history/20260102T030405.000000Z.gin"), ("config.gin", "config.gin")])
+def test_a_full_disk_is_one_line_and_config_gin_is_kept(tmp_path, monkeypatch, full, path):
+    write_run_config(str(tmp_path), "a = 1\n")
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    fill_disk(monkeypatch, full)
+    with pytest.raises(RunWriteError) as error:
+        write_run_config(str(tmp_path), "a = 2\n",
+                         datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC))
+    assert str(error.value) == (
+        f"could not write {tmp_path}/{path}: the disk is full (No space left on device); "
+        f"the newest checkpoint, step 4, is intact; free space and run the same command to "
+        f"resume")
+    assert (tmp_path / "config.gin").read_text() == "a = 1\n"

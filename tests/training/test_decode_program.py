@@ -1,6 +1,9 @@
 """Tests of revtrain/training/decode_program.py: decoding a run to decoder_out files."""
 import functools
 import json
+import logging
+import os
+import shutil
 
 import jax
 import pytest
@@ -15,6 +18,8 @@ from revtrain.training.decode_program import (
     new_bytes_per_prompt,
 )
 from revtrain.training.decoding import CachedDecoder, Decoder
+from revtrain.training.write_failures import RunWriteError
+from tests.full_disk import fill_disk
 from tests.tree_utils import assert_trees_close
 
 
@@ -47,6 +52,31 @@ def test_random_init_only_when_allowed_then_checkpoint_and_file(tmp_path):
         if cache:
             first = records
     assert records == first  # Cached and uncached sampling agree for the same seed.
+
+
+@pytest.mark.parametrize("damage", ["metadata removed", "empty step directory"])
+def test_a_damaged_newest_checkpoint_is_skipped_named_and_the_previous_one_decoded(
+        tmp_path, caplog, damage):
+    run, out = _run(tmp_path), str(tmp_path / "run")
+    with build_loop(run, EvalConfig(steps=0), CheckpointConfig(every=1, max_to_keep=None),
+                    LogConfig(progress=False), out) as loop:
+        loop.run(1)
+        trained, _ = loop.model_values()
+        loop.run(2)
+    newest = os.path.join(out, "checkpoints", "2")
+    if damage == "metadata removed":
+        os.remove(os.path.join(newest, "default", "_METADATA"))
+    else:
+        shutil.rmtree(newest)
+        os.makedirs(newest)
+    with caplog.at_level(logging.WARNING):
+        decoder, step = load_decoder(run, out, cache=False)
+    assert step == 1
+    assert_trees_close(decoder._values[0], trained, rtol=0, atol=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"skipping the checkpoint {newest}: it cannot be read (FileNotFoundError: "), warnings
+    assert warnings[0].endswith("; trying the previous one")  # Not orbax's own warning.
 
 
 def test_a_checkpoints_decoder_builds_the_model_from_shapes_only(tmp_path, monkeypatch):
@@ -89,3 +119,23 @@ def test_every_prompt_is_checked_before_any_is_decoded_and_the_note_says_how_far
     assert default_length_note(uncached, [200]) == (
         "continuing the prompt by 200 bytes (the default), recomputing a window of 16 "
         "positions for every byte; --max_new_bytes sets another length")
+
+
+def test_a_full_disk_while_writing_the_output_is_one_line_and_the_old_file_is_kept(
+        tmp_path, monkeypatch):
+    model_fn = functools.partial(ReversibleTransformerLM, vocab_size=256, d_model=8, d_ff=16,
+                                 n_layers=1, n_heads=2, max_len=16, dropout=0.0)
+    model = model_fn(mode="train")
+    model.init(jax.ShapeDtypeStruct((1, 16), jax.numpy.int32), rng=jax.random.key(0))
+    decoder = Decoder(model_fn(mode="eval"), model.weights, model.state, 16)
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    path = tmp_path / "decoder_out" / "step_2.jsonl"
+    decode_to_file(decoder, ["a"], str(path), 2)
+    before = path.read_text()
+    fill_disk(monkeypatch, "step_2.jsonl")
+    with pytest.raises(RunWriteError) as error:
+        decode_to_file(decoder, ["b"], str(path), 2)
+    assert str(error.value) == (
+        f"could not write {path}: the disk is full (No space left on device); the newest "
+        f"checkpoint, step 2, is intact; free space and run the same command again")
+    assert path.read_text() == before

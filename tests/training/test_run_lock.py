@@ -12,6 +12,7 @@ import pytest
 from revtrain.training import read_metrics
 from revtrain.training.run_directory import LOCK_FILE
 from revtrain.training.run_lock import RunLock, RunLockError
+from revtrain.training.write_failures import RunWriteError
 from tests.cli_helpers import COPY_TASK, TINY, _checkpoint, _steps
 
 
@@ -130,8 +131,10 @@ def test_lock_on_a_full_disk_leaves_no_lock_file_behind(tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", full_disk_open)
     new = tmp_path / "run"
-    with pytest.raises(RunLockError, match=rf"cannot write the lock file {new}/run.lock: No "
-                                           rf"space left on device; free space"):
+    with pytest.raises(RunWriteError) as error:  # The line of every file of a run.
         RunLock(str(new)).acquire()
+    assert str(error.value) == (
+        f"could not write {new}/run.lock: the disk is full (No space left on device); no "
+        f"checkpoint is saved yet; free space and run the same command to resume")
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []  # No 0-byte lock, and the new directory is gone.

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
-import json
 import logging
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -30,6 +28,9 @@ import orbax.checkpoint as ocp
 from revtrain.training.barriers import barrier
 from revtrain.training.checkpoints import retention
 from revtrain.training.checkpoints.orbax_workarounds import (
+    DEFAULT_ITEM,
+    NO_TREE_METADATA,
+    check_step_layout,
     drop_closed_event_loop_reports,
     drop_step_metadata_reports,
 )
@@ -42,51 +43,25 @@ from revtrain.training.checkpoints.trees import (
     unflatten_tree,
 )
 from revtrain.training.run_directory import UNREADABLE_SUFFIX
+from revtrain.training.write_failures import (  # noqa: F401  (short_reason: re-exported)
+    RunWriteError,
+    checkpoint_steps,
+    short_reason,
+    write_failure,
+)
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
-_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's per-step metadata file.
-_NO_SPACE = "No space left on device"  # strerror(ENOSPC), also in tensorstore's messages.
 
 
 class CheckpointUnreadableError(OSError):
     """No checkpoint of a directory can be read; the message names the first failure."""
 
 
-class CheckpointSaveError(OSError):
+class CheckpointSaveError(RunWriteError):
     """A checkpoint could not be written (e.g. a full disk); the message names the step,
-    the directory, the cause and the newest checkpoint that is intact."""
-
-
-def short_reason(error: BaseException) -> str:
-    """A short one-line reason (tensorstore appends its whole JSON spec to messages)."""
-    text = " ".join(str(error).split()).split(" [tensorstore_spec=")[0]
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _step_dirs(directory: str) -> list[int]:
-    """Steps of the checkpoint directories in ``directory`` (complete or not)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
-
-
-def _check_layout(step_dir: str) -> None:
-    """Raises FileNotFoundError (the reason, one line) unless ``step_dir`` has orbax's
-    step metadata (``_CHECKPOINT_METADATA``, a JSON object) and its ``default`` item."""
-    if not os.path.isdir(os.path.join(step_dir, _DEFAULT_ITEM)):
-        raise FileNotFoundError(f"it has no {_DEFAULT_ITEM}/ item (an empty or partly "
-                                f"deleted step directory)")
-    try:
-        with open(os.path.join(step_dir, _STEP_METADATA)) as f:
-            metadata = json.load(f)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"its {_STEP_METADATA} is missing or not JSON ("
-                                f"{type(e).__name__})") from e
-    if not isinstance(metadata, dict):
-        raise FileNotFoundError(f"its {_STEP_METADATA} is not a JSON object")
+    the directory, the cause and the newest checkpoint that is intact
+    (`revtrain.training.write_failures`)."""
 
 
 class Checkpointer:
@@ -113,6 +88,12 @@ class Checkpointer:
     saved into it, so a run that fails before its first save leaves no empty
     ``checkpoints/``.
 
+    Attributes:
+      restored_step: the step of the checkpoint the last `restore` or `restore_values`
+        read (None before any).
+      unreadable_steps: the steps the last restore of the newest checkpoint skipped as
+        unreadable.
+
     Raises:
       ValueError: for ``max_to_keep < 1``, ``keep_period < 1`` or a non-positive interval.
     """
@@ -134,7 +115,7 @@ class Checkpointer:
             # is deleted either; create=False keeps a missing directory missing.
             options = ocp.CheckpointManagerOptions(create=False)
         else:
-            existing = _step_dirs(self.directory)
+            existing = checkpoint_steps(self.directory)
             self._promises = retention.read_promises(self.directory, existing)
             kept = retention.promised_steps(self._promises, existing)
             options = ocp.CheckpointManagerOptions(
@@ -142,6 +123,7 @@ class Checkpointer:
                 preservation_policy=retention.preservation_policy(
                     max_to_keep, keep_period, keep_time_interval, kept))
         self.unreadable_steps: list[int] = []
+        self.restored_step: int | None = None
         self._saving: int | None = None  # The step of a save not known to be complete.
         self._async = async_save
         self._manager = ocp.CheckpointManager(self.directory, options=options,
@@ -196,18 +178,12 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            if self._saving is None or isinstance(e, CheckpointSaveError):
+            if self._saving is None or isinstance(e, RunWriteError):
                 raise
             step, self._saving = self._saving, None
-            intact = [s for s in _step_dirs(self.directory) if s < step]
-            kept = (f"the newest checkpoint, step {intact[-1]}, is intact" if intact else
-                    "no earlier checkpoint is there")
-            full = _NO_SPACE in str(e) or getattr(e, "errno", None) == errno.ENOSPC
-            cause = f"the disk is full ({_NO_SPACE})" if full else short_reason(e)
-            raise CheckpointSaveError(
-                f"could not save the checkpoint of step {step} in {self.directory}: "
-                f"{cause}; {kept}; {'free space' if full else 'fix the cause'} and run "
-                f"the same command to resume") from e
+            raise CheckpointSaveError(write_failure(
+                f"save the checkpoint of step {step} in {self.directory}", e,
+                self.directory, before_step=step)) from e
 
     def restore(self, template: Any, step: int | None = None) -> Any:
         """Restores the checkpoint of ``step`` (default: the newest readable one).
@@ -238,14 +214,31 @@ class Checkpointer:
         self.wait_until_finished()
         drop_closed_event_loop_reports()  # Before: a failed read may report at once.
         if step is not None:
-            return self._restore_step(template, step)
+            tree = self._restore_step(template, step)
+            self.restored_step = step
+            return tree
+        return self._newest_readable(lambda each: self._restore_step(template, each))
+
+    def _newest_readable(self, read: Callable[[int], Any]) -> Any:
+        """``read(step)`` of the newest checkpoint it succeeds on, newest first.
+
+        The one fallback of every program that reads "the newest checkpoint" (`restore`
+        and `restore_values` without a step): a checkpoint that cannot be read is skipped
+        with a warning naming it and the reason, and listed in `unreadable_steps`; the
+        step read is `restored_step`.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint.
+          CheckpointUnreadableError: none can be read; names the newest one's failure.
+          CheckpointMismatchError: from ``read`` (another model: no older step helps).
+        """
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"{self.directory} holds no checkpoint")
         failures = []
         for step in steps:
             try:
-                tree = self._restore_step(template, step)
+                tree = read(step)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
@@ -255,6 +248,7 @@ class Checkpointer:
                                "the previous one", where, short_reason(e))
                 continue
             self.unreadable_steps = steps[:len(failures)]
+            self.restored_step = step
             return tree
         raise CheckpointUnreadableError(
             f"none of the {len(steps)} checkpoints in {self.directory} can be read; the "
@@ -289,7 +283,7 @@ class Checkpointer:
         """Checks ``step``'s saved paths (those under ``roots``; None: all), shapes and
         dtypes against ``expected`` (a `flatten_tree` result) without reading arrays.
 
-        The step directory's layout is checked on disk first (`_check_layout`), so orbax is
+        The step directory's layout is checked on disk first (`check_step_layout`), so orbax is
         only asked about a step that has its ``default`` item: orbax's manager decides
         once, on the first step it reads, whether its checkpoints hold one unnamed item,
         and an empty step directory read first would make it misread every later step.
@@ -298,11 +292,11 @@ class Checkpointer:
           FileNotFoundError: the step's layout or metadata is missing or unreadable.
           CheckpointMismatchError: as `check_matches`.
         """
-        _check_layout(os.path.join(self.directory, str(step)))
+        check_step_layout(os.path.join(self.directory, str(step)))
         metadata = self._manager.metadata(step).item_metadata
         tree = None if metadata is None else getattr(metadata, "tree", None)
         if tree is None:
-            raise FileNotFoundError("its metadata (_METADATA) is missing or unreadable")
+            raise FileNotFoundError(NO_TREE_METADATA)
         found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()
                  if roots is None or k.split(SEPARATOR)[0] in roots}
         check_matches(signatures(expected), found,
@@ -312,21 +306,33 @@ class Checkpointer:
         """Re-reads the directory: sees checkpoints other processes saved or deleted since."""
         self._manager.reload()
 
-    def restore_values(self, template: Mapping[str, Any], step: int) -> dict[str, Any]:
+    def restore_values(self, template: Mapping[str, Any],
+                       step: int | None = None) -> dict[str, Any]:
         """Restores only ``template``'s top-level entries of the checkpoint of ``step``.
 
         For programs that need a model's values but no optimizer (``revtrain-eval``,
-        ``revtrain-decode``): ``template`` is e.g. ``{'weights': ..., 'state': ...}``. The
-        other entries of the checkpoint (``slots``, ``step``, ``rng``) are not read from
-        disk (orbax's partial restore, ``PyTreeRestore(partial_restore=True)``).
+        ``revtrain-decode``, a weights-only warm start): ``template`` is e.g.
+        ``{'weights': ..., 'state': ...}``. The other entries of the checkpoint (``slots``,
+        ``step``, ``rng``) are not read from disk (orbax's partial restore,
+        ``PyTreeRestore(partial_restore=True)``). Without ``step``, the newest readable
+        checkpoint, skipping unreadable ones with a warning as `restore` does; its step is
+        then `restored_step`.
 
         Raises:
-          FileNotFoundError: when there is no checkpoint of ``step`` (e.g. retention deleted
-            it after it was listed), or its metadata is unreadable.
+          FileNotFoundError: when there is no checkpoint (of ``step``: e.g. retention
+            deleted it after it was listed), or the metadata of ``step`` is unreadable.
+          CheckpointUnreadableError: without ``step``, when no checkpoint can be read.
           CheckpointMismatchError: naming the first path whose shape or dtype differs, or
             that is missing.
         """
         drop_closed_event_loop_reports()  # A damaged file's leftover reads, as `restore`.
+        if step is None:
+            return self._newest_readable(lambda each: self._restore_values(template, each))
+        values = self._restore_values(template, step)
+        self.restored_step = step
+        return values
+
+    def _restore_values(self, template: Mapping[str, Any], step: int) -> dict[str, Any]:
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         where = os.path.join(self.directory, str(step))
@@ -376,7 +382,7 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     """
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
-        registry.add(_DEFAULT_ITEM, args, ocp.StandardCheckpointHandler)
+        registry.add(DEFAULT_ITEM, args, ocp.StandardCheckpointHandler)
     # The same files read by the general handler, for `restore_values`' partial restore.
-    registry.add(_DEFAULT_ITEM, ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
+    registry.add(DEFAULT_ITEM, ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
     return registry

@@ -1,4 +1,5 @@
-"""Filters for orbax's and tensorstore's leftover reports after a failed read or write.
+"""Filters for orbax's and tensorstore's leftover reports after a failed read or write,
+and the on-disk check of a step directory that keeps orbax from misreading a damaged one.
 
 These install process-wide hooks (``sys.unraisablehook``, ``sys.excepthook`` and logging
 filters on the ``asyncio`` and ``absl`` loggers) that drop only the reports described in
@@ -8,9 +9,16 @@ opens, restores or saves, and each installs itself once per process.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 from typing import Any
+
+DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's per-step metadata file.
+_TREE_METADATA = "_METADATA"  # orbax's metadata of the item's tree (paths, shapes, dtypes).
+NO_TREE_METADATA = f"its metadata ({_TREE_METADATA}) is missing or unreadable"
 
 
 def _is_closed_loop(error: BaseException | None) -> bool:
@@ -79,3 +87,23 @@ def drop_step_metadata_reports() -> None:
     what to do."""
     if _step_metadata_reports not in logging.getLogger("absl").filters:
         logging.getLogger("absl").addFilter(_step_metadata_reports)
+
+
+def check_step_layout(step_dir: str) -> None:
+    """Raises FileNotFoundError (the reason, one line) unless ``step_dir`` has orbax's
+    step metadata (``_CHECKPOINT_METADATA``, a JSON object) and its ``default`` item with
+    the item's tree metadata (``default/_METADATA``; orbax, asked about an item without
+    it, logs a warning of its own before failing)."""
+    if not os.path.isdir(os.path.join(step_dir, DEFAULT_ITEM)):
+        raise FileNotFoundError(f"it has no {DEFAULT_ITEM}/ item (an empty or partly "
+                                f"deleted step directory)")
+    if not os.path.isfile(os.path.join(step_dir, DEFAULT_ITEM, _TREE_METADATA)):
+        raise FileNotFoundError(NO_TREE_METADATA)
+    try:
+        with open(os.path.join(step_dir, _STEP_METADATA)) as f:
+            metadata = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"its {_STEP_METADATA} is missing or not JSON ("
+                                f"{type(e).__name__})") from e
+    if not isinstance(metadata, dict):
+        raise FileNotFoundError(f"its {_STEP_METADATA} is not a JSON object")

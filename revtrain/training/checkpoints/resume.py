@@ -83,21 +83,26 @@ def warm_start(trainer: Any, source: Checkpointer, weights_only: bool,
     With ``weights_only`` only weights and state are read and moved; the optimizer slots
     stay where they are. Returns the run's ``(step, rng)`` after it.
 
+    Reads ``source``'s newest readable checkpoint (an unreadable one is skipped with a
+    warning naming it, as the run's own are).
+
     Raises:
       FileNotFoundError: ``source`` holds no checkpoint.
+      CheckpointUnreadableError: none of its checkpoints can be read.
     """
-    step = source.latest_step()
-    if step is None:
+    if source.latest_step() is None:
         raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir: {source.directory} "
                                 f"holds no checkpoint; point it at a run's checkpoints")
+    # The newest readable checkpoint, an unreadable one skipped with a warning.
     if weights_only:
         tree = source.restore_values({part: host_template(trainer, part)
-                                      for part in ("weights", "state")}, step)
+                                      for part in ("weights", "state")})
         trainer.restore(TrainState(tree["weights"], tree["state"],
                                    trainer.saved_values("slots")))
         run_position = 0, rng
     else:
-        run_position = _apply(trainer, source.restore(restore_template(trainer, rng), step))
-    logger.info("warm-started from the checkpoint of step %d in %s (%s)", step,
-                source.directory, "weights and state" if weights_only else "full state")
+        run_position = _apply(trainer, source.restore(restore_template(trainer, rng)))
+    logger.info("warm-started from the checkpoint of step %d in %s (%s)",
+                source.restored_step, source.directory,
+                "weights and state" if weights_only else "full state")
     return run_position

@@ -27,15 +27,18 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from orbax.checkpoint import checkpoint_managers as policies
 
 from revtrain.training.run_directory import RETENTION_FILE
 from revtrain.training.run_files import UnreadableFileError, read_json, write_atomic
+from revtrain.training.write_failures import reporting_write_failures
 
 logger = logging.getLogger(__name__)
 
 
 def _seconds(interval: float | datetime.timedelta | None) -> float | None:
+    """Seconds of ``interval``; a ValueError or TypeError when it is not a number."""
     if isinstance(interval, datetime.timedelta):
         return interval.total_seconds()
     return None if interval is None else float(interval)
@@ -43,13 +46,15 @@ def _seconds(interval: float | datetime.timedelta | None) -> float | None:
 
 def check_retention(max_to_keep: int | None, keep_period: int | None,
                     keep_time_interval: float | datetime.timedelta | None) -> None:
-    """Raises ValueError for ``max_to_keep < 1``, ``keep_period < 1`` or an interval <= 0."""
+    """Raises ValueError for ``max_to_keep < 1``, ``keep_period`` not an integer >= 1, or
+    an interval that is not a number > 0 (None passes for each)."""
     if max_to_keep is not None and max_to_keep < 1:
         raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 or None (keep all)")
-    if keep_period is not None and keep_period < 1:
-        raise ValueError(f"keep_period={keep_period} must be >= 1 or None")
+    if keep_period is not None and (isinstance(keep_period, bool) or not isinstance(
+            keep_period, (int, np.integer)) or keep_period < 1):
+        raise ValueError(f"keep_period={keep_period!r} must be an integer >= 1 or None")
     seconds = _seconds(keep_time_interval)
-    if seconds is not None and seconds <= 0:
+    if seconds is not None and not seconds > 0:
         raise ValueError(f"keep_time_interval={seconds} seconds must be > 0 or None")
 
 
@@ -70,10 +75,12 @@ def read_promises(directory: str, steps: Sequence[int] = ()) -> list[dict[str, A
         record = read_json(path)
         promises = list(record["promises"])
         for promise in promises:
-            int(promise["last_step"])
-            for key in ("keep_period", "keep_time_interval"):
-                if promise.get(key) is not None:
-                    float(promise[key])
+            if int(promise["last_step"]) < 0:
+                raise ValueError(f"last_step={promise['last_step']} must be >= 0")
+            # The rules CheckpointConfig's bindings pass: a keep_period of 0 would divide
+            # by zero in `promised_steps`.
+            check_retention(None, promise.get("keep_period"),
+                            promise.get("keep_time_interval"))
         return promises
     except FileNotFoundError:
         return []
@@ -109,6 +116,9 @@ def record_promise(directory: str, promises: Sequence[dict[str, Any]],
 
     Does nothing when this run promises nothing (neither ``keep_period`` nor
     ``keep_time_interval``) and there is nothing recorded. The file is replaced atomically.
+
+    Raises:
+      RunWriteError: the record could not be written (e.g. a full disk); it is as it was.
     """
     current = {"keep_period": keep_period, "keep_time_interval": _seconds(keep_time_interval),
                "last_step": int(last_step)}
@@ -117,7 +127,9 @@ def record_promise(directory: str, promises: Sequence[dict[str, Any]],
             return
         current = None
     record = {"promises": list(promises) + ([current] if current else [])}
-    write_atomic(os.path.join(directory, RETENTION_FILE), json.dumps(record, indent=1))
+    path = os.path.join(directory, RETENTION_FILE)
+    with reporting_write_failures(f"write {path}", directory):
+        write_atomic(path, json.dumps(record, indent=1))
 
 
 def preservation_policy(max_to_keep: int | None, keep_period: int | None,

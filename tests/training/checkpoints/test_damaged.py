@@ -48,9 +48,26 @@ def test_newest_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, caplog
     warning = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(warning) == 1 and f"checkpoint {directory}/3: it cannot be read" in warning[0]
     assert reason in warning[0] and "\n" not in warning[0]
+    assert not [r for r in caplog.records if "was found in the checkpoint" in r.getMessage()]
     assert checkpointer.unreadable_steps == [3]
     assert sorted(os.listdir(directory)) == ["1", "2", "3"]  # Nothing deleted.
     assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["metadata", "data"])
+def test_restore_values_of_the_newest_skips_an_unreadable_one_as_restore_does(tmp_path,
+                                                                            caplog, how):
+    directory = _saved(tmp_path)
+    _damage(directory, 3, how)
+    checkpointer = Checkpointer(directory, read_only=True)
+    with caplog.at_level(logging.WARNING):
+        values = checkpointer.restore_values({"weights": _tree(0)["weights"]})
+    checkpointer.close()
+    np.testing.assert_array_equal(values["weights"][0], np.full((3, 2), 2, np.float32))
+    assert checkpointer.restored_step == 2 and checkpointer.unreadable_steps == [3]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings  # orbax's "Item "default" was found ..." is not.
+    assert warnings[0].startswith(f"skipping the checkpoint {directory}/3: it cannot be read")
 
 
 def test_next_save_moves_the_unreadable_checkpoint_aside(tmp_path):

@@ -5,8 +5,14 @@ import numpy as np
 import pytest
 
 from revtrain.training import Checkpointer
-from revtrain.training.checkpoints.retention import promised_steps, read_promises
+from revtrain.training.checkpoints.retention import (
+    promised_steps,
+    read_promises,
+    record_promise,
+)
+from revtrain.training.write_failures import RunWriteError
 from tests.cli_helpers import _steps, _train
+from tests.full_disk import fill_disk
 
 
 def _tree(value=0.0):
@@ -61,6 +67,13 @@ def test_cli_resume_without_keep_period_keeps_permanent_checkpoints(tmp_path):
     ('{"promises": [{"keep_period": 2, "last', "is not JSON"),
     ('{"promises": [{"keep_period": 2}]}', "is not a retention record (KeyError"),
     ("[]", "is not a retention record (TypeError"),
+    # Values CheckpointConfig refuses (a keep_period of 0 divided by zero).
+    ('{"promises": [{"keep_period": 0, "keep_time_interval": null, "last_step": 5}]}',
+     "is not a retention record (ValueError: keep_period=0 must be an integer >= 1"),
+    ('{"promises": [{"keep_period": null, "keep_time_interval": -1, "last_step": 5}]}',
+     "is not a retention record (ValueError: keep_time_interval=-1.0 seconds must be > 0"),
+    ('{"promises": [{"keep_period": 2, "keep_time_interval": null, "last_step": -1}]}',
+     "is not a retention record (ValueError: last_step=-1 must be >= 0"),
 ])
 def test_damaged_record_keeps_every_checkpoint_warns_and_is_rebuilt(tmp_path, caplog,
                                                                     damage, reason):
@@ -76,3 +89,17 @@ def test_damaged_record_keeps_every_checkpoint_warns_and_is_rebuilt(tmp_path, ca
     assert read_promises(str(tmp_path)) == [
         {"keep_period": None, "keep_time_interval": None, "keep_all": True, "last_step": 5}]
     assert _run(tmp_path, [8], max_to_keep=1) == [2, 4, 5, 8]  # Read back without warning.
+
+
+def test_a_full_disk_while_recording_a_promise_is_one_line_and_the_record_is_kept(
+        tmp_path, monkeypatch):
+    assert _run(tmp_path, [2, 4], max_to_keep=None, keep_period=2) == [2, 4]
+    before = (tmp_path / "retention.json").read_text()
+    fill_disk(monkeypatch, "retention.json")
+    with pytest.raises(RunWriteError) as error:
+        record_promise(str(tmp_path), read_promises(str(tmp_path)), 2, None, 6)
+    assert str(error.value) == (
+        f"could not write {tmp_path}/retention.json: the disk is full (No space left on "
+        f"device); the newest checkpoint, step 4, is intact; free space and run the same "
+        f"command to resume")
+    assert (tmp_path / "retention.json").read_text() == before

@@ -153,3 +153,53 @@ def test_a_run_on_one_mesh_resumes_on_other_mesh_shapes(tmp_path):
             assert_trees_close(resumed.trainer.train_state, expected, rtol=0, atol=0)
             losses.append(float(resumed.trainer.one_step(batch, jax.random.key(5))[0]))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def _adam_or_sgd_run(tmp_path, name, optimizer, rate, steps, **devices):
+    """Trains the tiny copy-task LM to ``steps`` in ``tmp_path/name`` (resuming what is
+    there); returns its weights and the train losses by step."""
+    import functools
+
+    from revtrain.data import CopyTask
+    from revtrain.models import ReversibleTransformerLM
+    from revtrain.training import optimizer_fn, read_metrics
+
+    model = functools.partial(ReversibleTransformerLM, vocab_size=8, d_model=8, d_ff=16,
+                              n_layers=1, n_heads=2, max_len=16, dropout=0.0)
+    run = RunConfig(model=model, inputs=CopyTask(vocab_size=8, length=4, batch_size=4),
+                    optimizer=functools.partial(optimizer_fn, name=optimizer),
+                    schedule=rate, trainer_class=TRAINERS["Trainer"], **devices)
+    out = str(tmp_path / name)
+    with build_loop(run, EvalConfig(steps=0), CheckpointConfig(every=0),
+                    LogConfig(every=1, progress=False), out) as loop:
+        loop.run(steps)
+        weights = [np.asarray(w) for w in jax.tree.leaves(loop.trainer.host_values("weights"))]
+    return weights, {r["step"]: r["loss"] for r in read_metrics(out, "train")}
+
+
+@pytest.mark.parametrize("optimizer, rate", [("sgd", 0.1), ("adam", 1e-3)])
+def test_a_run_resumed_on_another_mesh_stays_within_the_documented_tolerance(
+        tmp_path, optimizer, rate):
+    """docs/training.md: saved on data x fsdp = 2 x 2, resumed on one device and on seq=4
+    and trained 10 more steps, against the run that never stopped: with SGD the weights
+    agree to float32 rounding; with Adam a weight whose true gradient is 0 (the attention
+    keys' bias) takes rounding noise as a gradient, which Adam scales up to the learning
+    rate a step, so it drifts by at most ``rate`` per step; the losses agree to float32
+    rounding either way."""
+    import shutil
+
+    saved_on, more = {"mesh_shape": {"data": 2, "fsdp": 2}}, 10
+    straight, straight_losses = _adam_or_sgd_run(tmp_path, "straight", optimizer, rate,
+                                                 2 + more, **saved_on)
+    _adam_or_sgd_run(tmp_path, "saved", optimizer, rate, 2, **saved_on)
+    for name, resumed_on in (("1 device", {"n_devices": 1}),
+                             ("seq=4", {"mesh_shape": {"seq": 4}})):
+        shutil.copytree(tmp_path / "saved", tmp_path / name)
+        resumed, losses = _adam_or_sgd_run(tmp_path, name, optimizer, rate, 2 + more,
+                                           **resumed_on)
+        drift = max(float(np.max(np.abs(a - b))) for a, b in zip(resumed, straight,
+                                                                   strict=True))
+        assert drift <= (1e-6 if optimizer == "sgd" else rate * more), (name, drift)
+        for step in range(3, 3 + more):
+            assert losses[step] == pytest.approx(straight_losses[step], rel=1e-5), (name,
+                                                                                    step)
