@@ -1,4 +1,4 @@
-"""revtrain.layers.attention.causal: causal self-attention layers and the kernels under them.
+"""revtrain.layers.attention: causal self-attention layers and the kernels under them.
 
 Every layer here takes Trax's ``attention_type`` signature, so a model takes any of them:
 

@@ -108,7 +108,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 
     Returns:
       ``[batch, length, n_heads, d_head]`` in ``v.dtype``; equal to the full path
-      (`revtrain.layers.attention.causal.einsum_attention` with ``is_causal=True``) up to float
+      (`revtrain.layers.attention.dense.einsum_attention` with ``is_causal=True``) up to float
       rounding, dropout included.
 
     Raises:
