@@ -1,4 +1,5 @@
-"""Command-line tools: ``revtrain-train``, ``revtrain-eval``, ``revtrain-decode``.
+"""Command-line tools: ``revtrain-train``, ``revtrain-eval``, ``revtrain-decode``,
+``revtrain-tokenizer``.
 
 ``revtrain-train --config_file=configs/reversible_lm.gin [--config_file=...]
 --gin_bindings='train.steps=20' [--gin_bindings=...] --output_dir=runs/lm`` parses the gin
@@ -10,8 +11,14 @@ checkpoint after the current step and exits with status ``128 + signal``.
 
 ``revtrain-eval --output_dir=... [--wait]`` rebuilds the run from ``output_dir/config.gin``
 and evaluates every checkpoint without eval records (following the run with ``--wait``);
-``revtrain-decode --output_dir=... --prompt='def '`` continues prompts with a byte-level LM
-and writes ``output_dir/decoder_out/step_<N>.jsonl``.
+``revtrain-decode --output_dir=... --prompt='def '`` continues prompts with a text LM
+and writes ``output_dir/decoder_out/step_<N>.jsonl``. Both use the tokenizer the run
+recorded (``output_dir/tokenizer.json`` and its ``tokenizer.model`` copy): a run trained
+with a SentencePiece model is evaluated and decoded with that model, no flag needed.
+
+``revtrain-tokenizer --input=a.txt [--input=...] --vocab_size=8000 --model_prefix=out/sp``
+trains a SentencePiece model on local text (the embedded corpus without ``--input``) and
+writes ``out/sp.model`` (`revtrain.data.train_sentencepiece`).
 
 Multi-host: ``--coordinator_address=host:port --num_processes=N --process_id=i`` (or the
 environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
@@ -49,6 +56,7 @@ from revtrain import host_heap
 from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: used by tests)
     UsageError,
     _absl_logging,
+    _add_tool_flags,
     _common_flags,
     _initialize_distributed,
     _is_chief,
@@ -137,10 +145,32 @@ def _read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
         raise UsageError(f"{config} not found; is {output_dir} a revtrain-train output_dir?")
     _initialize_distributed(fv)
     _parse_gin([config, *fv.config_file], fv.gin_bindings)
+    _use_run_tokenizer(output_dir)
     from revtrain import configurables
 
     bindings = gin.get_bindings("train")
     return output_dir, configurables.run_configs(), int(bindings.get("steps", 1000))
+
+
+# The inputs that take a tokenizer; `_use_run_tokenizer` rebinds theirs.
+_TOKENIZED_INPUTS = ("TextFiles", "TFDS")
+
+
+def _use_run_tokenizer(output_dir: str) -> None:
+    """Binds the run's recorded subword tokenizer (its copy in ``output_dir``) wherever the
+    config binds a tokenizer, so evaluation and decoding need neither the original model
+    file nor a retraining; a byte-level run needs nothing."""
+    from revtrain.training.run_tokenizer import read_run_tokenizer
+
+    tokenizer = read_run_tokenizer(output_dir)
+    if tokenizer is None or tokenizer.byte_level:
+        return
+    for name in _TOKENIZED_INPUTS:
+        try:
+            gin.query_parameter(f"{name}.tokenizer")
+        except ValueError:  # Not bound: this input is not used with a tokenizer.
+            continue
+        gin.bind_parameter(f"{name}.tokenizer", tokenizer)
 
 
 def _eval(fv: flags.FlagValues) -> int:
@@ -202,12 +232,14 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _decode(fv: flags.FlagValues) -> int:
+    from revtrain.data import ByteTokenizer
     from revtrain.training.decode_program import (
         decode_to_file,
         default_length_note,
         load_decoder,
         new_bytes_per_prompt,
     )
+    from revtrain.training.run_tokenizer import read_run_tokenizer
 
     if ((fv.max_new_bytes is not None and fv.max_new_bytes < 0)
             or not math.isfinite(fv.temperature) or fv.temperature < 0):
@@ -218,15 +250,16 @@ def _decode(fv: flags.FlagValues) -> int:
     output_dir, configs, _ = _read_run(fv)
     decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
                                  fv.cache)
+    tokenizer = read_run_tokenizer(output_dir) or ByteTokenizer()
     try:  # Every prompt's length, checked before any is decoded: a flag the user fixes.
-        lengths = new_bytes_per_prompt(decoder, prompts, fv.max_new_bytes)
+        lengths = new_bytes_per_prompt(decoder, prompts, fv.max_new_bytes, tokenizer)
     except ValueError as e:
         raise UsageError(str(e)) from e
     if fv.max_new_bytes is None and _is_chief():
         print(f"revtrain-decode: {default_length_note(decoder, lengths)}", file=sys.stderr)
     path = os.path.join(output_dir, DECODER_DIR, f"step_{step}.jsonl")
     records = decode_to_file(decoder, prompts, path, fv.max_new_bytes, fv.temperature,
-                             fv.seed, fv.top_k, fv.top_p)
+                             fv.seed, fv.top_k, fv.top_p, tokenizer)
     if _is_chief():
         for record in records:
             print(record["prompt"] + record["continuation"], flush=True)
@@ -251,14 +284,15 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def decode_main(argv: Sequence[str] | None = None) -> int:
-    """``revtrain-decode``: continues prompts with a byte LM; writes decoder_out/step_N.jsonl."""
-    fv = _common_flags("The output_dir of a revtrain-train run of a byte-level LM.")
+    """``revtrain-decode``: continues prompts with a text LM; writes decoder_out/step_N.jsonl."""
+    fv = _common_flags("The output_dir of a revtrain-train run of a language model.")
     flags.DEFINE_string("prompt", "\n", "Text to continue.", flag_values=fv)
     flags.DEFINE_string("prompts_file", None, "A UTF-8 file of prompts, one per line.",
                         flag_values=fv)
-    flags.DEFINE_integer("max_new_bytes", None, "Bytes to generate (default: as many as the "
-                         "model's key/value cache holds after the prompt, at most 200; a "
-                         "note on stderr says how many).", flag_values=fv)
+    flags.DEFINE_integer("max_new_bytes", None, "Bytes to generate, tokens for a run with "
+                         "a subword tokenizer (default: as many as the model's key/value "
+                         "cache holds after the prompt, at most 200; a note on stderr says "
+                         "how many).", flag_values=fv)
     flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding, else the sampling "
                        "temperature.", flag_values=fv)
     flags.DEFINE_integer("top_k", None, "Sample among the k most likely bytes.",
@@ -274,6 +308,43 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
     flags.DEFINE_boolean("cache", True, "Use the key/value cache (--nocache recomputes "
                          "the window for every byte).", flag_values=fv)
     return _run("revtrain-decode", fv, argv, _decode)
+
+
+# --------------------------------------------------------------------------------------
+# revtrain-tokenizer: train a SentencePiece model on local text.
+
+def _train_tokenizer(fv: flags.FlagValues) -> int:
+    from revtrain.data import train_sentencepiece
+
+    if not fv.model_prefix:
+        raise UsageError("--model_prefix is required (the model goes to "
+                         "<model_prefix>.model)")
+    for path in fv.input:
+        if not os.path.isfile(path):
+            raise UsageError(f"--input={path}: no such file; give UTF-8 text files")
+    try:
+        path = train_sentencepiece(fv.input or None, fv.model_prefix, fv.vocab_size,
+                                   fv.model_type)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    if _is_chief():
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+def tokenizer_main(argv: Sequence[str] | None = None) -> int:
+    """``revtrain-tokenizer``: trains a SentencePiece model; returns the exit status."""
+    fv = flags.FlagValues()
+    flags.DEFINE_multi_string("input", [], "A UTF-8 text file to train on; repeat for "
+                              "several (default: the embedded corpus).", flag_values=fv)
+    flags.DEFINE_string("model_prefix", None, "Output path without '.model'.",
+                        flag_values=fv)
+    flags.DEFINE_integer("vocab_size", 8000, "Number of pieces (at least 259: 256 byte "
+                         "pieces and <unk>, <s>, </s>).", flag_values=fv)
+    flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "SentencePiece's model "
+                      "type.", flag_values=fv)
+    _add_tool_flags(fv)
+    return _run("revtrain-tokenizer", fv, argv, _train_tokenizer)
 
 
 # --------------------------------------------------------------------------------------
@@ -353,3 +424,8 @@ def run_eval() -> None:
 def run_decode() -> None:
     """Console script ``revtrain-decode``."""
     _app_run(decode_main, "revtrain-decode")
+
+
+def run_tokenizer() -> None:
+    """Console script ``revtrain-tokenizer``."""
+    _app_run(tokenizer_main, "revtrain-tokenizer")

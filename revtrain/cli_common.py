@@ -53,6 +53,12 @@ def _common_flags(output_dir_help: str) -> flags.FlagValues:
                          flag_values=fv)
     flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run.",
                          flag_values=fv)
+    _add_tool_flags(fv)
+    return fv
+
+
+def _add_tool_flags(fv: flags.FlagValues) -> None:
+    """Adds what every tool has: ``--traceback``, ``--version`` and absl's logging flags."""
     flags.DEFINE_boolean("traceback", False, "Show the full traceback of an error.",
                          flag_values=fv)
     flags.DEFINE_boolean("version", False, "Print the revtrain version and exit.",
@@ -62,7 +68,6 @@ def _common_flags(output_dir_help: str) -> flags.FlagValues:
             flag.unparse()  # Defaults again: an earlier in-process call may have set it.
             fv[flag.name] = flag  # The same Flag object: absl reads what we parse.
             fv.register_flag_by_module(module, flag)  # Listed under it in --help.
-    return fv
 
 
 def _parse_flags(fv: flags.FlagValues, argv: Sequence[str]) -> bool:
