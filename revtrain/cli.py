@@ -56,14 +56,15 @@ from revtrain import host_heap
 from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: used by tests)
     UsageError,
     _absl_logging,
-    _add_tool_flags,
     _common_flags,
     _initialize_distributed,
     _is_chief,
     _parse_gin,
     _print_metrics,
     _run,
+    _use_run_tokenizer,
 )
+from revtrain.cli_tokenizer import tokenizer_main
 from revtrain.training.run_directory import CONFIG_FILE, DECODER_DIR, TENSORBOARD_CONFIG_DIR
 
 # --------------------------------------------------------------------------------------
@@ -150,27 +151,6 @@ def _read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
 
     bindings = gin.get_bindings("train")
     return output_dir, configurables.run_configs(), int(bindings.get("steps", 1000))
-
-
-# The inputs that take a tokenizer; `_use_run_tokenizer` rebinds theirs.
-_TOKENIZED_INPUTS = ("TextFiles", "TFDS")
-
-
-def _use_run_tokenizer(output_dir: str) -> None:
-    """Binds the run's recorded subword tokenizer (its copy in ``output_dir``) wherever the
-    config binds a tokenizer, so evaluation and decoding need neither the original model
-    file nor a retraining; a byte-level run needs nothing."""
-    from revtrain.training.run_tokenizer import read_run_tokenizer
-
-    tokenizer = read_run_tokenizer(output_dir)
-    if tokenizer is None or tokenizer.byte_level:
-        return
-    for name in _TOKENIZED_INPUTS:
-        try:
-            gin.query_parameter(f"{name}.tokenizer")
-        except ValueError:  # Not bound: this input is not used with a tokenizer.
-            continue
-        gin.bind_parameter(f"{name}.tokenizer", tokenizer)
 
 
 def _eval(fv: flags.FlagValues) -> int:
@@ -308,43 +288,6 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
     flags.DEFINE_boolean("cache", True, "Use the key/value cache (--nocache recomputes "
                          "the window for every byte).", flag_values=fv)
     return _run("revtrain-decode", fv, argv, _decode)
-
-
-# --------------------------------------------------------------------------------------
-# revtrain-tokenizer: train a SentencePiece model on local text.
-
-def _train_tokenizer(fv: flags.FlagValues) -> int:
-    from revtrain.data import train_sentencepiece
-
-    if not fv.model_prefix:
-        raise UsageError("--model_prefix is required (the model goes to "
-                         "<model_prefix>.model)")
-    for path in fv.input:
-        if not os.path.isfile(path):
-            raise UsageError(f"--input={path}: no such file; give UTF-8 text files")
-    try:
-        path = train_sentencepiece(fv.input or None, fv.model_prefix, fv.vocab_size,
-                                   fv.model_type)
-    except (ValueError, FileNotFoundError) as e:
-        raise UsageError(str(e)) from e
-    if _is_chief():
-        print(f"wrote {path}", flush=True)
-    return 0
-
-
-def tokenizer_main(argv: Sequence[str] | None = None) -> int:
-    """``revtrain-tokenizer``: trains a SentencePiece model; returns the exit status."""
-    fv = flags.FlagValues()
-    flags.DEFINE_multi_string("input", [], "A UTF-8 text file to train on; repeat for "
-                              "several (default: the embedded corpus).", flag_values=fv)
-    flags.DEFINE_string("model_prefix", None, "Output path without '.model'.",
-                        flag_values=fv)
-    flags.DEFINE_integer("vocab_size", 8000, "Number of pieces (at least 259: 256 byte "
-                         "pieces and <unk>, <s>, </s>).", flag_values=fv)
-    flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "SentencePiece's model "
-                      "type.", flag_values=fv)
-    _add_tool_flags(fv)
-    return _run("revtrain-tokenizer", fv, argv, _train_tokenizer)
 
 
 # --------------------------------------------------------------------------------------

@@ -272,3 +272,22 @@ def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
             return 1
 
 
+# The inputs that take a tokenizer; `_use_run_tokenizer` rebinds theirs.
+_TOKENIZED_INPUTS = ("TextFiles", "TFDS")
+
+
+def _use_run_tokenizer(output_dir: str) -> None:
+    """Binds the run's recorded subword tokenizer (its copy in ``output_dir``) wherever the
+    config binds a tokenizer, so evaluation and decoding need neither the original model
+    file nor a retraining; a byte-level run needs nothing."""
+    from revtrain.training.run_tokenizer import read_run_tokenizer
+
+    tokenizer = read_run_tokenizer(output_dir)
+    if tokenizer is None or tokenizer.byte_level:
+        return
+    for name in _TOKENIZED_INPUTS:
+        try:
+            gin.query_parameter(f"{name}.tokenizer")
+        except ValueError:  # Not bound: this input is not used with a tokenizer.
+            continue
+        gin.bind_parameter(f"{name}.tokenizer", tokenizer)

@@ -6,9 +6,10 @@ of a global batch; language-model data is already shifted (`inputs = w[:-1]`,
 """
 
 from revtrain.data.batching import ProcessSlice, lm_batch
+from revtrain.data.corpus import default_corpus
 from revtrain.data.inputs import Batch, Inputs, StreamInputs
 from revtrain.data.synthetic import CopyTask, SyntheticSequences
-from revtrain.data.text import TextFiles, default_corpus
+from revtrain.data.text import TextFiles
 from revtrain.data.tfds import TFDS
 from revtrain.data.tokenizers import (
     ByteTokenizer,

@@ -1,68 +1,27 @@
 """Language-model stream over local text files: bytes (vocabulary 256) or subword tokens.
 
-Without files it reads a default corpus that ships with Python itself: the documentation
-topics in the standard library module `pydoc_data.topics` (about 465 KB of English
-prose and code), so the default run needs no download.
+Without files it reads the default corpus (`revtrain.data.corpus.default_corpus`), which
+ships with Python itself, so the default run needs no download.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from revtrain.data import batching
-from revtrain.data.inputs import Batch, Inputs
-from revtrain.data.tokenizers import ByteTokenizer, Tokenizer
 
-PathLike = str | os.PathLike
+# Re-exported: they lived here before `revtrain.data.corpus`.
+from revtrain.data.corpus import PathLike as PathLike
+from revtrain.data.corpus import default_corpus as default_corpus
+from revtrain.data.corpus import read_corpus
+from revtrain.data.inputs import Batch, Inputs
+from revtrain.data.tokenizers import Tokenizer, check_tokenizer
+
 BYTE_VOCAB_SIZE = 256
 
 _TRAIN, _EVAL = 0, 1
-
-
-def default_corpus() -> bytes:
-    """The default corpus: `pydoc_data.topics.topics` values in sorted-key order, UTF-8.
-
-    Raises:
-      ImportError: This Python build lacks `pydoc_data` (some distributions split it into
-        a separate package); pass text files instead.
-    """
-    try:
-        from pydoc_data import topics
-    except ImportError as err:
-        raise ImportError(
-            "the default corpus needs the standard library module pydoc_data, which this "
-            "Python lacks; pass TextFiles(paths=[...]) with your own text files"
-        ) from err
-    return "".join(topics.topics[key] for key in sorted(topics.topics)).encode("utf-8")
-
-
-def read_corpus(paths: PathLike | Sequence[PathLike] | None) -> bytes:
-    """Reads and concatenates files in the given order, or the default corpus.
-
-    Args:
-      paths: A path, a sequence of paths, or None / empty for `default_corpus()`.
-
-    Raises:
-      FileNotFoundError: A path does not name an existing file (the message names it).
-      IsADirectoryError: A path names a directory.
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    if not paths:
-        return default_corpus()
-    chunks = []
-    for path in paths:
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"text file {os.fspath(path)!r} is a directory; pass the "
-                                    f"files in it")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"text file {os.fspath(path)!r} does not exist")
-        with open(path, "rb") as f:
-            chunks.append(f.read())
-    return b"".join(chunks)
 
 
 class TextFiles(Inputs):
@@ -217,16 +176,3 @@ class TextFiles(Inputs):
         positions = starts[:, None] + np.arange(self.sequence_length + 1)
         return batching.lm_batch(self.eval_tokens[positions])
 
-
-def check_tokenizer(tokenizer: Tokenizer | None, binding: str) -> Tokenizer:
-    """``tokenizer``, or a `ByteTokenizer` for None.
-
-    Raises:
-      TypeError: ``tokenizer`` is not a `Tokenizer`, naming ``binding``.
-    """
-    if tokenizer is None:
-        return ByteTokenizer()
-    if not isinstance(tokenizer, Tokenizer):
-        raise TypeError(f"{binding}={tokenizer!r} is not a tokenizer; bind it to "
-                        f"@ByteTokenizer() or @SentencePieceTokenizer()")
-    return tokenizer

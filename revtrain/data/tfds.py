@@ -29,8 +29,7 @@ import numpy as np
 
 from revtrain.data import batching
 from revtrain.data.inputs import Batch, Inputs
-from revtrain.data.text import check_tokenizer
-from revtrain.data.tokenizers import Tokenizer
+from revtrain.data.tokenizers import Tokenizer, check_tokenizer
 
 
 def _import_tensorflow() -> tuple[Any, Any]:

@@ -36,10 +36,9 @@ from typing import Any
 
 import numpy as np
 
-PathLike = str | os.PathLike
+from revtrain.data.corpus import PathLike, read_corpus
+
 BYTE_VOCAB_SIZE = 256
-# SentencePiece piece types (sentencepiece_model.proto, ModelProto.SentencePiece.Type).
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 # The prefix SentencePiece writes for a space (U+2581, "lower one eighth block").
 _SPACE = "\u2581"
 
@@ -325,8 +324,6 @@ def train_sentencepiece(paths: PathLike | Sequence[PathLike] | None, model_prefi
       FileNotFoundError: an input file or the output directory does not exist.
       ValueError: a ``vocab_size`` or ``model_type`` SentencePiece cannot train.
     """
-    from revtrain.data.text import read_corpus
-
     if model_type not in ("unigram", "bpe"):
         raise ValueError(f"model_type={model_type!r} must be 'unigram' or 'bpe'")
     path = f"{os.fspath(model_prefix)}.model"
@@ -366,9 +363,21 @@ def trained_sentencepiece(vocab_size: int = 2048, paths: PathLike | Sequence[Pat
     """
     if model_file is not None:
         return SentencePieceTokenizer(model_file)
-    from revtrain.data.text import read_corpus
-
     serialized = _train_serialized(read_corpus(paths), vocab_size, model_type)
     where = "the embedded corpus" if not paths else "the given files"
     return SentencePieceTokenizer.from_serialized(
         serialized, f"<trained on {where}, vocab_size={vocab_size}>")
+
+
+def check_tokenizer(tokenizer: Tokenizer | None, binding: str) -> Tokenizer:
+    """``tokenizer``, or a `ByteTokenizer` for None.
+
+    Raises:
+      TypeError: ``tokenizer`` is not a `Tokenizer`, naming ``binding``.
+    """
+    if tokenizer is None:
+        return ByteTokenizer()
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"{binding}={tokenizer!r} is not a tokenizer; bind it to "
+                        f"@ByteTokenizer() or @SentencePieceTokenizer()")
+    return tokenizer
