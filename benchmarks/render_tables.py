@@ -29,6 +29,7 @@ from typing import Any
 if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import quality as quality_runs  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks import sequence_length as lengths  # noqa: E402
 from benchmarks import sequence_mesh as mesh_runs  # noqa: E402
@@ -379,12 +380,20 @@ def sequence_mesh() -> str:
     return _with_sources(mesh_runs.tables(payload), _source("sequence_mesh", payload, settings))
 
 
+def quality() -> str:
+    """Held-out bits per byte per configuration, mean ± std over seeds, and the targets."""
+    payload = load("quality")
+    table = (quality_runs.readme_table(payload) + "\n\n"
+             + report.targets_table(quality_runs.targets(payload["results"])))
+    return _with_sources(table, _source("quality", payload, quality_runs.settings(payload)))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
         summary, memory_by_depth, memory_breakdown, memory_targets, step_time,
         step_time_depths, step_time_system_allocator, step_time_targets, step_time_fsdp,
         host_memory, host_overhead, memory_efficient_windows, reconstruction_drift,
-        sequence_length, ring_attention, ring_balance, sequence_mesh)}
+        sequence_length, ring_attention, ring_balance, sequence_mesh, quality)}
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Command-line tools: ``revtrain-train``, ``revtrain-eval``, ``revtrain-decode``.
+"""Command-line tools: ``revtrain-train``, ``revtrain-eval``, ``revtrain-decode``,
+``revtrain-tokenizer``.
 
 ``revtrain-train --config_file=configs/reversible_lm.gin [--config_file=...]
 --gin_bindings='train.steps=20' [--gin_bindings=...] --output_dir=runs/lm`` parses the gin
@@ -10,8 +11,14 @@ checkpoint after the current step and exits with status ``128 + signal``.
 
 ``revtrain-eval --output_dir=... [--wait]`` rebuilds the run from ``output_dir/config.gin``
 and evaluates every checkpoint without eval records (following the run with ``--wait``);
-``revtrain-decode --output_dir=... --prompt='def '`` continues prompts with a byte-level LM
-and writes ``output_dir/decoder_out/step_<N>.jsonl``.
+``revtrain-decode --output_dir=... --prompt='def '`` continues prompts with a text LM
+and writes ``output_dir/decoder_out/step_<N>.jsonl``. Both use the tokenizer the run
+recorded (``output_dir/tokenizer.json`` and its ``tokenizer.model`` copy): a run trained
+with a SentencePiece model is evaluated and decoded with that model, no flag needed.
+
+``revtrain-tokenizer --input=a.txt [--input=...] --vocab_size=8000 --model_prefix=out/sp``
+trains a SentencePiece model on local text (the embedded corpus without ``--input``) and
+writes ``out/sp.model`` (`revtrain.data.train_sentencepiece`).
 
 Multi-host: ``--coordinator_address=host:port --num_processes=N --process_id=i`` (or the
 environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
@@ -39,7 +46,6 @@ import math
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import gin
@@ -56,12 +62,13 @@ from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: use
     _parse_gin,
     _print_metrics,
     _run,
+    _use_run_tokenizer,
 )
+from revtrain.cli_saved_run import read_run
+from revtrain.cli_tokenizer import tokenizer_main
 from revtrain.training.run_directory import (
     CHECKPOINT_DIR,
-    CONFIG_FILE,
     DECODER_DIR,
-    HISTORY_DIR,
     TENSORBOARD_CONFIG_DIR,
 )
 
@@ -135,63 +142,15 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# revtrain-eval and revtrain-decode: rebuild the run from output_dir/config.gin.
-
-def _read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
-    """``(output_dir, run configs, train.steps)`` from the run's config.gin (plus flags)."""
-    if not fv.output_dir:
-        raise UsageError("--output_dir is required (the directory revtrain-train wrote)")
-    output_dir = os.path.abspath(fv.output_dir)
-    config = os.path.join(output_dir, CONFIG_FILE)
-    if getattr(fv, "wait", False):  # revtrain-eval --wait may start before the training.
-        while not os.path.isfile(config):
-            time.sleep(min(fv.poll_seconds, 600.0))
-    if not os.path.isfile(config):
-        raise UsageError(f"{config} not found; is {output_dir} a revtrain-train output_dir?")
-    _initialize_distributed(fv)
-    try:
-        _parse_gin([config, *fv.config_file], fv.gin_bindings)
-    except GinFileError as e:
-        if e.path != config:
-            raise
-        raise _damaged_config(output_dir, f"it does not parse ({e.reason})") from e
-    from revtrain import configurables
-
-    bindings = gin.get_bindings("train")
-    configs = configurables.run_configs()
-    missing = [f"RunConfig.{name}" for name in ("model", "inputs")
-               if getattr(configs["run"], name) is None]
-    if missing:  # Not the operative config revtrain-train writes (emptied, cut, replaced).
-        raise _damaged_config(output_dir, "it is empty" if not _gin_statements(config) else
-                              f"it binds no {' and no '.join(missing)}")
-    return output_dir, configs, int(bindings.get("steps", 1000))
-
-
-def _gin_statements(path: str) -> list[str]:
-    """The lines of a gin file that are neither blank nor comments."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return [line for line in f if line.strip() and not line.lstrip().startswith("#")]
-
-
-def _damaged_config(output_dir: str, what: str) -> UsageError:
-    """The one-line error for a run's ``config.gin`` that is not a run's configuration:
-    the file, ``what`` is wrong, and the fix: copy back the newest config the run kept
-    (`revtrain.training.config_history`)."""
-    history = os.path.join(output_dir, HISTORY_DIR)
-    kept = sorted(n for n in os.listdir(history) if n.endswith(".gin")) if os.path.isdir(
-        history) else []
-    fix = (f"copy the run's newest kept config, {os.path.join(history, kept[-1])}, over it"
-           if kept else "replace it with the gin config the run was trained with")
-    return UsageError(f"{os.path.join(output_dir, CONFIG_FILE)} is not a run's "
-                      f"configuration: {what}; {fix}")
-
+# revtrain-eval and revtrain-decode: the run rebuilt from output_dir/config.gin
+# (`revtrain.cli_saved_run.read_run`).
 
 def _eval(fv: flags.FlagValues) -> int:
     import dataclasses
 
     from revtrain.training.eval_program import CheckpointEvaluator
 
-    output_dir, configs, final_step = _read_run(fv)
+    output_dir, configs, final_step = read_run(fv)
     eval_config = configs["eval_config"]
     if fv.one_pass or fv.eval_steps is not None:
         steps = None if fv.one_pass else fv.eval_steps
@@ -245,12 +204,14 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _decode(fv: flags.FlagValues) -> int:
+    from revtrain.data import ByteTokenizer
     from revtrain.training.decode_program import (
         decode_to_file,
         default_length_note,
         load_decoder,
         new_bytes_per_prompt,
     )
+    from revtrain.training.run_tokenizer import read_run_tokenizer
 
     if ((fv.max_new_bytes is not None and fv.max_new_bytes < 0)
             or not math.isfinite(fv.temperature) or fv.temperature < 0):
@@ -258,18 +219,19 @@ def _decode(fv: flags.FlagValues) -> int:
     if fv.prompts_file and fv["prompt"].present:
         raise UsageError("give --prompt or --prompts_file, not both")
     prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [fv.prompt]
-    output_dir, configs, _ = _read_run(fv)
+    output_dir, configs, _ = read_run(fv)
     decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
                                  fv.cache)
+    tokenizer = read_run_tokenizer(output_dir) or ByteTokenizer()
     try:  # Every prompt's length, checked before any is decoded: a flag the user fixes.
-        lengths = new_bytes_per_prompt(decoder, prompts, fv.max_new_bytes)
+        lengths = new_bytes_per_prompt(decoder, prompts, fv.max_new_bytes, tokenizer)
     except ValueError as e:
         raise UsageError(str(e)) from e
     if fv.max_new_bytes is None and _is_chief():
         print(f"revtrain-decode: {default_length_note(decoder, lengths)}", file=sys.stderr)
     path = os.path.join(output_dir, DECODER_DIR, f"step_{step}.jsonl")
     records = decode_to_file(decoder, prompts, path, fv.max_new_bytes, fv.temperature,
-                             fv.seed, fv.top_k, fv.top_p)
+                             fv.seed, fv.top_k, fv.top_p, tokenizer)
     if _is_chief():
         for record in records:
             print(record["prompt"] + record["continuation"], flush=True)
@@ -294,14 +256,15 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def decode_main(argv: Sequence[str] | None = None) -> int:
-    """``revtrain-decode``: continues prompts with a byte LM; writes decoder_out/step_N.jsonl."""
-    fv = _common_flags("The output_dir of a revtrain-train run of a byte-level LM.")
+    """``revtrain-decode``: continues prompts with a text LM; writes decoder_out/step_N.jsonl."""
+    fv = _common_flags("The output_dir of a revtrain-train run of a language model.")
     flags.DEFINE_string("prompt", "\n", "Text to continue.", flag_values=fv)
     flags.DEFINE_string("prompts_file", None, "A UTF-8 file of prompts, one per line.",
                         flag_values=fv)
-    flags.DEFINE_integer("max_new_bytes", None, "Bytes to generate (default: as many as the "
-                         "model's key/value cache holds after the prompt, at most 200; a "
-                         "note on stderr says how many).", flag_values=fv)
+    flags.DEFINE_integer("max_new_bytes", None, "Bytes to generate, tokens for a run with "
+                         "a subword tokenizer (default: as many as the model's key/value "
+                         "cache holds after the prompt, at most 200; a note on stderr says "
+                         "how many).", flag_values=fv)
     flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding, else the sampling "
                        "temperature.", flag_values=fv)
     flags.DEFINE_integer("top_k", None, "Sample among the k most likely bytes.",
@@ -396,3 +359,8 @@ def run_eval() -> None:
 def run_decode() -> None:
     """Console script ``revtrain-decode``."""
     _app_run(decode_main, "revtrain-decode")
+
+
+def run_tokenizer() -> None:
+    """Console script ``revtrain-tokenizer``."""
+    _app_run(tokenizer_main, "revtrain-tokenizer")

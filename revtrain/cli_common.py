@@ -62,6 +62,12 @@ def _common_flags(output_dir_help: str) -> flags.FlagValues:
                          flag_values=fv)
     flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run.",
                          flag_values=fv)
+    _add_tool_flags(fv)
+    return fv
+
+
+def _add_tool_flags(fv: flags.FlagValues) -> None:
+    """Adds what every tool has: ``--traceback``, ``--version`` and absl's logging flags."""
     flags.DEFINE_boolean("traceback", False, "Show the full traceback of an error.",
                          flag_values=fv)
     flags.DEFINE_boolean("version", False, "Print the revtrain version and exit.",
@@ -71,7 +77,6 @@ def _common_flags(output_dir_help: str) -> flags.FlagValues:
             flag.unparse()  # Defaults again: an earlier in-process call may have set it.
             fv[flag.name] = flag  # The same Flag object: absl reads what we parse.
             fv.register_flag_by_module(module, flag)  # Listed under it in --help.
-    return fv
 
 
 def _parse_flags(fv: flags.FlagValues, argv: Sequence[str]) -> bool:
@@ -294,3 +299,22 @@ def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
             return 1
 
 
+# The inputs that take a tokenizer; `_use_run_tokenizer` rebinds theirs.
+_TOKENIZED_INPUTS = ("TextFiles", "TFDS")
+
+
+def _use_run_tokenizer(output_dir: str) -> None:
+    """Binds the run's recorded subword tokenizer (its copy in ``output_dir``) wherever the
+    config binds a tokenizer, so evaluation and decoding need neither the original model
+    file nor a retraining; a byte-level run needs nothing."""
+    from revtrain.training.run_tokenizer import read_run_tokenizer
+
+    tokenizer = read_run_tokenizer(output_dir)
+    if tokenizer is None or tokenizer.byte_level:
+        return
+    for name in _TOKENIZED_INPUTS:
+        try:
+            gin.query_parameter(f"{name}.tokenizer")
+        except ValueError:  # Not bound: this input is not used with a tokenizer.
+            continue
+        gin.bind_parameter(f"{name}.tokenizer", tokenizer)

@@ -5,7 +5,9 @@ Library code is never decorated; importing this module makes the names below usa
 (``@revtrain.models.ReversibleTransformerLM``):
 
 * models: ``ReversibleTransformerLM``, ``TransformerLM``, ``RevNet``;
-* data: ``TextFiles``, ``TFDS``, ``CopyTask``, ``SyntheticSequences``;
+* data: ``TextFiles``, ``TFDS``, ``CopyTask``, ``SyntheticSequences`` and the tokenizers
+  ``ByteTokenizer``, ``SentencePieceTokenizer`` and ``trained_sentencepiece`` (for
+  ``TextFiles.tokenizer = @SentencePieceTokenizer()``);
 * trainers: ``Trainer``, ``ReversibleSerialTrainer``, ``MemoryEfficientTrainer``;
 * training: ``train`` (the entry point; only ``train.steps`` is bound on it), the run
   configuration ``RunConfig``, ``EvalConfig``, ``CheckpointConfig``, ``LogConfig``
@@ -37,7 +39,9 @@ from revtrain.training.optimizers import optimizer_fn
 # exactly these (and `train`).
 REGISTRY = (
     ("revtrain.models", (models.ReversibleTransformerLM, models.TransformerLM, models.RevNet)),
-    ("revtrain.data", (data.TextFiles, data.TFDS, data.CopyTask, data.SyntheticSequences)),
+    ("revtrain.data", (data.TextFiles, data.TFDS, data.CopyTask, data.SyntheticSequences,
+                       data.ByteTokenizer, data.SentencePieceTokenizer,
+                       data.trained_sentencepiece)),
     ("revtrain.trainers", (trainers.Trainer, trainers.ReversibleSerialTrainer,
                            trainers.MemoryEfficientTrainer)),
     ("revtrain.training", (config.RunConfig, config.EvalConfig, config.CheckpointConfig,

@@ -284,6 +284,8 @@ def test_every_config_parses_with_model_and_inputs(name):
 
 @pytest.mark.parametrize("name, model, extra", [
     ("reversible_lm.gin", "ReversibleTransformerLM", []),
+    # Trains its SentencePiece model on the embedded corpus first.
+    ("reversible_lm_sentencepiece.gin", "ReversibleTransformerLM", []),
     ("reversible_lm_memory_efficient.gin", "ReversibleTransformerLM", []),
     ("transformer_lm.gin", "TransformerLM", []),
     # The 64K config at 16 tokens: two attention blocks and four feed-forward chunks.

@@ -1,4 +1,4 @@
-"""Input streams: local text, TensorFlow Datasets and synthetic tasks.
+"""Input streams: local text, TensorFlow Datasets and synthetic tasks; tokenizers.
 
 Every stream yields numpy batches `(inputs, targets, weights)` holding this process's rows
 of a global batch; language-model data is already shifted (`inputs = w[:-1]`,
@@ -6,20 +6,33 @@ of a global batch; language-model data is already shifted (`inputs = w[:-1]`,
 """
 
 from revtrain.data.batching import ProcessSlice, lm_batch
+from revtrain.data.corpus import default_corpus
 from revtrain.data.inputs import Batch, Inputs, StreamInputs
 from revtrain.data.synthetic import CopyTask, SyntheticSequences
-from revtrain.data.text import TextFiles, default_corpus
+from revtrain.data.text import TextFiles
 from revtrain.data.tfds import TFDS
+from revtrain.data.tokenizers import (
+    ByteTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    train_sentencepiece,
+    trained_sentencepiece,
+)
 
 __all__ = [
     "TFDS",
     "Batch",
+    "ByteTokenizer",
     "CopyTask",
     "Inputs",
     "ProcessSlice",
+    "SentencePieceTokenizer",
     "StreamInputs",
     "SyntheticSequences",
     "TextFiles",
+    "Tokenizer",
     "default_corpus",
     "lm_batch",
+    "train_sentencepiece",
+    "trained_sentencepiece",
 ]

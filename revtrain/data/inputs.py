@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from revtrain.data.tokenizers import Tokenizer
+
 Batch = tuple[np.ndarray, np.ndarray, np.ndarray]
 """`(inputs, targets, weights)`; shapes and dtypes as in the module docstring."""
 
@@ -46,16 +48,22 @@ class Inputs(abc.ABC):
       of labels for classification data (`None` for sequences); `byte_level` says that
       tokens are bytes of text, so a loss in nats per token is one per byte (the loop
       then reports bits per byte).
+    * `tokenizer` is the `revtrain.data.Tokenizer` that made the tokens of text data (None
+      otherwise): the run directory records it, evaluation counts the bytes of the text
+      it scores with it (bits per byte for any tokenizer), decoding encodes prompts and
+      decodes continuations with it.
 
     Attributes:
       vocab_size: Size of the token vocabulary, or None when inputs are not tokens.
       n_classes: Number of classes for classification targets, or None.
       byte_level: True when each token is one byte of text (UTF-8).
+      tokenizer: The tokenizer of text data, or None.
     """
 
     vocab_size: int | None = None
     n_classes: int | None = None
     byte_level: bool = False
+    tokenizer: Tokenizer | None = None
 
     @abc.abstractmethod
     def train_stream(self, start_step: int = 0) -> Iterator[Batch]:

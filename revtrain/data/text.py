@@ -1,82 +1,45 @@
-"""Byte-level language-model stream over local text files (vocabulary 256).
+"""Language-model stream over local text files: bytes (vocabulary 256) or subword tokens.
 
-Without files it reads a default corpus that ships with Python itself: the documentation
-topics in the standard library module `pydoc_data.topics` (about 465 KB of English
-prose and code), so the default run needs no download.
+Without files it reads the default corpus (`revtrain.data.corpus.default_corpus`), which
+ships with Python itself, so the default run needs no download.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from revtrain.data import batching
-from revtrain.data.inputs import Batch, Inputs
 
-PathLike = str | os.PathLike
+# Re-exported: they lived here before `revtrain.data.corpus`.
+from revtrain.data.corpus import PathLike as PathLike
+from revtrain.data.corpus import default_corpus as default_corpus
+from revtrain.data.corpus import read_corpus
+from revtrain.data.inputs import Batch, Inputs
+from revtrain.data.tokenizers import Tokenizer, check_tokenizer
+
 BYTE_VOCAB_SIZE = 256
 
 _TRAIN, _EVAL = 0, 1
 
 
-def default_corpus() -> bytes:
-    """The default corpus: `pydoc_data.topics.topics` values in sorted-key order, UTF-8.
-
-    Raises:
-      ImportError: This Python build lacks `pydoc_data` (some distributions split it into
-        a separate package); pass text files instead.
-    """
-    try:
-        from pydoc_data import topics
-    except ImportError as err:
-        raise ImportError(
-            "the default corpus needs the standard library module pydoc_data, which this "
-            "Python lacks; pass TextFiles(paths=[...]) with your own text files"
-        ) from err
-    return "".join(topics.topics[key] for key in sorted(topics.topics)).encode("utf-8")
-
-
-def read_corpus(paths: PathLike | Sequence[PathLike] | None) -> bytes:
-    """Reads and concatenates files in the given order, or the default corpus.
-
-    Args:
-      paths: A path, a sequence of paths, or None / empty for `default_corpus()`.
-
-    Raises:
-      FileNotFoundError: A path does not name an existing file (the message names it).
-      IsADirectoryError: A path names a directory.
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    if not paths:
-        return default_corpus()
-    chunks = []
-    for path in paths:
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"text file {os.fspath(path)!r} is a directory; pass the "
-                                    f"files in it")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"text file {os.fspath(path)!r} does not exist")
-        with open(path, "rb") as f:
-            chunks.append(f.read())
-    return b"".join(chunks)
-
-
 class TextFiles(Inputs):
-    """Byte-level language modelling on local text files (or the default corpus).
+    """Language modelling on local text files (or the default corpus).
 
-    Tokens are the UTF-8 bytes of the text as int32 in [0, 256). The last `eval_fraction`
-    of the bytes is the eval part and the rest the train part; both are contiguous, so no
-    window of one part contains bytes of the other.
+    Tokens are the ids of `tokenizer`: by default the UTF-8 bytes of the text as int32 in
+    [0, 256) (`ByteTokenizer`); a `SentencePieceTokenizer` gives subword ids. The last
+    `eval_fraction` of the bytes is the eval part and the rest the train part (with a
+    subword tokenizer the cut moves forward to the next character boundary); each part is
+    encoded on its own, so no window of one part contains tokens of the other. Below,
+    "token" is a byte for the default tokenizer.
 
     * Train: the global batch of step `k` holds `batch_size` windows of
-      `sequence_length + 1` bytes at uniformly random offsets of the train part, drawn from
+      `sequence_length + 1` tokens at uniformly random offsets of the train part, drawn from
       `np.random.default_rng((seed, 0, k))`. Batch `k` depends only on `(seed, k)`, so
       `train_stream(start_step=k)` resumes exactly, for any process count.
     * Eval: windows tile the eval part from its start, advancing by `sequence_length`, so
-      every eval byte after the first is a target exactly once per pass (consecutive
+      every eval token after the first is a target exactly once per pass (consecutive
       windows share one byte of context, their target ranges do not overlap). The stream
       cycles over these windows forever; every call starts again at the first window.
 
@@ -86,14 +49,14 @@ class TextFiles(Inputs):
     global batch (see `revtrain.data.batching`).
 
     Attributes:
-      vocab_size: 256.
-      byte_level: True.
-      train_bytes: uint8 `[n_train]`, the train part.
-      eval_bytes: uint8 `[n_eval]`, the eval part.
+      tokenizer: the `Tokenizer`.
+      vocab_size: the tokenizer's, 256 for bytes.
+      byte_level: True for `ByteTokenizer`.
+      train_bytes: uint8 `[n_train]`, the text of the train part.
+      eval_bytes: uint8 `[n_eval]`, the text of the eval part.
+      train_tokens: int `[n_train_tokens]`, the train part's ids (`train_bytes` for bytes).
+      eval_tokens: int `[n_eval_tokens]`, the eval part's ids.
     """
-
-    vocab_size = BYTE_VOCAB_SIZE
-    byte_level = True
 
     def __init__(
         self,
@@ -104,8 +67,9 @@ class TextFiles(Inputs):
         eval_fraction: float = 0.05,
         process_index: int | None = None,
         process_count: int | None = None,
+        tokenizer: Tokenizer | None = None,
     ):
-        """Reads the corpus and splits it.
+        """Reads the corpus, splits it and encodes both parts.
 
         Args:
           paths: Text files, concatenated in order; None or empty uses `default_corpus()`.
@@ -116,9 +80,11 @@ class TextFiles(Inputs):
             no eval data (then `eval_stream` raises).
           process_index: This process's index; default `jax.process_index()`.
           process_count: Number of processes; default `jax.process_count()`.
+          tokenizer: text to ids; None for `ByteTokenizer` (vocabulary 256).
 
         Raises:
           FileNotFoundError: A path does not exist (IsADirectoryError: names a directory).
+          TypeError: `tokenizer` is not a `Tokenizer`.
           ValueError: A bad argument (e.g. a negative seed), or a part of the corpus
             shorter than one window.
         """
@@ -126,24 +92,33 @@ class TextFiles(Inputs):
             raise ValueError(f"sequence_length={sequence_length} must be >= 1")
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction={eval_fraction} must be in [0, 1)")
+        self.tokenizer = check_tokenizer(tokenizer, "TextFiles.tokenizer")
+        self.vocab_size = self.tokenizer.vocab_size
+        self.byte_level = self.tokenizer.byte_level
         self.sequence_length = int(sequence_length)
         self.seed = batching.check_seed(seed)
         self.shard = batching.ProcessSlice.create(batch_size, process_index, process_count)
         data = np.frombuffer(read_corpus(paths), dtype=np.uint8)
-        n_eval = int(round(len(data) * eval_fraction))
-        self.train_bytes = data[: len(data) - n_eval]
-        self.eval_bytes = data[len(data) - n_eval :]
+        n_train = len(data) - int(round(len(data) * eval_fraction))
+        if not self.byte_level:  # Both parts whole characters: no U+FFFD at the cut.
+            while n_train < len(data) and data[n_train] & 0xC0 == 0x80:
+                n_train += 1
+        self.train_bytes, self.eval_bytes = data[:n_train], data[n_train:]
+        self.train_tokens, self.eval_tokens = (
+            (self.train_bytes, self.eval_bytes) if self.byte_level else
+            (self.tokenizer.encode(self.train_bytes.tobytes()),
+             self.tokenizer.encode(self.eval_bytes.tobytes())))
         window = self.sequence_length + 1
-        self._check_part("corpus train part", len(self.train_bytes), window)
-        if n_eval:
-            self._check_part("eval part (eval_fraction)", n_eval, window)
+        self._check_part("corpus train part", len(self.train_tokens), window)
+        if len(self.eval_bytes):
+            self._check_part("eval part (eval_fraction)", len(self.eval_tokens), window)
 
-    @staticmethod
-    def _check_part(what: str, n_bytes: int, window: int) -> None:
-        if n_bytes < window:
+    def _check_part(self, what: str, n_tokens: int, window: int) -> None:
+        unit = "bytes" if self.byte_level else "tokens"
+        if n_tokens < window:
             raise ValueError(
-                f"{what} has {n_bytes} bytes, fewer than one window of sequence_length + 1 "
-                f"= {window} bytes; use more text, a larger eval_fraction for the eval part, "
+                f"{what} has {n_tokens} {unit}, fewer than one window of sequence_length + 1 "
+                f"= {window} {unit}; use more text, a larger eval_fraction for the eval part, "
                 f"or a smaller sequence_length"
             )
 
@@ -161,7 +136,7 @@ class TextFiles(Inputs):
         Raises:
           ValueError: The dataset has no eval part (`eval_fraction=0`).
         """
-        if not len(self.eval_bytes):
+        if not len(self.eval_tokens):
             raise ValueError("TextFiles has no eval data; use eval_fraction > 0")
         return batching.indexed_stream(self._eval_batch, self.shard.rows)
 
@@ -169,15 +144,15 @@ class TextFiles(Inputs):
         """Yields the eval windows once each; the last batch is padded with weight 0.
 
         The windows are those of `eval_stream` (``(n_eval - 1) // sequence_length`` of
-        them), in order, without cycling: padding rows repeat window 0 with weights 0, so
-        every eval byte after the first is scored exactly once per pass.
+        them, `n_eval` tokens), in order, without cycling: padding rows repeat window 0 with
+        weights 0, so every eval token after the first is scored exactly once per pass.
 
         Raises:
           ValueError: The dataset has no eval part (`eval_fraction=0`).
         """
-        if not len(self.eval_bytes):
+        if not len(self.eval_tokens):
             raise ValueError("TextFiles has no eval data; use eval_fraction > 0")
-        n_windows = (len(self.eval_bytes) - 1) // self.sequence_length
+        n_windows = (len(self.eval_tokens) - 1) // self.sequence_length
         n_batches = -(-n_windows // self.shard.batch_size)
         for step in range(n_batches):
             inputs, targets, weights = self._eval_batch(step, self.shard.rows)
@@ -187,16 +162,17 @@ class TextFiles(Inputs):
 
     def _train_batch(self, step: int, rows: slice) -> Batch:
         rng = batching.step_rng(self.seed, _TRAIN, step)
-        high = len(self.train_bytes) - self.sequence_length  # Offsets in [0, high).
+        high = len(self.train_tokens) - self.sequence_length  # Offsets in [0, high).
         offsets = rng.integers(0, high, size=self.shard.batch_size)[rows]
         windows = np.lib.stride_tricks.sliding_window_view(
-            self.train_bytes, self.sequence_length + 1
+            self.train_tokens, self.sequence_length + 1
         )
         return batching.lm_batch(windows[offsets])
 
     def _eval_batch(self, step: int, rows: slice) -> Batch:
-        n_windows = (len(self.eval_bytes) - 1) // self.sequence_length
+        n_windows = (len(self.eval_tokens) - 1) // self.sequence_length
         ids = np.arange(step * self.shard.batch_size, (step + 1) * self.shard.batch_size)
         starts = (ids[rows] % n_windows) * self.sequence_length
         positions = starts[:, None] + np.arange(self.sequence_length + 1)
-        return batching.lm_batch(self.eval_bytes[positions])
+        return batching.lm_batch(self.eval_tokens[positions])
+

@@ -29,8 +29,7 @@ import numpy as np
 
 from revtrain.data import batching
 from revtrain.data.inputs import Batch, Inputs
-
-BYTE_VOCAB_SIZE = 256
+from revtrain.data.tokenizers import Tokenizer, check_tokenizer
 
 
 def _import_tensorflow() -> tuple[Any, Any]:
@@ -120,13 +119,14 @@ class TFDS(Inputs):
 
     Two kinds of data, chosen by `keys` (auto-detected when None):
 
-    * Text, `keys=(text_feature,)`: each example's text is UTF-8 encoded; its bytes (int32
-      tokens, vocabulary 256) are cut into windows of `sequence_length + 1` bytes that
-      advance by `sequence_length` (every byte after the first is a target exactly once);
+    * Text, `keys=(text_feature,)`: each example's text is encoded by `tokenizer` (by
+      default its UTF-8 bytes, vocabulary 256; a `SentencePieceTokenizer` gives subword
+      ids); its int32 tokens are cut into windows of `sequence_length + 1` tokens that
+      advance by `sequence_length` (every token after the first is a target exactly once);
       the last window of an example is padded with 0. The data does the shift:
       `inputs = w[:-1]`, `targets = w[1:]`, int32 `[batch, sequence_length]`; `weights`
       float32 `[batch, sequence_length]` is 0 where the target is padding. Examples are not
-      packed together, and examples shorter than 2 bytes give no window.
+      packed together, and examples shorter than 2 tokens give no window.
     * Images, `keys=(image_feature, label_feature)`: `inputs` float32
       `[batch, height, width, channels]` scaled to [0, 1] (integer pixels divided by their
       dtype's maximum), `targets` int32 `[batch]`, `weights` float32 ones `[batch]`. Images
@@ -144,7 +144,8 @@ class TFDS(Inputs):
     (`tfds.load`'s default behaviour).
 
     Attributes:
-      vocab_size: 256 for text, None for images.
+      tokenizer: the text's `Tokenizer`; None for images.
+      vocab_size: the tokenizer's (256 for bytes) for text, None for images.
       n_classes: The label feature's `num_classes` for images, else None.
       keys: The features used.
       eval_split: The split read by `eval_stream`.
@@ -163,6 +164,7 @@ class TFDS(Inputs):
         seed: int = 0,
         process_index: int | None = None,
         process_count: int | None = None,
+        tokenizer: Tokenizer | None = None,
     ):
         """Looks up the dataset and checks the arguments (reading starts in the streams).
 
@@ -180,11 +182,13 @@ class TFDS(Inputs):
           seed: Seed of the file order and the shuffle.
           process_index: This process's index; default `jax.process_index()`.
           process_count: Number of processes; default `jax.process_count()`.
+          tokenizer: text to ids; None for `ByteTokenizer`. Text only.
 
         Raises:
           ImportError: tensorflow or tensorflow-datasets is not installed.
-          ValueError: Bad `keys` or `sequence_length`, or `batch_size` not divisible by
-            the process count.
+          TypeError: `tokenizer` is not a `Tokenizer`.
+          ValueError: Bad `keys` or `sequence_length`, `batch_size` not divisible by
+            the process count, or a `tokenizer` for image keys.
         """
         self._tf, self._tfds = _import_tensorflow()
         self.shard = batching.ProcessSlice.create(batch_size, process_index, process_count)
@@ -200,11 +204,16 @@ class TFDS(Inputs):
         self.keys = tuple(keys)
         self.eval_split = eval_split or _default_eval_split(list(builder.info.splits))
         self.sequence_length = sequence_length
+        self.tokenizer = None
         if len(self.keys) == 1:
             self._check_text(sequence_length)
-            self.vocab_size, self.n_classes = BYTE_VOCAB_SIZE, None
-            self.byte_level = True
+            self.tokenizer = check_tokenizer(tokenizer, "TFDS.tokenizer")
+            self.vocab_size, self.n_classes = self.tokenizer.vocab_size, None
+            self.byte_level = self.tokenizer.byte_level
         elif len(self.keys) == 2:
+            if tokenizer is not None:
+                raise ValueError(f"TFDS.tokenizer={tokenizer!r} applies to text only; "
+                                 f"unbind it for image keys {self.keys}")
             if sequence_length is not None:
                 raise ValueError(
                     f"sequence_length={sequence_length} applies to text only; pass "
@@ -297,7 +306,13 @@ class TFDS(Inputs):
     def _text_windows(self, example: dict[str, Any]) -> Any:
         """One example's text as a dataset of (int32 windows, bool masks) `[length + 1]`."""
         tf, length = self._tf, self.sequence_length
-        tokens = tf.cast(tf.io.decode_raw(example[self.keys[0]], tf.uint8), tf.int32)
+        text = example[self.keys[0]]
+        if self.byte_level:
+            tokens = tf.cast(tf.io.decode_raw(text, tf.uint8), tf.int32)
+        else:
+            tokens = tf.numpy_function(self.tokenizer.encode, [text], tf.int32,
+                                       stateful=False)
+            tokens.set_shape([None])
         n = tf.size(tokens)
         n_windows = tf.maximum(n + length - 2, 0) // length  # ceil((n - 1) / length).
         tokens = tf.pad(tokens, [[0, tf.maximum(n_windows * length + 1 - n, 0)]])

@@ -38,10 +38,16 @@ from revtrain.training.evaluation import Evaluator
 from revtrain.training.loop import Loop
 from revtrain.training.metrics_writer import MetricsWriter
 from revtrain.training.run_directory import CHECKPOINT_DIR
+from revtrain.training.run_tokenizer import (
+    check_run_tokenizer,
+    tokenizer_binding,
+    write_run_tokenizer,
+)
 from revtrain.training.validation import (
     check_batch_divides,
     check_first_batch,
     check_mesh_divides,
+    check_vocab_size,
 )
 
 
@@ -119,11 +125,13 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
         (a loss has no weights or small ones).
 
     Raises:
-      ValueError: for a missing model/inputs, or a batch that does not fit the model or
-        divide over the devices (`revtrain.training.validation`).
+      ValueError: for a missing model/inputs, a model vocabulary smaller than the
+        tokenizer's, or a batch that does not fit the model or divide over the devices
+        (`revtrain.training.validation`).
     """
     run.check_complete()
     model, loss = run.model(mode="train"), _loss(run)
+    check_vocab_size(model, inputs)
     batch = next(iter(inputs.train_stream(start_step=0)))
     check_first_batch(batch, model, inputs)
     signature = signature_of(tuple(batch))
@@ -182,9 +190,14 @@ def check_sequence_split(run: RunConfig, built: BuiltModel) -> None:
 def build_evaluator(run: RunConfig, built: BuiltModel, inputs: Inputs,
                     placement: Placement | None = None) -> Evaluator:
     """The eval-mode model scored by ``{'loss', 'accuracy'}`` on the run's `Placement`
-    (``placement``, the trainer's, or `RunConfig.placement`)."""
+    (``placement``, the trainer's, or `RunConfig.placement`), plus ``bits_per_byte`` for
+    text (counting the bytes of each token with a subword tokenizer)."""
+    tokenizer = inputs.tokenizer
+    token_bytes = (None if tokenizer is None or inputs.byte_level else
+                   tokenizer.token_bytes())
     return Evaluator(run.model(mode="eval"), {"loss": built.loss, "accuracy": Accuracy()},
-                     byte_level=inputs.byte_level, placement=placement or run.placement())
+                     byte_level=inputs.byte_level, token_bytes=token_bytes,
+                     placement=placement or run.placement())
 
 
 def _schedule(run: RunConfig) -> optax.Schedule | None:
@@ -207,8 +220,9 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
         files go; None keeps nothing.
 
     Raises:
-      ValueError: as `build_model` and `check_sequence_split`, or for a checkpoint that
-        does not match the model.
+      ValueError: as `build_model` and `check_sequence_split`, for a tokenizer other than
+        the one the run in ``output_dir`` was trained with, or a checkpoint that does not
+        match the model.
     """
     eval_config = eval_config or EvalConfig()
     inputs = resolve_inputs(run.inputs)
@@ -220,6 +234,7 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
     # Validated before anything is created in output_dir.
+    check_run_tokenizer(output_dir, inputs.tokenizer, tokenizer_binding(inputs))
     init = (None if checkpoint.init_checkpoint_dir is None else
             init_checkpointer(checkpoint.init_checkpoint_dir))
     # The training run holds the run lock, so temporary directories are a crashed save's.
@@ -233,6 +248,8 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
         if init is not None:
             init.close()
         raise
+    if output_dir is not None and jax.process_index() == 0:
+        write_run_tokenizer(output_dir, inputs.tokenizer)
     writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
     return Loop(trainer, inputs, built, build_evaluator(run, built, inputs, placement), splits,
                 checkpointer=checkpointer, init_checkpointer=init, writer=writer,

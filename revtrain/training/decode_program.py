@@ -2,7 +2,9 @@
 
 As Paxml's decode program, outputs go to ``<run>/decoder_out/step_<N>.jsonl``, one record
 per prompt: ``{"prompt": str, "continuation": str, "tokens": [int, ...]}`` (``tokens`` are
-the new byte ids). ``N`` is the checkpoint's step, 0 for a random initialisation.
+the new token ids: bytes for a byte LM). Prompts are encoded and continuations decoded with
+the tokenizer the run was trained with (`revtrain.training.run_tokenizer`). ``N`` is the
+checkpoint's step, 0 for a random initialisation.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 
+from revtrain.data.tokenizers import ByteTokenizer, Tokenizer
 from revtrain.training.builder import build_model, resolve_inputs
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.config import RunConfig
@@ -25,6 +28,7 @@ from revtrain.training.decoding import (
 )
 from revtrain.training.run_directory import CHECKPOINT_DIR
 from revtrain.training.run_files import write_atomic
+from revtrain.training.run_tokenizer import check_run_tokenizer, tokenizer_binding
 from revtrain.training.write_failures import reporting_write_failures
 
 
@@ -34,7 +38,7 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
     """The decoder of a run's checkpoint (default: the newest); returns it and the step.
 
     Args:
-      run: the run's configuration (its model must be an LM on byte-level data).
+      run: the run's configuration (its model must be an LM on text data).
       output_dir: the run directory.
       step: the checkpoint to load; None for the newest readable one (an unreadable one
         is skipped with a warning naming it, as `Checkpointer.restore` does).
@@ -44,15 +48,17 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
         sliding window (`Decoder`).
 
     Raises:
-      ValueError: the data is not byte-level, or there is no checkpoint and random
-        initialisation was not allowed.
+      ValueError: the data is not text (has no tokenizer), its tokenizer is not the one
+        the run was trained with, or there is no checkpoint and random initialisation was
+        not allowed.
       FileNotFoundError: there is no checkpoint of ``step``.
       CheckpointUnreadableError: no checkpoint can be read.
     """
     inputs = resolve_inputs(run.inputs)
-    if not inputs.byte_level:
-        raise ValueError(f"revtrain-decode continues text with a byte-level LM; this run's "
-                         f"inputs {type(inputs).__name__} are not byte-level")
+    if inputs.tokenizer is None:
+        raise ValueError(f"revtrain-decode continues text with a language model; this "
+                         f"run's inputs {type(inputs).__name__} are not text (no tokenizer)")
+    check_run_tokenizer(output_dir, inputs.tokenizer, tokenizer_binding(inputs))
     checkpointer = Checkpointer(os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=None,
                                 read_only=True)
     try:
@@ -77,17 +83,20 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
 
 
 def new_bytes_per_prompt(decoder: CachedDecoder | Decoder, prompts: Sequence[str],
-                         max_new_bytes: int | None) -> list[int]:
-    """How many bytes each prompt is continued by (`new_bytes_for`), every prompt checked
-    against the decoder's limit before any is decoded.
+                         max_new_bytes: int | None, tokenizer: Tokenizer | None = None,
+                         ) -> list[int]:
+    """How many tokens (bytes for a byte LM, the default ``tokenizer``) each prompt is
+    continued by (`new_bytes_for`), every prompt checked against the decoder's limit before
+    any is decoded.
 
     Raises:
       ValueError: in one line naming the numbers and the fixes, when a prompt plus
         ``max_new_bytes`` exceeds a `CachedDecoder`'s cache (or a prompt alone fills it).
     """
+    tokenizer = tokenizer or ByteTokenizer()
     lengths = []
     for prompt in prompts:
-        n_prompt = len(prompt.encode("utf-8"))
+        n_prompt = len(tokenizer.encode(prompt))
         lengths.append(new_bytes_for(decoder, n_prompt, max_new_bytes))
         decoder.check_length(n_prompt, lengths[-1])
     return lengths
@@ -116,8 +125,12 @@ def default_length_note(decoder: CachedDecoder | Decoder, lengths: Sequence[int]
 
 def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], path: str,
                    max_new_bytes: int | None, temperature: float = 0.0, seed: int = 0,
-                   top_k: int | None = None, top_p: float | None = None) -> list[dict]:
+                   top_k: int | None = None, top_p: float | None = None,
+                   tokenizer: Tokenizer | None = None) -> list[dict]:
     """Decodes each prompt (prompt ``i`` with ``fold_in(key(seed), i)``); writes ``path``.
+
+    ``tokenizer`` (default `ByteTokenizer`) encodes prompts and decodes continuations;
+    ``max_new_bytes`` counts its tokens.
 
     ``max_new_bytes=None`` continues each prompt as far as `new_bytes_for` allows. Every
     prompt's length is checked (`new_bytes_per_prompt`) before any is decoded.
@@ -135,11 +148,11 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
     prompts = list(prompts)
     if not prompts:
         raise ValueError(f"no prompt to decode; {path} is left as it was")
-    lengths = new_bytes_per_prompt(decoder, prompts, max_new_bytes)
+    lengths = new_bytes_per_prompt(decoder, prompts, max_new_bytes, tokenizer)
     records = []
     for i, (prompt, n_new) in enumerate(zip(prompts, lengths, strict=True)):
         text, tokens = decode_text(decoder, prompt, n_new, temperature, seed + i, top_k,
-                                   top_p)
+                                   top_p, tokenizer)
         records.append({"prompt": prompt, "continuation": text, "tokens": tokens})
     if jax.process_index() == 0:
         run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))

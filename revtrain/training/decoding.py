@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from revtrain.data.tokenizers import ByteTokenizer, Tokenizer
 from revtrain.layers import Layer
 
 
@@ -219,14 +220,22 @@ def new_bytes_for(decoder: _Sampling, n_prompt: int, max_new_bytes: int | None) 
 
 def decode_text(decoder: _Sampling, prompt: str, max_new_bytes: int | None,
                 temperature: float = 0.0, seed: int = 0, top_k: int | None = None,
-                top_p: float | None = None) -> tuple[str, list[int]]:
-    """Continues UTF-8 text ``prompt`` with a byte LM; returns ``(new text, new bytes)``.
+                top_p: float | None = None, tokenizer: Tokenizer | None = None,
+                ) -> tuple[str, list[int]]:
+    """Continues text ``prompt``; returns ``(new text, new token ids)``.
 
-    ``max_new_bytes=None`` continues as far as `new_bytes_for` allows (200 bytes, or what
+    ``tokenizer`` (default `ByteTokenizer`: a byte LM) encodes the prompt and decodes the
+    continuation, so ``max_new_bytes`` counts its tokens (bytes for a byte LM).
+    ``max_new_bytes=None`` continues as far as `new_bytes_for` allows (200 tokens, or what
     the cache holds after the prompt). Bytes that do not form valid UTF-8 are shown as
-    U+FFFD.
+    U+FFFD. The new text is the decoded prompt and continuation less the decoded prompt,
+    so a subword tokenizer's spaces between them are kept.
     """
-    tokens = list(prompt.encode("utf-8"))
+    tokenizer = tokenizer or ByteTokenizer()
+    tokens = [int(t) for t in tokenizer.encode(prompt)]
     new = decoder.decode(tokens, new_bytes_for(decoder, len(tokens), max_new_bytes),
                          temperature, jax.random.key(seed), top_k, top_p)
-    return bytes(new).decode("utf-8", errors="replace"), new
+    if tokenizer.byte_level:
+        return tokenizer.decode(new), new
+    before, after = tokenizer.decode(tokens), tokenizer.decode(tokens + new)
+    return (after[len(before):] if after.startswith(before) else tokenizer.decode(new)), new

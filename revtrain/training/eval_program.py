@@ -36,6 +36,7 @@ from revtrain.training.config import EvalConfig, RunConfig
 from revtrain.training.evaluation import eval_batches
 from revtrain.training.metrics_writer import MetricsWriter, read_metrics
 from revtrain.training.run_directory import CHECKPOINT_DIR
+from revtrain.training.run_tokenizer import check_run_tokenizer, tokenizer_binding
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,14 @@ class CheckpointEvaluator:
       split: evaluate only this split (default: all of them).
 
     Raises:
-      ValueError: for an unknown ``split``, or data that does not fit the model.
+      ValueError: for an unknown ``split``, data that does not fit the model, or a
+        tokenizer other than the one the run was trained with.
     """
 
     def __init__(self, run: RunConfig, eval_config: EvalConfig, output_dir: str,
                  split: str | None = None):
         inputs = resolve_inputs(run.inputs)
+        check_run_tokenizer(output_dir, inputs.tokenizer, tokenizer_binding(inputs))
         # Shapes only: every value is read from a checkpoint.
         self.built: BuiltModel = build_model(run, inputs, abstract=True)
         self._evaluator = build_evaluator(run, self.built, inputs)

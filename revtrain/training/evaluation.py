@@ -35,9 +35,19 @@ from revtrain.layers.base import Layer
 from revtrain.parallel.placement import BATCH_AXIS, Placement
 
 
-def bits_per_byte(loss_nats: float) -> float:
-    """Bits per byte of a byte-level LM: the cross-entropy in nats per byte over ``ln 2``."""
-    return loss_nats / math.log(2.0)
+def bits_per_byte(loss_nats: float, tokens_per_byte: float = 1.0) -> float:
+    """Bits per byte of text from a cross-entropy in nats per token.
+
+    Args:
+      loss_nats: the mean loss per scored token, in nats.
+      tokens_per_byte: scored tokens over the UTF-8 bytes of the text they stand for; 1
+        for a byte-level LM, where this is ``loss_nats / ln 2``.
+
+    Returns:
+      ``loss_nats * tokens_per_byte / ln 2``: the bits to code each byte of the text, a
+      figure that compares models with different tokenizers.
+    """
+    return loss_nats * tokens_per_byte / math.log(2.0)
 
 
 def eval_batches(inputs: Inputs, steps: int | None) -> Iterator[Batch]:
@@ -72,23 +82,30 @@ class Evaluator:
         processes' sums are added on the host.
       n_devices: a convenience instead of ``placement``: ``Placement.resolve(n_devices)``
         (default: all local devices). A batch's rows must divide by the devices used.
+      token_bytes: int ``[vocab]``, the UTF-8 bytes each token id stands for
+        (`revtrain.data.Tokenizer.token_bytes`): also report ``bits_per_byte`` = summed
+        loss over the bytes of the scored targets, over ``ln 2`` (needs a ``'loss'``
+        metric). For subword tokens; ignored with ``byte_level``, whose bytes are tokens.
 
     Raises:
-      ValueError: for ``byte_level`` without a ``'loss'`` metric, a bad ``n_devices``, or
-        both ``placement`` and ``n_devices``.
+      ValueError: for ``byte_level`` or ``token_bytes`` without a ``'loss'`` metric, a bad
+        ``n_devices``, or both ``placement`` and ``n_devices``.
     """
 
     def __init__(self, eval_model: Layer, metrics: Mapping[str, Layer],
                  byte_level: bool = False, n_devices: int | None = None,
-                 placement: Placement | None = None):
-        if byte_level and "loss" not in metrics:
-            raise ValueError(f"byte_level=True needs a 'loss' metric; got {sorted(metrics)}")
+                 token_bytes: np.ndarray | None = None, placement: Placement | None = None):
+        if (byte_level or token_bytes is not None) and "loss" not in metrics:
+            raise ValueError(f"bits per byte needs a 'loss' metric; got {sorted(metrics)}")
         if placement is not None and n_devices is not None:
             raise ValueError(f"Evaluator got placement= and n_devices={n_devices}; pass "
                              f"one of them")
         self.eval_model = eval_model
         self._names = tuple(metrics)
         self._byte_level = byte_level
+        self._count_bytes = token_bytes is not None and not byte_level
+        table = jnp.asarray(np.zeros(1, np.int32) if token_bytes is None else token_bytes,
+                            jnp.float32)
         placement = placement or Placement.resolve(n_devices)
         # This process's devices only: processes' sums are added after each evaluation.
         self.mesh = placement.rows_mesh
@@ -105,8 +122,10 @@ class Evaluator:
             total = jnp.sum(jnp.broadcast_to(mask, targets.shape).astype(jnp.float32))
             values = [layer.pure_fn((output, targets, mask), (), (), None)[0]
                       for layer in layers]
+            # UTF-8 bytes of the scored targets (ids past the table, padding, count 0).
+            n_bytes = jnp.sum(mask * jnp.take(table, targets, mode="fill", fill_value=0))
             sums = jnp.stack([jnp.where(total > 0, v * total, 0.0) for v in values]
-                             + [total])
+                             + [n_bytes, total])
             return jax.lax.psum(sums, BATCH_AXIS)
 
         self._batch_sums = jax.jit(jax.shard_map(
@@ -116,6 +135,10 @@ class Evaluator:
     def evaluate(self, weights: Any, state: Any, batches: Iterable[Any],
                  rng: jax.Array | None = None) -> dict[str, float]:
         """Returns ``{name: weighted mean}`` over ``batches`` (plus ``bits_per_byte``).
+
+        With ``token_bytes``, ``bits_per_byte`` is ``sum(weight * loss) / sum(weight *
+        token_bytes[target]) / ln 2`` over every batch: the loss of the eval text
+        normalised by its UTF-8 bytes, comparable across tokenizers.
 
         Args:
           weights: the eval model's weights (e.g. the first of `Loop.model_values`).
@@ -134,7 +157,7 @@ class Evaluator:
         """
         rng = self._default_rng if rng is None else rng
         weights, state, rng = jax.device_put((weights, state, rng), self._replicated)
-        sums = np.zeros(len(self._names) + 1, np.float64)
+        sums = np.zeros(len(self._names) + 2, np.float64)
         n_batches = 0
         for batch in batches:
             check_divisible(np.shape(batch[0])[0], self.n_devices, "eval batch size",
@@ -149,8 +172,11 @@ class Evaluator:
             raise ValueError(f"evaluation saw {n_batches} batches with total weight "
                              f"{sums[-1]}; use EvalConfig.steps >= 1 and eval data with "
                              f"nonzero weights")
-        means = sums[:-1] / sums[-1]
+        n_bytes, total = sums[-2], sums[-1]
+        means = sums[:-2] / total
         results = {name: float(m) for name, m in zip(self._names, means, strict=True)}
         if self._byte_level:
             results["bits_per_byte"] = bits_per_byte(results["loss"])
+        elif self._count_bytes and n_bytes > 0:
+            results["bits_per_byte"] = bits_per_byte(results["loss"], total / n_bytes)
         return results

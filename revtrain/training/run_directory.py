@@ -6,6 +6,8 @@
       config.gin                 the latest run's operative gin config (`CONFIG_FILE`)
       config_history/<UTC>.gin   every run's config, never overwritten (`HISTORY_DIR`)
       run.lock                   held while a training job runs (`LOCK_FILE`)
+      tokenizer.json             which tokenizer made the tokens (`TOKENIZER_FILE`)
+      tokenizer.model            a copy of its SentencePiece model (`TOKENIZER_MODEL_FILE`)
       checkpoints/<step>/        orbax step directories (`CHECKPOINT_DIR`)
       checkpoints/retention.json what earlier runs kept permanently (`RETENTION_FILE`)
       checkpoints_unreadable/    damaged checkpoints set aside (`UNREADABLE_SUFFIX`)
@@ -21,6 +23,8 @@ import os
 CONFIG_FILE = "config.gin"
 HISTORY_DIR = "config_history"
 LOCK_FILE = "run.lock"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_MODEL_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 RETENTION_FILE = "retention.json"
 UNREADABLE_SUFFIX = "_unreadable"

@@ -30,13 +30,14 @@ class UnreadableFileError(ValueError):
     names the file and the reason."""
 
 
-def write_atomic(path: str, text: str, *, overwrite: bool = True) -> None:
+def write_atomic(path: str, text: str | bytes, *, overwrite: bool = True) -> None:
     """Writes ``text`` to ``path`` whole or not at all.
 
     Args:
       path: the file to write; its directory must exist.
-      text: the content; must not be empty (an empty file is what a failed write leaves,
-        so it is never written on purpose).
+      text: the content (a str is written as UTF-8, bytes as they are); must not be
+        empty (an empty file is what a failed write leaves, so it is never written on
+        purpose).
       overwrite: replace an existing ``path`` (``os.replace``); False raises
         FileExistsError instead (``os.link``; where the file system has no hard links,
         an ``O_EXCL`` create, which is exclusive but not atomic).
@@ -48,10 +49,11 @@ def write_atomic(path: str, text: str, *, overwrite: bool = True) -> None:
     """
     if not text:
         raise ValueError(f"refusing to write an empty {path}")
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     temporary = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        with open(temporary, "x", encoding="utf-8") as f:
-            f.write(text)
+        with open(temporary, "xb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         if overwrite:
@@ -62,17 +64,17 @@ def write_atomic(path: str, text: str, *, overwrite: bool = True) -> None:
         except OSError as e:
             if isinstance(e, FileExistsError) or e.errno not in _NO_LINKS:
                 raise
-            _write_exclusive(path, text)
+            _write_exclusive(path, data)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)
 
 
-def _write_exclusive(path: str, text: str) -> None:
+def _write_exclusive(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
     except OSError:
         os.remove(path)
         raise

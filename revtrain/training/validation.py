@@ -137,6 +137,29 @@ def check_first_batch(batch: Any, model: Any, data: Any) -> None:
     _check_tokens(inputs, targets, model, data, where)
 
 
+def check_vocab_size(model: Any, data: Any) -> None:
+    """Checks the model's ``vocab_size`` holds every id of the data's tokenizer.
+
+    The first batch may hold only small ids (ids past the model's vocabulary then surface
+    later, as a crash or a NaN); the tokenizer says how many there can be.
+
+    Args:
+      model: the model layer (its ``name`` and ``vocab_size`` are read).
+      data: the `Inputs`; its ``tokenizer`` (None for data without one) is read.
+
+    Raises:
+      ValueError: one line naming ``<model.name>.vocab_size``, the tokenizer's size and
+        the binding to change.
+    """
+    vocab_size, tokenizer = getattr(model, "vocab_size", None), getattr(data, "tokenizer", None)
+    if vocab_size is None or tokenizer is None or vocab_size >= tokenizer.vocab_size:
+        return
+    binding = f"{getattr(model, 'name', 'model')}.vocab_size"
+    raise ValueError(f"{binding}={vocab_size} is smaller than the vocabulary of "
+                     f"the tokenizer of {_name(data)}, {tokenizer.describe()}; set {binding}="
+                     f"{tokenizer.vocab_size} (or more)")
+
+
 def _check_tokens(inputs: np.ndarray, targets: np.ndarray, model: Any, data: Any,
                   where: str) -> None:
     vocab_size, name = getattr(model, "vocab_size", None), getattr(model, "name", "model")

@@ -45,15 +45,20 @@ def test_public_api_is_explicit():
     assert sorted(revtrain.data.__all__) == sorted(
         [
             "Batch",
+            "ByteTokenizer",
             "CopyTask",
             "Inputs",
             "ProcessSlice",
+            "SentencePieceTokenizer",
             "StreamInputs",
             "SyntheticSequences",
             "TFDS",
             "TextFiles",
+            "Tokenizer",
             "default_corpus",
             "lm_batch",
+            "train_sentencepiece",
+            "trained_sentencepiece",
         ]
     )
     for name in revtrain.data.__all__:

@@ -177,3 +177,20 @@ def test_missing_tensorflow_datasets_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # Import now fails.
     with pytest.raises(ImportError, match=r"pip install revtrain\[tfds\]"):
         tfds_lib.TFDS("mnist", process_index=0, process_count=1)
+
+
+def test_text_with_a_sentencepiece_tokenizer_is_cut_into_windows_of_its_ids(tfds):
+    from revtrain.data import trained_sentencepiece
+
+    tokenizer = trained_sentencepiece(vocab_size=400)
+    ds = _text(tokenizer=tokenizer)
+    assert (ds.vocab_size, ds.byte_level, ds.tokenizer) == (400, False, tokenizer)
+    texts = [ex["text"] for ex in tfds.as_numpy(tfds.load("lm1b", split="test"))]
+    windows, masks = _expected_windows([tokenizer.encode(t) for t in texts], LENGTH)
+    batches = _take(ds.eval_stream(), len(windows) // 4)
+    inputs, targets, weights = (np.concatenate(parts) for parts in zip(*batches, strict=True))
+    np.testing.assert_array_equal(inputs, windows[:len(inputs), :-1])
+    np.testing.assert_array_equal(weights, masks[:len(inputs), 1:])
+    assert inputs.max() < 400
+    with pytest.raises(ValueError, match=r"TFDS.tokenizer=.* applies to text only"):
+        _images(tokenizer=tokenizer)

@@ -109,3 +109,29 @@ def test_evaluation_puts_the_weights_on_the_devices_once_not_per_batch():
     expected = evaluator.evaluate(weights, state, batches)
     with jax.transfer_guard_host_to_device("disallow"):  # Explicit puts only.
         assert evaluator.evaluate(weights, state, batches) == expected
+
+
+def test_bits_per_byte_with_token_bytes_divides_by_the_bytes_of_the_scored_text():
+    """Subword tokens: the summed loss over the UTF-8 bytes the scored targets stand for."""
+    token_bytes = np.arange(1, 9, dtype=np.int32)  # Token t stands for t + 1 bytes.
+    loss = tl.WeightedCategoryCrossEntropy()
+    evaluator = Evaluator(_FixedLogits(8), {"loss": loss}, n_devices=1,
+                          token_bytes=token_bytes)
+    first = _batch([[0, 1, 2]], [[1, 1, 0]])  # Targets 1, 2 scored (2 + 3 bytes).
+    second = (np.asarray([[5, 6, 7]], np.int32), np.asarray([[3, 3, 3]], np.int32),
+              np.asarray([[1, 0, 0]], np.float32))  # Target 3 scored, mispredicted.
+    metrics = evaluator.evaluate((), (), [first, second])
+    right = -jax.nn.log_softmax(jnp.eye(8)[1] * 10.0)[1]
+    wrong = -jax.nn.log_softmax(jnp.eye(8)[6] * 10.0)[3]
+    total_nats, n_bytes = 2 * float(right) + float(wrong), 2 + 3 + 4
+    assert metrics["loss"] == pytest.approx(total_nats / 3, rel=1e-5)
+    assert metrics["bits_per_byte"] == pytest.approx(total_nats / n_bytes / math.log(2),
+                                                     rel=1e-5)
+    assert bits_per_byte(metrics["loss"], 3 / n_bytes) == pytest.approx(
+        metrics["bits_per_byte"])
+    # Bytes as tokens: token_bytes is ignored and the figure is loss / ln 2, as before.
+    by_bytes = Evaluator(_FixedLogits(8), {"loss": loss}, byte_level=True, n_devices=1,
+                         token_bytes=token_bytes).evaluate((), (), [first, second])
+    assert by_bytes["bits_per_byte"] == bits_per_byte(by_bytes["loss"])
+    with pytest.raises(ValueError, match="bits per byte needs a 'loss' metric"):
+        Evaluator(_FixedLogits(8), {"accuracy": tl.Accuracy()}, token_bytes=token_bytes)
