@@ -53,8 +53,11 @@ def _ratio(value: float | None) -> str:
 
 def _source(name: str, payload: dict[str, Any], settings: str) -> str:
     m = payload["machine"]
-    return (f"`benchmarks/results/{name}.json`: {m['date'][:10]}, {m['processor']} "
-            f"({m['cpu_count']} cores), jax {m['jax']}; {settings}")
+    where = f"{m['processor']} ({m['cpu_count']} cores)"
+    if m.get("device"):  # A set measured on an accelerator names it first.
+        where = f"{m['device']}, host {where}"
+    return (f"`benchmarks/results/{name}.json`: {m['date'][:10]}, {where}, jax {m['jax']}; "
+            f"{settings}")
 
 
 def _with_sources(table: str, *lines: str) -> str:
@@ -74,7 +77,10 @@ def _settings(payload: dict[str, Any]) -> str:
 
 
 def _memory_settings(payload: dict[str, Any]) -> str:
-    return f"{_settings(payload)}; method: ledger (`revtrain.memory`)"
+    methods = {r.get("method", "ledger") for r in payload["results"]}
+    method = ("the allocator's peak (`memory_stats`)" if methods == {"memory_stats"}
+              else "ledger (`revtrain.memory`)")
+    return f"{_settings(payload)}; method: {method}"
 
 
 def _step_settings(payload: dict[str, Any]) -> str:
@@ -108,15 +114,20 @@ def summary() -> str:
                          _source("step_time", steps, _step_settings(steps)))
 
 
-def memory_by_depth() -> str:
-    """Peak device memory of every trainer at every depth."""
-    payload = load("memory_vs_depth")
+def memory_by_depth(name: str = "memory_vs_depth") -> str:
+    """Peak device memory of every trainer at every depth (result set ``name``)."""
+    payload = load(name)
     table = _rows_by_kind(payload)
     kinds = [k for k in TRAINERS if any(r["trainer"] == k for r in payload["results"])]
     rows = [[d] + [report.mib(table[(k, d)]["peak_bytes"]) if (k, d) in table else "—"
                    for k in kinds] for d in sorted(payload["depths"])]
     return _with_sources(report.markdown_table(["depth"] + [TRAINERS[k] for k in kinds], rows),
-                         _source("memory_vs_depth", payload, _memory_settings(payload)))
+                         _source(name, payload, _memory_settings(payload)))
+
+
+def memory_by_depth_gpu() -> str:
+    """`memory_by_depth` of the set measured on one GPU (the allocator's high-water mark)."""
+    return memory_by_depth("memory_vs_depth_gpu")
 
 
 def memory_breakdown() -> str:
@@ -390,7 +401,7 @@ def quality() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
-        summary, memory_by_depth, memory_breakdown, memory_targets, step_time,
+        summary, memory_by_depth, memory_by_depth_gpu, memory_breakdown, memory_targets, step_time,
         step_time_depths, step_time_system_allocator, step_time_targets, step_time_fsdp,
         host_memory, host_overhead, memory_efficient_windows, reconstruction_drift,
         sequence_length, ring_attention, ring_balance, sequence_mesh, quality)}
