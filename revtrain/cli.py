@@ -52,17 +52,17 @@ import gin
 from absl import app, flags
 
 from revtrain import host_heap
-from revtrain.cli_common import (  # noqa: F401  (_absl_logging, _parse_gin: used by tests)
+from revtrain.cli_common import (  # noqa: F401  (logging_through_absl, parse_gin: used by tests)
     GinFileError,
     UsageError,
-    _absl_logging,
-    _common_flags,
-    _initialize_distributed,
-    _is_chief,
-    _parse_gin,
-    _print_metrics,
-    _run,
-    _use_run_tokenizer,
+    common_flags,
+    initialize_distributed,
+    is_chief,
+    logging_through_absl,
+    parse_gin,
+    print_metrics,
+    run,
+    use_run_tokenizer,
 )
 from revtrain.cli_saved_run import read_run
 from revtrain.cli_tokenizer import tokenizer_main
@@ -78,7 +78,7 @@ from revtrain.training.run_directory import (
 def _write_operative_config(output_dir: str) -> Callable:
     """A `Loop` callback writing gin's operative config to ``config.gin`` and TensorBoard."""
     def write(loop) -> None:
-        if _is_chief():
+        if is_chief():
             from revtrain.training.config_history import write_run_config
             from revtrain.training.metrics_writer import EventFile
             from revtrain.training.write_failures import reporting_write_failures
@@ -99,7 +99,7 @@ def _write_operative_config(output_dir: str) -> Callable:
 
 def _print_summary(loop) -> None:
     """A `Loop` callback printing the parameter count and per-layer summary (stdout)."""
-    if _is_chief():
+    if is_chief():
         print(loop.summary, flush=True)
 
 
@@ -110,8 +110,8 @@ def _train(fv: flags.FlagValues) -> int:
     if not fv.config_file:
         raise UsageError("give at least one --config_file, e.g. "
                          "--config_file=configs/reversible_lm.gin")
-    _initialize_distributed(fv)
-    _parse_gin(fv.config_file, fv.gin_bindings)
+    initialize_distributed(fv)
+    parse_gin(fv.config_file, fv.gin_bindings)
     from revtrain import configurables
     from revtrain.training.config import legacy_binding_error
 
@@ -125,20 +125,20 @@ def _train(fv: flags.FlagValues) -> int:
                                **configurables.run_configs())
     if loop.interrupted_by is not None:
         name = signal.Signals(loop.interrupted_by).name
-        if _is_chief():
+        if is_chief():
             print(f"stopped by {name} after step {loop.step}; the checkpoint is saved in "
                   f"{output_dir}; run the same command to resume", file=sys.stderr)
         return 128 + loop.interrupted_by
     if loop.last_eval_metrics:
-        _print_metrics(f"final eval at step {loop.step}", loop.last_eval_metrics)
+        print_metrics(f"final eval at step {loop.step}", loop.last_eval_metrics)
     return 0
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
     """``revtrain-train``; returns the exit status (``argv[0]`` is the program name)."""
-    fv = _common_flags("Directory for checkpoints, metrics.jsonl, TensorBoard files and "
+    fv = common_flags("Directory for checkpoints, metrics.jsonl, TensorBoard files and "
                        "config.gin; an existing run there is resumed.")
-    return _run("revtrain-train", fv, argv, _train)
+    return run("revtrain-train", fv, argv, _train)
 
 
 # --------------------------------------------------------------------------------------
@@ -173,11 +173,11 @@ def _eval(fv: flags.FlagValues) -> int:
         count = 0
         for step, metrics in results:
             for split, values in metrics.items():
-                _print_metrics(f"{split} at step {step}", values)
+                print_metrics(f"{split} at step {step}", values)
             count += 1
     finally:
         evaluator.close()
-    if count == 0 and _is_chief():
+    if count == 0 and is_chief():
         print(f"nothing to evaluate: every checkpoint in {output_dir} has its eval records "
               f"in metrics.jsonl", flush=True)
     return 0
@@ -185,7 +185,7 @@ def _eval(fv: flags.FlagValues) -> int:
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
     """``revtrain-eval``: evaluates the checkpoints of ``--output_dir`` without eval records."""
-    fv = _common_flags("The output_dir of a revtrain-train run.")
+    fv = common_flags("The output_dir of a revtrain-train run.")
     flags.DEFINE_boolean("wait", False, "Keep polling for new checkpoints (and, first, for "
                          "the run's config.gin); exit after the run's final step "
                          "(train.steps) is evaluated.", flag_values=fv)
@@ -200,7 +200,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                          "EvalConfig.steps).", flag_values=fv, lower_bound=1)
     flags.DEFINE_boolean("one_pass", False, "One exact pass over each (finite) split.",
                          flag_values=fv)
-    return _run("revtrain-eval", fv, argv, _eval)
+    return run("revtrain-eval", fv, argv, _eval)
 
 
 def _decode(fv: flags.FlagValues) -> int:
@@ -227,12 +227,12 @@ def _decode(fv: flags.FlagValues) -> int:
         lengths = new_bytes_per_prompt(decoder, prompts, fv.max_new_bytes, tokenizer)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    if fv.max_new_bytes is None and _is_chief():
+    if fv.max_new_bytes is None and is_chief():
         print(f"revtrain-decode: {default_length_note(decoder, lengths)}", file=sys.stderr)
     path = os.path.join(output_dir, DECODER_DIR, f"step_{step}.jsonl")
     records = decode_to_file(decoder, prompts, path, fv.max_new_bytes, fv.temperature,
                              fv.seed, fv.top_k, fv.top_p, tokenizer)
-    if _is_chief():
+    if is_chief():
         for record in records:
             print(record["prompt"] + record["continuation"], flush=True)
         print(f"wrote {path}", file=sys.stderr)
@@ -257,7 +257,7 @@ def _read_prompts(path: str) -> list[str]:
 
 def decode_main(argv: Sequence[str] | None = None) -> int:
     """``revtrain-decode``: continues prompts with a text LM; writes decoder_out/step_N.jsonl."""
-    fv = _common_flags("The output_dir of a revtrain-train run of a language model.")
+    fv = common_flags("The output_dir of a revtrain-train run of a language model.")
     flags.DEFINE_string("prompt", "\n", "Text to continue.", flag_values=fv)
     flags.DEFINE_string("prompts_file", None, "A UTF-8 file of prompts, one per line.",
                         flag_values=fv)
@@ -279,7 +279,7 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
                          "run has no checkpoint.", flag_values=fv)
     flags.DEFINE_boolean("cache", True, "Use the key/value cache (--nocache recomputes "
                          "the window for every byte).", flag_values=fv)
-    return _run("revtrain-decode", fv, argv, _decode)
+    return run("revtrain-decode", fv, argv, _decode)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Shared set-up of the command-line tools: flags, logging, distributed runtime, gin.
 
 `revtrain.cli` defines the tools; this module holds what they share: the common flag set
-(`common_flags`), absl logging (`absl_logging`), ``jax.distributed`` start-up, gin parsing
+(`common_flags`), absl logging (`logging_through_absl`), ``jax.distributed`` start-up, gin parsing
 with the shipped configs on the search path (`parse_gin`), and `run`, which turns errors
 into one line and an exit status. See `revtrain.cli` for the conventions.
 """
@@ -46,7 +46,7 @@ class GinFileError(UsageError):
 # --------------------------------------------------------------------------------------
 # Flags.
 
-def _common_flags(output_dir_help: str) -> flags.FlagValues:
+def common_flags(output_dir_help: str) -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_string("output_dir", None, output_dir_help, flag_values=fv)
     flags.DEFINE_multi_string("config_file", [], "A gin config file, or the name of one "
@@ -62,11 +62,11 @@ def _common_flags(output_dir_help: str) -> flags.FlagValues:
                          flag_values=fv)
     flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run.",
                          flag_values=fv)
-    _add_tool_flags(fv)
+    add_tool_flags(fv)
     return fv
 
 
-def _add_tool_flags(fv: flags.FlagValues) -> None:
+def add_tool_flags(fv: flags.FlagValues) -> None:
     """Adds what every tool has: ``--traceback``, ``--version`` and absl's logging flags."""
     flags.DEFINE_boolean("traceback", False, "Show the full traceback of an error.",
                          flag_values=fv)
@@ -103,7 +103,7 @@ def _parse_flags(fv: flags.FlagValues, argv: Sequence[str]) -> bool:
 # Shared set-up: logging, distributed runtime, gin.
 
 @contextlib.contextmanager
-def _absl_logging(prog: str, fv: flags.FlagValues) -> Iterator[None]:
+def logging_through_absl(prog: str, fv: flags.FlagValues) -> Iterator[None]:
     """Routes Python logging (the ``revtrain.*`` loggers included) through absl's handler.
 
     Without ``--verbosity``, INFO lines show (revtrain's progress, checkpoints, memory)
@@ -141,7 +141,7 @@ def _absl_logging(prog: str, fv: flags.FlagValues) -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _initialize_distributed(fv: flags.FlagValues) -> None:
+def initialize_distributed(fv: flags.FlagValues) -> None:
     """Calls ``jax.distributed.initialize`` when flags or environment ask for it."""
     address = fv.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     num_processes = fv.num_processes or _env_int("JAX_NUM_PROCESSES")
@@ -189,7 +189,7 @@ def resolve_config_file(path: str) -> str:
     raise UsageError(f"config file {path!r} not found (also looked in {_CONFIGS_DIR})")
 
 
-def _parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
+def parse_gin(config_files: Sequence[str], bindings: Sequence[str]) -> None:
     """Clears gin and parses files then bindings.
 
     Raises:
@@ -236,14 +236,14 @@ def _one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
-def _is_chief() -> bool:
+def is_chief() -> bool:
     import jax
 
     return jax.process_index() == 0
 
 
-def _print_metrics(prefix: str, metrics: dict[str, float]) -> None:
-    if _is_chief():
+def print_metrics(prefix: str, metrics: dict[str, float]) -> None:
+    if is_chief():
         text = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         print(f"{prefix}: {text}", flush=True)
 
@@ -267,7 +267,7 @@ def _without_thread_reports(traceback: bool) -> Iterator[None]:
         absl.removeFilter(_orbax_thread_report)
 
 
-def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
+def run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
          body: Callable[[flags.FlagValues], int]) -> int:
     """Parses flags and runs ``body``, turning errors into one line and an exit status."""
     argv = list(sys.argv if argv is None else argv)
@@ -277,7 +277,7 @@ def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
     except (flags.Error, UsageError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    with _absl_logging(prog, fv), _without_thread_reports(fv.traceback):
+    with logging_through_absl(prog, fv), _without_thread_reports(fv.traceback):
         try:
             return body(fv)
         except UsageError as e:
@@ -299,11 +299,11 @@ def _run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
             return 1
 
 
-# The inputs that take a tokenizer; `_use_run_tokenizer` rebinds theirs.
+# The inputs that take a tokenizer; `use_run_tokenizer` rebinds theirs.
 _TOKENIZED_INPUTS = ("TextFiles", "TFDS")
 
 
-def _use_run_tokenizer(output_dir: str) -> None:
+def use_run_tokenizer(output_dir: str) -> None:
     """Binds the run's recorded subword tokenizer (its copy in ``output_dir``) wherever the
     config binds a tokenizer, so evaluation and decoding need neither the original model
     file nor a retraining; a byte-level run needs nothing."""

@@ -18,9 +18,9 @@ from absl import flags
 from revtrain.cli_common import (
     GinFileError,
     UsageError,
-    _initialize_distributed,
-    _parse_gin,
-    _use_run_tokenizer,
+    initialize_distributed,
+    parse_gin,
+    use_run_tokenizer,
 )
 from revtrain.training.run_directory import CONFIG_FILE, HISTORY_DIR
 
@@ -42,14 +42,14 @@ def read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
             time.sleep(min(fv.poll_seconds, 600.0))
     if not os.path.isfile(config):
         raise UsageError(f"{config} not found; is {output_dir} a revtrain-train output_dir?")
-    _initialize_distributed(fv)
+    initialize_distributed(fv)
     try:
-        _parse_gin([config, *fv.config_file], fv.gin_bindings)
+        parse_gin([config, *fv.config_file], fv.gin_bindings)
     except GinFileError as e:
         if e.path != config:
             raise
         raise _damaged_config(output_dir, f"it does not parse ({e.reason})") from e
-    _use_run_tokenizer(output_dir)
+    use_run_tokenizer(output_dir)
     from revtrain import configurables
 
     bindings = gin.get_bindings("train")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from revtrain.cli_common import UsageError, _add_tool_flags, _is_chief, _run
+from revtrain.cli_common import UsageError, add_tool_flags, is_chief, run
 
 
 def _train_tokenizer(fv: flags.FlagValues) -> int:
@@ -30,7 +30,7 @@ def _train_tokenizer(fv: flags.FlagValues) -> int:
                                    fv.model_type)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
-    if _is_chief():
+    if is_chief():
         print(f"wrote {path}", flush=True)
     return 0
 
@@ -46,5 +46,5 @@ def tokenizer_main(argv: Sequence[str] | None = None) -> int:
                          "pieces and <unk>, <s>, </s>).", flag_values=fv)
     flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "SentencePiece's model "
                       "type.", flag_values=fv)
-    _add_tool_flags(fv)
-    return _run("revtrain-tokenizer", fv, argv, _train_tokenizer)
+    add_tool_flags(fv)
+    return run("revtrain-tokenizer", fv, argv, _train_tokenizer)

@@ -275,7 +275,7 @@ def test_second_ctrl_c_forces_an_exit_keeping_the_last_checkpoint_and_no_lock(tm
 def test_every_config_parses_with_model_and_inputs(name):
     import gin
 
-    cli._parse_gin([os.path.join(CONFIGS, name)], [])
+    cli.parse_gin([os.path.join(CONFIGS, name)], [])
     run = gin.get_bindings("RunConfig")
     assert callable(run["model"]) and callable(run["inputs"])
     assert gin.get_bindings("train")["steps"] > 0 and callable(run["schedule"])
@@ -344,10 +344,10 @@ def test_version(capsys):
     (["--verbosity=-1"], logging.WARNING, logging.WARNING),
 ])
 def test_verbosity_sets_the_logging_levels(flag, revtrain_level, absl_level):
-    fv = cli._common_flags("unused")
+    fv = cli.common_flags("unused")
     fv(["revtrain-train", *flag])
     root_level = logging.getLogger().level
-    with cli._absl_logging("revtrain-train", fv):
+    with cli.logging_through_absl("revtrain-train", fv):
         assert logging.getLogger("revtrain.training").getEffectiveLevel() == revtrain_level
         assert logging.getLogger("absl").getEffectiveLevel() == absl_level
     assert logging.getLogger().level == root_level
