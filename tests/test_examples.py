@@ -10,6 +10,8 @@ import pytest
 
 from tests.subprocesses import ROOT, child_env
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = os.path.join(ROOT, "examples")
 SCRIPTS = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
 

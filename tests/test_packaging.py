@@ -14,6 +14,8 @@ import zipfile
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -23,6 +23,8 @@ import pytest
 
 from tests.subprocesses import ROOT, child_env
 
+pytestmark = pytest.mark.slow
+
 PREFIX = ".venv/bin/revtrain-"
 SHELL_FENCES = ("```sh", "```bash", "```shell", "```console")
 # Configurable -> bindings that make it tiny; used when the config binds the configurable.

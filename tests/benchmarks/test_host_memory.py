@@ -10,6 +10,8 @@ from absl import flags
 
 from benchmarks import harness, host_memory, report
 
+pytestmark = pytest.mark.slow
+
 
 def test_reports_peak_rss_and_step_time_per_trainer_and_passes_the_environment(
         quick_args, tmp_path):

@@ -3,9 +3,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import host_overhead
 from benchmarks.harness import RESULTS_DIR
 from tests.subprocesses import ROOT, child_env
+
+pytestmark = pytest.mark.slow
 
 
 def test_measure_reports_medians_for_the_flat_layers_of_the_model():

@@ -19,6 +19,8 @@ import pytest
 
 from benchmarks import harness, memory_vs_depth
 
+pytestmark = pytest.mark.slow
+
 TINY = {"d_model": 16, "d_ff": 32, "n_heads": 2, "seq_len": 16, "batch_size": 2,
         "vocab_size": 32, "dropout": 0.1, "steps": 1, "warmup": 1, "seed": 0,
         "n_devices": 1, "compilation_cache_dir": None}

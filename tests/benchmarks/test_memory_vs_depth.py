@@ -6,6 +6,8 @@ from absl import flags
 
 from benchmarks import harness, memory_vs_depth, report
 
+pytestmark = pytest.mark.slow
+
 
 def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, tmp_path):
     # A batch that splits over the FSDP devices, and kernels big enough to be sharded.

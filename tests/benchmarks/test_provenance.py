@@ -1,7 +1,11 @@
 """benchmarks/provenance.py: every result set records when, where and by what command."""
 import sys
 
+import pytest
+
 from benchmarks import provenance, report
+
+pytestmark = pytest.mark.slow
 
 
 def test_machine_info_records_date_machine_versions_commit_and_command():

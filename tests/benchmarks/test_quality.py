@@ -7,6 +7,8 @@ import pytest
 
 from benchmarks import quality
 
+pytestmark = pytest.mark.slow
+
 
 def test_a_tiny_run_writes_curves_bits_per_byte_and_outputs(tmp_path):
     payload = quality.main(["--quick", "--seeds", "1", "--steps", "2", "--eval_every", "1",

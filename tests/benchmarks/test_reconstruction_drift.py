@@ -1,8 +1,12 @@
 """benchmarks/reconstruction_drift.py: runs end to end at tiny sizes; table and render."""
 import json
 
+import pytest
+
 import revtrain.models
 from benchmarks import reconstruction_drift
+
+pytestmark = pytest.mark.slow
 
 TINY = ["--quick", "--depths", "1", "--compute_dtypes", "bfloat16", "--keep_every_values",
         "2"]

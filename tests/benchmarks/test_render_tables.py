@@ -7,6 +7,8 @@ import pytest
 from benchmarks import render_tables
 from benchmarks.harness import RESULTS_DIR
 
+pytestmark = pytest.mark.slow
+
 
 def test_no_document_table_differs_from_the_results():
     assert render_tables.stale() == [], (

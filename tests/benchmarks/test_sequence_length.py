@@ -3,7 +3,11 @@ table is checked against the committed results with the others (test_render_tabl
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import harness, sequence_length
+
+pytestmark = pytest.mark.slow
 
 
 def test_runs_each_variant_in_a_worker_and_writes_outputs(tmp_path):

@@ -5,6 +5,8 @@ import pytest
 
 from benchmarks import harness, phases, report, step_time
 
+pytestmark = pytest.mark.slow
+
 
 def test_runs_every_trainer_in_worker_processes_and_writes_outputs(quick_args, tmp_path):
     step_time.main(quick_args)

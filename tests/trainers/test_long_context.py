@@ -16,6 +16,8 @@ from revtrain.models import ReversibleTransformerLM
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
 from tests.tree_utils import assert_trees_close
 
+pytestmark = pytest.mark.slow
+
 VOCAB, LENGTH, BATCH = 16, 12, 8
 TRAINERS = {"Trainer": Trainer, "ReversibleSerialTrainer": ReversibleSerialTrainer,
             "MemoryEfficientTrainer": MemoryEfficientTrainer}

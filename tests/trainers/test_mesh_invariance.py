@@ -17,6 +17,8 @@ from revtrain.parallel.mesh import MESH_AXES
 from tests.mesh_models import LENGTH, build, global_batch, position_wise, transformer, two_steps
 from tests.tree_utils import assert_trees_close
 
+pytestmark = pytest.mark.slow
+
 MESHES = [(1, 1, 1), (4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (1, 2, 2)]
 CASES = [(t, m) for t in ("Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer")
          for m in MESHES]

@@ -24,6 +24,8 @@ from tests.trainers import mesh_processes
 from tests.training.test_multihost import _run_groups
 from tests.tree_utils import assert_trees_close
 
+pytestmark = pytest.mark.multiprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

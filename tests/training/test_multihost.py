@@ -23,6 +23,8 @@ import pytest
 
 from revtrain.training import read_metrics
 
+pytestmark = pytest.mark.multiprocess
+
 # A self-contained copy-task run with plain SGD at a constant rate and no dropout, so a
 # gradient scaled by the process or device count would show in the weights directly.
 CONFIG = """

@@ -8,8 +8,8 @@ import pytest
 from jax.test_util import check_grads
 
 from revtrain import layers as tl
-from revtrain.layers.attention.causal import lsh as la
-from revtrain.layers.attention.causal import lsh_chunks
+from revtrain.layers.attention import lsh as la
+from revtrain.layers.attention import lsh_chunks
 from revtrain.models import TransformerLM
 
 D, HEADS = 16, 2

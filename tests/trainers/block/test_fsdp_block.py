@@ -10,13 +10,12 @@ import optax
 import pytest
 
 from revtrain import layers as tl
+from revtrain.parallel import placement, transfers
 from revtrain.trainers import (
     MemoryEfficientTrainer,
     ReversibleSerialTrainer,
     Trainer,
     TrainState,
-    placement,
-    transfers,
 )
 from revtrain.training import optimizer_fn
 from tests.trainers.conftest import LR_OVERRIDE, adam, flat_weights, initialised_blocks
