@@ -80,6 +80,7 @@ class LiveDispatcher:
             on_dispatch = getattr(observer, "on_dispatch", None)
             if on_dispatch is not None:
                 on_dispatch(op.label, program, args)
+        self._inflight.admit(op.label, program, args)
         outputs = program(*args)
         self._inflight.note(outputs)
         return outputs

@@ -188,6 +188,7 @@ class Trainer(TrainerBase):
         self._notify_phase("step_start")
         if self.observers:
             self._notify_dispatch("train_step", self._update, args)
+        self._inflight.admit("train_step", self._update, args)
         self._weights, self._state, self._slots, stats = self._update(*args)
         self._inflight.note(stats)
         if learning_rate is not None:
