@@ -25,11 +25,14 @@ threads all in ``InProcessCommunicator`` rendezvous (two in an ``all reduce`` ov
 0-3, one in a ``collective permute`` inside two nested ``WhileThunk`` s, one in a
 ``reduce scatter`` over devices 1 and 3, all of one ``run_id``), the 4 client threads
 waiting for their devices' programs, and the process used no CPU time in 10 s: a
-deadlock, not a slow machine. With a pool of 128 threads the same run passed 4 runs of 4.
-Its programs never have two multi-device programs running at once (the CPU client starts
-a program with collectives only after the previous one finished), and XLA has no option
-to run a program's collectives one at a time (the legacy sequential runtime,
-``--xla_cpu_use_thunk_runtime=false``, is no longer supported).
+deadlock, not a slow machine. With a pool of 128 threads (``NPROC=128``) the same
+run passed 3 runs of 3, with the 256 `reserve_threads` asks for 2 of 2, and
+``benchmarks/mesh_soak.py`` (every invariance-suite mesh, 20 steps of two trainers, beside
+busy processes) 3 of 3. It is not two programs' collectives meeting (the CPU client
+starts a multi-device program only after the previous one finished:
+``GetLastCollectiveLaunchEvent`` in cpu_client.cc; `revtrain.trainers.inflight` bounds the
+queue behind it), and XLA has no option to run a program's collectives one at a time (its
+legacy sequential runtime, ``--xla_cpu_use_thunk_runtime=false``, is no longer supported).
 
 The bound: a device waits in at most `max_waiting_collectives` collectives at once (one
 per program level, plus, recursively, one set per loop or conditional holding collectives
@@ -39,11 +42,15 @@ thread is always free and every device reaches every collective. So:
 * `reserve_threads` (run by ``import revtrain``, before JAX creates its CPU client) sets
   ``NPROC``, which sizes the client's pools, to `RESERVED_THREADS` (XLA's cap), and raises
   the collective abort timeout to `TERMINATE_TIMEOUT_S` so a slow machine waits instead of
-  aborting; values the user set are kept.
+  aborting; values the user set are kept. If it still fires (a machine stalled that
+  long), XLA ends the process with status 134; checkpoints are saved atomically, so the
+  newest complete one is intact.
 * `CollectiveThreads.check` reads each program's compiled HLO before its first run on a
   multi-device CPU mesh and refuses, with one line, a program whose collectives could
   take every thread (a pool smaller than ``devices x max_waiting_collectives``): it is
-  never started, so it cannot hang.
+  never started, so it cannot hang. A program whose collectives are not inside a loop or
+  conditional (a bound of 1, e.g. an evaluation's sums) always fits: XLA gives the pool a
+  thread per device.
 
 On one device, and on GPU/TPU (whose collectives do not hold a client thread), nothing
 changes.
