@@ -150,8 +150,9 @@ def max_waiting_collectives(hlo_text: str) -> int:
 
 
 def _signature(args: Any) -> tuple:
-    return tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
-                 for a in jax.tree.leaves(args))
+    leaves, structure = jax.tree.flatten(args)
+    return structure, tuple((a.shape, a.dtype) if hasattr(a, "dtype") else type(a)
+                            for a in leaves)
 
 
 class CollectiveThreads:
