@@ -204,9 +204,9 @@ def worker_env(n_devices: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     if n_devices > 1:  # CPU: that many host devices (no effect on GPU/TPU devices).
         # Forced host devices run their collectives as threads that meet at a rendezvous;
-        # on a small, busy machine a device's thread can arrive late behind a long
-        # program (the trainers bound how many wait, `revtrain.parallel.inflight`), and
-        # XLA aborts the process after 40 s by default.
+        # on a small, busy machine one can wait long, and XLA aborts the process after
+        # 40 s by default (`import revtrain` also raises it, and sizes the client's
+        # threads: `revtrain.parallel.cpu_collectives`).
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                             f" --xla_force_host_platform_device_count={n_devices}"
                             " --xla_cpu_collective_call_terminate_timeout_seconds=1800"

@@ -15,6 +15,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 
+import revtrain  # noqa: E402, F401  (threads for CPU collectives, before the backend starts)
+
 N_TEST_DEVICES = 4
 jax.config.update("jax_num_cpu_devices", N_TEST_DEVICES)
 jax.config.update("jax_compilation_cache_dir",

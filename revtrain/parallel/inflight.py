@@ -19,6 +19,10 @@ to wait on would hold activations, and outputs donated to the next program could
 waited on). On one device, and on GPU/TPU (whose clients queue each device's programs in
 order on a stream), it does nothing. On CPU the wait costs little: the "devices" share
 the host's cores, and the next program is dispatched as soon as the wait ends.
+
+The other CPU-client hazard, the collectives of *one* program taking every thread of the
+client, is `revtrain.parallel.cpu_collectives`'s: `InflightLimit.admit` runs its check
+before a program first runs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 import jax
 
+from revtrain.parallel.cpu_collectives import CollectiveThreads
 from revtrain.parallel.placement import Placement
 
 #: Programs (per trainer) dispatched between two waits. Each counted program brings at most
@@ -53,6 +58,17 @@ class InflightLimit:
         self.active = placement.is_multi_device_cpu
         self.limit = limit
         self._count = 0
+        self._threads = CollectiveThreads(placement.mesh)
+
+    def admit(self, label: str, program: Any, args: tuple) -> None:
+        """Before dispatching ``program(*args)``: on a multi-device CPU mesh, checks once
+        per argument signature that its collectives cannot take every thread of XLA's CPU
+        client (`revtrain.parallel.cpu_collectives.CollectiveThreads.check`).
+
+        Raises:
+          RuntimeError: as `CollectiveThreads.check`; the program has not run.
+        """
+        self._threads.check(label, program, args)
 
     def note(self, outputs: Any) -> None:
         """Counts one program just dispatched, whose results are ``outputs`` (any pytree);

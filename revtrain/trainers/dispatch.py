@@ -41,8 +41,10 @@ class Dispatcher(Protocol):
 
 
 class LiveDispatcher:
-    """Runs the programs: tells observers of each dispatch (just before it) and phase, and
-    bounds the programs in flight on a multi-device CPU mesh (`InflightLimit`).
+    """Runs the programs: tells observers of each dispatch (just before it) and phase; on a
+    multi-device CPU mesh, checks that a program's collectives fit XLA's client threads
+    before it first runs (`InflightLimit.admit`) and bounds the programs in flight
+    (`InflightLimit.note`).
 
     Args:
       observers: returns the trainer's current observers (read at every call, so an
@@ -58,6 +60,7 @@ class LiveDispatcher:
             on_dispatch = getattr(observer, "on_dispatch", None)
             if on_dispatch is not None:
                 on_dispatch(label, program, args)
+        self._inflight.admit(label, program, args)
         outputs = program(*args)
         self._inflight.note(outputs)
         return outputs

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from revtrain.layers import blockwise_attention, einsum_attention
+from revtrain.layers import einsum_attention
+from revtrain.layers.attention import blockwise as blockwise_attention
 from revtrain.layers.dropout_masks import mask_seed, position_keep_mask, quantised_rate
 
 
