@@ -42,7 +42,7 @@ from revtrain.trainers.block.ops import CONSUMED
 
 
 def _aval(leaf: Any) -> tuple:
-    return tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+    return tuple(leaf.shape), np.dtype(leaf.dtype)
 
 
 def _field_ranges(args: Any) -> dict[str, range]:
@@ -100,10 +100,10 @@ class Program:
     def _entry(self, args: Any, values: Any, shared: Any) -> tuple[Callable, tuple, tuple]:
         """``(jitted flat function, leaves, donated mask over args's leaves)``."""
         leaves, treedef = jax.tree.flatten((args, values, shared))
-        in_avals = [_aval(leaf) for leaf in leaves]
-        key = (treedef, tuple(in_avals))
+        key = (treedef, *[(leaf.shape, leaf.dtype) for leaf in leaves])
         if key not in self._jitted:
-            self._jitted[key] = self._donating(args, values, treedef, leaves, in_avals)
+            self._jitted[key] = self._donating(args, values, treedef, leaves,
+                                               [_aval(leaf) for leaf in leaves])
         jitted, mask = self._jitted[key]
         return jitted, leaves, mask
 

@@ -196,14 +196,15 @@ class _Walk(NamedTuple):
         batch weights, the step's batch and -- while the update pass is still to read them
         -- the final activations keep their buffers (a donated one that any of them also
         holds is copied first, by a ``copy/<label>`` dispatch)."""
-        held = (_as_items(c.stack)[n_stack:], () if c.ct is None else _as_items(c.ct)[n_ct:],
-                c.kept, c.kept_weights, self.inputs.stack, c.final if p.op.norm_only else None,
-                values, shared)
         live = any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args))
         donated = (p.program.donated(args, values, shared) if live
                    else donation.consumed_leaves(args))
-        args = donation.owned(args, donated, held, lambda leaf: self.dispatcher.dispatch(
-            f"copy/{p.op.label}", donation.copy, leaf))
+        if any(donated):
+            held = (_as_items(c.stack)[n_stack:],
+                    () if c.ct is None else _as_items(c.ct)[n_ct:], c.kept, c.kept_weights,
+                    self.inputs.stack, c.final if p.op.norm_only else None)
+            args = donation.owned(args, donated, held, lambda leaf: self.dispatcher.dispatch(
+                f"copy/{p.op.label}", donation.copy, leaf))
         return self.dispatcher.dispatch(p.op.label, p.program, args, values, shared)
 
     def take(self, c: StepCarry, key: Any, out: Any) -> None:
