@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from revtrain.layers.base import inputs_from_stack, outputs_onto_stack
+from revtrain.trainers.block import donation
 from revtrain.trainers.block.ops import (
     FboArgs,
     ForwardArgs,
@@ -187,6 +188,25 @@ class _Walk(NamedTuple):
         """The stash the op consumes (the norm-only pass leaves it for the update)."""
         return self.store.unstash(c.kept[key] if op.norm_only else c.kept.pop(key))
 
+    def run(self, c: StepCarry, p: PlannedOp, args: Any, values: Any, shared: Shared,
+            n_stack: int, n_ct: int = 0) -> Any:
+        """Dispatches the op's program once what it donates is its own
+        (`revtrain.trainers.block.donation.owned`): the op takes the top ``n_stack`` items of
+        the stack and ``n_ct`` of the cotangents; the items below them, the stashes, the
+        batch weights, the step's batch and -- while the update pass is still to read them
+        -- the final activations keep their buffers (a donated one that any of them also
+        holds is copied first, by a ``copy/<label>`` dispatch)."""
+        live = any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args))
+        donated = (p.program.donated(args, values, shared) if live
+                   else donation.consumed_leaves(args))
+        if any(donated):
+            held = (_as_items(c.stack)[n_stack:],
+                    () if c.ct is None else _as_items(c.ct)[n_ct:], c.kept, c.kept_weights,
+                    self.inputs.stack, c.final if p.op.norm_only else None)
+            args = donation.owned(args, donated, held, lambda leaf: self.dispatcher.dispatch(
+                f"copy/{p.op.label}", donation.copy, leaf))
+        return self.dispatcher.dispatch(p.op.label, p.program, args, values, shared)
+
     def take(self, c: StepCarry, key: Any, out: Any) -> None:
         """Keeps an updating program's new params and stats, or a norm-only one's norm."""
         if isinstance(out, NormOut):
@@ -206,9 +226,8 @@ def _forward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
         y, _ = layer.pure_fn(x, (), (), None)
         w.store.keep_state(i, w.store.state(i))
     else:
-        out = w.dispatcher.dispatch(op.label, p.program, ForwardArgs(x, w.store.state(i),
-                                                               w.inputs.rngs),
-                                    w.store.weights(i), shared)
+        out = w.run(c, p, ForwardArgs(x, w.store.state(i), w.inputs.rngs), w.store.weights(i),
+                    shared, n_stack=layer.n_in)
         y = out.y
         w.store.keep_state(i, out.new_state)
     c.stack = outputs_onto_stack(y, c.stack, layer.n_in)
@@ -220,7 +239,7 @@ def _scan_forward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     shared = w.begin(p, position, c)
     args = ForwardArgs(inputs_from_stack(c.stack, run.n_items), w.store.state(run),
                        w.inputs.rngs)
-    out = w.dispatcher.dispatch(p.op.label, p.program, args, w.store.weights(run), shared)
+    out = w.run(c, p, args, w.store.weights(run), shared, n_stack=run.n_items)
     w.store.keep_state(run, out.new_state)
     if out.copies is not None:
         c.kept[run.start] = w.store.stash(out.copies)
@@ -244,7 +263,7 @@ def _loss(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
                          f"whole stack")
     batch_weights = None if c.kept_weights is None else w.store.unstash(c.kept_weights)
     args = LossArgs(c.stack, w.store.state(i), w.inputs.rngs, batch_weights)
-    out = w.dispatcher.dispatch(op.label, p.program, args, w.values(op, i), shared)
+    out = w.run(c, p, args, w.values(op, i), shared, n_stack=n_items)
     w.take(c, i, out)
     c.ct = out.ct_x
     if isinstance(out, LossOut):
@@ -259,7 +278,7 @@ def _fbo(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     c.stack = w.unstash(c, op, i)
     args = FboArgs(inputs_from_stack(c.stack, layer.n_in), w.store.state(i), w.inputs.rngs,
                    inputs_from_stack(c.ct, layer.n_out))
-    out = w.dispatcher.dispatch(op.label, p.program, args, w.values(op, i), shared)
+    out = w.run(c, p, args, w.values(op, i), shared, n_stack=layer.n_in, n_ct=layer.n_out)
     w.take(c, i, out)
     c.ct = outputs_onto_stack(out.ct_x, c.ct, layer.n_out)
 
@@ -271,42 +290,22 @@ def _reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     args = ReverseArgs(inputs_from_stack(c.stack, layer.n_out),
                        inputs_from_stack(c.ct, layer.n_out), w.store.state(i),
                        w.store.new_state(i), w.inputs.rngs)
-    out = w.dispatcher.dispatch(op.label, p.program, args, w.values(op, i), shared)
+    out = w.run(c, p, args, w.values(op, i), shared, n_stack=layer.n_out, n_ct=layer.n_out)
     w.take(c, i, out)
     c.stack = outputs_onto_stack(out.x, c.stack, layer.n_out)
     c.ct = outputs_onto_stack(out.ct_x, c.ct, layer.n_out)
 
 
-def _unshared(carry: Any, held: Any) -> Any:
-    """``carry`` with each array that ``held`` or an earlier leaf of ``carry`` also holds
-    replaced by a copy, so that donating ``carry`` deletes nothing still in use (a layer's
-    gradient can hand back one cotangent for two stack items, a pass-through the same array
-    as an item below it)."""
-    seen = {id(leaf) for leaf in jax.tree.leaves(held)}
-
-    def own(leaf):
-        if isinstance(leaf, jax.Array) and id(leaf) in seen:
-            leaf = jnp.copy(leaf)
-        seen.add(id(leaf))
-        return leaf
-    return jax.tree.map(own, carry)
-
-
 def _scan_reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
-    """A run's reverse scan (every layer updated, or norm-only).
-
-    The updating scan donates its carry (the run's output items and their cotangents): the
-    stack and cotangents below the run, the stashes and the batch weights keep theirs."""
+    """A run's reverse scan (every layer updated, or norm-only): it donates its carry, the
+    run's output items and their cotangents (`_Walk.run`)."""
     op, run = p.op, p.op.run
     shared = w.begin(p, position, c)
     copies = w.unstash(c, op, run.start) if run.kept else None
     n = run.n_items
-    carry = (inputs_from_stack(c.stack, n), inputs_from_stack(c.ct, n))
-    if not op.norm_only:
-        held = (_as_items(c.stack)[n:], _as_items(c.ct)[n:], c.kept, c.kept_weights, copies)
-        carry = _unshared(carry, held)
-    args = ScanReverseArgs(w.store.state(run), w.store.new_state(run), w.inputs.rngs, copies)
-    out = w.dispatcher.dispatch(op.label, p.program, carry, args, w.values(op, run), shared)
+    args = ScanReverseArgs(inputs_from_stack(c.stack, n), inputs_from_stack(c.ct, n),
+                           w.store.state(run), w.store.new_state(run), w.inputs.rngs, copies)
+    out = w.run(c, p, args, w.values(op, run), shared, n_stack=n, n_ct=n)
     w.take(c, run, out)
     c.stack = outputs_onto_stack(out.x, c.stack, n)
     c.ct = outputs_onto_stack(out.ct_x, c.ct, n)

@@ -10,7 +10,9 @@ replicated (or, with ``fsdp``, sharded: `revtrain.parallel.collectives`).
 
 Every program is called as ``program(args, weights_or_params, shared)`` and returns a typed
 output; the argument and output types and the per-device bodies are
-`revtrain.trainers.block.ops`, shared with the scanned programs.
+`revtrain.trainers.block.ops`, shared with the scanned programs. Every program donates what
+it consumes (`revtrain.trainers.block.donation.Program`: the fields of `ops.CONSUMED`, and
+an updating program's `Params`), so pass-through items come back in their own buffers.
 
 Combining across devices (the data-parallel invariance; `revtrain.trainers.global_loss`):
 the loss layer's cotangent on device ``d`` is its share ``W_d / sum W`` of the global batch
@@ -32,7 +34,6 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
 import optax
 
 from revtrain.layers.base import Layer
@@ -40,6 +41,7 @@ from revtrain.parallel import collectives as fsdp
 from revtrain.parallel.collectives import DEV, REP
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import ops
+from revtrain.trainers.block.donation import Program
 from revtrain.trainers.block.plan import Op, OpKind
 from revtrain.trainers.updates import squared_norm
 
@@ -55,20 +57,28 @@ def make_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransforma
                  placement: Placement, norm_only: bool = False) -> tuple[Callable, Callable]:
     """The jitted ``kind`` program of ``layer`` and its trace-counted body.
 
-    Returns ``(program, counted)``. The program is called as ``program(args, values,
-    shared)`` and returns, by kind (`revtrain.trainers.block.ops`):
+    Returns ``(program, counted)``: a `revtrain.trainers.block.donation.Program`, called as
+    ``program(args, values, shared)``, which donates the fields of ``args`` the kind
+    consumes (`revtrain.trainers.block.ops.CONSUMED`; the caller must hold no other
+    reference to their buffers: `revtrain.trainers.block.donation.owned`) and returns, by
+    kind (`revtrain.trainers.block.ops`):
 
-    * ``FORWARD``: a `ForwardOut` (``values`` the weights).
+    * ``FORWARD``: a `ForwardOut` (``values`` the weights, not donated); donates ``x``,
+      whose buffers ``y`` reuses (a pass-through item leaves in its own).
     * ``FBO``, ``REVERSE``, ``LOSS``: an `FboOut`, `ReverseOut` or `LossOut` (``values``
-      the layer's `Params`, donated: ``new_params`` reuses their buffers).
+      the layer's `Params`, donated: ``new_params`` reuses their buffers); donates
+      ``ct_y`` (``FBO``) or ``y`` and ``ct_y`` (``REVERSE``), which the input and its
+      cotangent reuse (``LOSS`` consumes nothing else: its ``x`` is the first backward
+      op's ``y``).
     * ``norm_only`` (not for ``FORWARD``): a `NormOut` (``values`` the weights, not
-      donated; nothing is updated).
+      donated; nothing is updated); donates as its kind does.
     """
     if kind == OpKind.FORWARD:
         run, counted = fsdp.gathering_shard_map(
             lambda a, w, i: ops.forward(layer, a, w, i), placement,
             ops.ForwardOut(DEV, DEV, None), with_grads=False)
-        return jax.jit(lambda args, weights, shared: run(args, weights, shared.index)), counted
+        return Program(lambda args, weights, shared: run(args, weights, shared.index),
+                       donate_values=False), counted
     body, out_specs = _GRAD_BODIES[kind]
     if kind == OpKind.LOSS:
         body = functools.partial(body, axes=placement.device_axes)
@@ -78,13 +88,13 @@ def make_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransforma
         def norm(args, weights, shared) -> ops.NormOut:
             out, grads = run(args, weights, shared.index)
             return ops.norm_out(out, squared_norm(grads))
-        return jax.jit(norm), counted
+        return Program(norm, donate_values=False), counted
 
     def fbo(args, params, shared):
         out, grads = run(args, params.weights, shared.index)
         new_params, stats = ops.update(optimizer, grads, params, shared, placement)
         return out._replace(new_params=new_params, stats=stats)
-    return jax.jit(fbo, donate_argnames=("params",)), counted
+    return Program(fbo, donate_values=True), counted
 
 
 class ProgramCache:

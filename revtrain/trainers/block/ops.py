@@ -5,23 +5,36 @@ a scanned run's (`revtrain.trainers.block.scan_programs`) -- takes one of the ar
 types below and returns one of the output types; the executor
 (`revtrain.trainers.block.executor`) reads outputs by field name, never by position:
 
-========================  ==================  ==============================================
-op kind                   arguments           outputs
-========================  ==================  ==============================================
-``FORWARD``               `ForwardArgs`       `ForwardOut` (``copies`` None)
-``SCAN_FORWARD``          `ForwardArgs`       `ForwardOut` (``copies``: ``keep_every``)
-``FBO``                   `FboArgs`           `FboOut`
-``REVERSE``               `ReverseArgs`       `ReverseOut`
-``SCAN_REVERSE``          `ScanReverseArgs`   `ReverseOut` (stats as ``[n]`` vectors)
-``LOSS``                  `LossArgs`          `LossOut`
-any of the last four,     as above            `NormOut` (no update; ``x`` None for ``FBO``
-``norm_only``                                 and ``LOSS``)
-========================  ==================  ==============================================
+========================  ==================  ===========  ================================
+op kind                   arguments           donates      outputs
+========================  ==================  ===========  ================================
+``FORWARD``               `ForwardArgs`       ``x``        `ForwardOut` (``copies`` None)
+``SCAN_FORWARD``          `ForwardArgs`       ``x``        `ForwardOut` (``copies``:
+                                                           ``keep_every``)
+``FBO``                   `FboArgs`           ``ct_y``     `FboOut`
+``REVERSE``               `ReverseArgs`       ``y``,       `ReverseOut`
+                                              ``ct_y``
+``SCAN_REVERSE``          `ScanReverseArgs`   ``y``,       `ReverseOut` (stats as ``[n]``
+                                              ``ct_y``     vectors)
+``LOSS``                  `LossArgs`          nothing      `LossOut`
+any of the last four,     as above            as above     `NormOut` (no update; ``x`` None
+``norm_only``                                              for ``FBO`` and ``LOSS``)
+========================  ==================  ===========  ================================
 
-Programs are called as ``program(args, weights_or_params, shared)`` (``SCAN_REVERSE``:
-``program(carry, args, weights_or_params, shared)``), ``shared`` the replicated `Shared`
-scalars; an updating program takes the layer's `Params` and donates them (its
-``new_params`` output reuses their buffers).
+Programs are called as ``program(args, weights_or_params, shared)``, ``shared`` the
+replicated `Shared` scalars; an updating program takes the layer's `Params` and donates
+them (its ``new_params`` output reuses their buffers).
+
+**Donation** (`revtrain.trainers.block.donation`): a program donates the fields of its
+arguments that it consumes (`CONSUMED`, the "donates" column): the stack items it replaces
+and the cotangents it turns into its input's, each leaf that an output of the same shape
+and dtype can take. So an output written in a consumed item's place reuses its buffer, and
+an item that passes through unchanged (a half-residual's ``x2``, the cotangent it leaves
+alone) comes back in its own buffer instead of a copy. The fields are in the order of the
+outputs that take them (``y`` -> ``x``, ``ct_y`` -> ``ct_x``), which is how ``jax.jit``
+pairs them. Nothing else is donated: states, keys, stashed copies and (norm-only) weights
+are read again later. The caller makes sure a donated buffer is nobody else's
+(`revtrain.trainers.block.donation.owned`).
 
 The per-device bodies (`forward`, `std_grads`, `reverse_grads`, `loss_grads`) run inside
 ``shard_map`` on one device's values; both program families call them, so one layer
@@ -101,11 +114,12 @@ class LossArgs(NamedTuple):
 
 
 class ScanReverseArgs(NamedTuple):
-    """Per-device arguments of a run's reverse scan beside its carry (leading device axis
-    on every leaf). The carry, ``(y, ct_y)``, is a separate argument: the run's output stack
-    items (its top ``n_items``) and their cotangents, which the updating program donates.
+    """Per-device arguments of a run's reverse scan (leading device axis on every leaf).
 
     Attributes:
+      y: the run's output stack items (its top ``n_items``): the scan's carry, from which
+        each layer's input is reconstructed.
+      ct_y: their cotangents (carried too).
       state: per group position, the stacked states before the forward pass
         ``[devices, repeats, ...]``.
       new_state: likewise, after it.
@@ -114,10 +128,25 @@ class ScanReverseArgs(NamedTuple):
         len(run.kept), ...]``), or None for a run without any.
     """
 
+    y: Any
+    ct_y: Any
     state: Any
     new_state: Any
     rngs: jax.Array
     kept: Any = None
+
+
+CONSUMED: dict[type, tuple[str, ...]] = {
+    ForwardArgs: ("x",),
+    FboArgs: ("ct_y",),
+    ReverseArgs: ("y", "ct_y"),
+    ScanReverseArgs: ("y", "ct_y"),
+    LossArgs: (),
+}
+"""Per argument type, the fields its programs consume and donate (the table above). What
+moves on is not consumed: a ``LOSS`` op's ``x`` (the final stack) is the first backward
+op's ``y``, an ``FBO`` op's ``x`` (its stash) the stack below it, so of those two only the
+``FBO`` op's ``ct_y`` is."""
 
 
 class Shared(NamedTuple):
@@ -319,6 +348,6 @@ def update(optimizer: optax.GradientTransformation, grads: Any, params: Params,
     return new_params, LayerStats(optax.tree.norm(grads), optax.tree.norm(new_w))
 
 
-__all__ = ["FboArgs", "FboOut", "ForwardArgs", "ForwardOut", "LayerStats", "LossArgs",
+__all__ = ["CONSUMED", "FboArgs", "FboOut", "ForwardArgs", "ForwardOut", "LayerStats", "LossArgs",
            "LossOut", "NormOut", "ReverseArgs", "ReverseOut", "ScanReverseArgs", "Shared",
            "forward", "loss_grads", "norm_out", "reverse_grads", "std_grads", "update"]

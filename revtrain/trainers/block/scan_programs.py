@@ -22,7 +22,8 @@ own shards), so per layer everything is what its own program computes:
   ``keep_every`` copies are written into one ``[devices, n_kept, ...]`` buffer per carry
   item;
 * reverse: the carry is ``(stack items, their cotangents, stacked weights, stacked
-  slots)``, all donated by the updating program (the loop runs in their buffers, and the
+  slots)``, all donated by the updating program (the norm-only one donates the items and
+  cotangents only) (the loop runs in their buffers, and the
   reconstructed items and their cotangents leave in them); each layer reconstructs its
   input (``reverse_and_grad``) -- or, at a kept position, recomputes from its copy, as
   an ``FBO`` op does -- and applies *its own* optimizer update
@@ -58,6 +59,7 @@ from revtrain.layers.scan import MIN_REPEATS, layer_signature, plan_runs, serial
 from revtrain.parallel import collectives as fsdp
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import ops, stacked
+from revtrain.trainers.block.donation import Program
 from revtrain.trainers.block.ops import (
     FboArgs,
     ForwardArgs,
@@ -259,7 +261,7 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
             return recompute()
         return jax.lax.cond(jnp.asarray(table.keep[:, j])[t], recompute, reverse)
 
-    def scan_reverse(carry: tuple, args: ScanReverseArgs, values: Any, shared: Shared) -> tuple:
+    def scan_reverse(args: ScanReverseArgs, values: Any, shared: Shared) -> tuple:
         weights = values if norm_only else values.weights
 
         def body(carry, t):
@@ -289,7 +291,8 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
             return (y, ct, params), tuple(outs)
 
         params = None if norm_only else (tuple(values.weights), tuple(values.slots))
-        (x, ct_x, params), outs = _loop(body, (*carry, params), run.repeats, reverse=True)
+        (x, ct_x, params), outs = _loop(body, (args.y, args.ct_y, params), run.repeats,
+                                        reverse=True)
         x, ct_x = jax.lax.with_sharding_constraint((x, ct_x), placement.per_device)
         if norm_only:  # In the order of the per-layer backward ops: last layer first.
             return NormOut(x, ct_x, jnp.stack([outs[j][t] for t in reversed(range(run.repeats))
@@ -309,21 +312,24 @@ def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
     """The jitted ``SCAN_FORWARD`` or ``SCAN_REVERSE`` program of ``run`` (whose group is
     ``group``) and its trace-counted function.
 
-    Called as ``program(args, weights, shared)`` (``SCAN_FORWARD``) or ``program(carry,
-    args, weights_or_params, shared)`` (``SCAN_REVERSE``), ``shared.index`` the run's first
-    flat layer; outputs by kind (`revtrain.trainers.block.ops`):
+    The program is a `revtrain.trainers.block.donation.Program`, called as
+    ``program(args, weights_or_params, shared)``, ``shared.index`` the run's first flat
+    layer; it donates the fields of ``args`` its kind consumes
+    (`revtrain.trainers.block.ops.CONSUMED`: the caller must hold no other reference to
+    their buffers, `revtrain.trainers.block.donation.owned`). Outputs by kind
+    (`revtrain.trainers.block.ops`):
 
     * ``SCAN_FORWARD`` (``args`` a `ForwardArgs` of the carry items and the stacked
-      states, stacked weights): a `ForwardOut` whose ``copies`` are the ``keep_every``
-      copies, or None.
-    * ``SCAN_REVERSE`` (``carry`` the run's output items and their cotangents, ``args`` a
-      `ScanReverseArgs`, stacked `Params`; ``carry`` and the params donated, so the caller
-      must hold no other reference to their buffers): a `ReverseOut`, its ``stats`` a
-      `LayerStats` of float32 ``[n]`` vectors over the run's ``n`` flat layers, in order
-      (two outputs whatever the run's length).
-    * ``SCAN_REVERSE`` with ``norm_only`` (stacked weights; nothing donated, as the
-      updating pass that follows reads the same items): a `NormOut`, its ``squared_norm``
-      a float32 ``[n]`` vector, last layer first.
+      states, stacked weights, not donated): a `ForwardOut` whose ``copies`` are the
+      ``keep_every`` copies, or None; donates ``x``, in whose buffers ``y`` leaves.
+    * ``SCAN_REVERSE`` (``args`` a `ScanReverseArgs`, stacked `Params`): a `ReverseOut`,
+      its ``stats`` a `LayerStats` of float32 ``[n]`` vectors over the run's ``n`` flat
+      layers, in order (two outputs whatever the run's length); donates the carry ``y``
+      and ``ct_y`` (the loop runs in their buffers, and ``x`` and ``ct_x`` leave in
+      them) and the params (updated in place).
+    * ``SCAN_REVERSE`` with ``norm_only`` (stacked weights, not donated: the updating
+      pass that follows reads them): a `NormOut`, its ``squared_norm`` a float32 ``[n]``
+      vector, last layer first; donates ``y`` and ``ct_y`` as above.
 
     Raises:
       ValueError: for another kind.
@@ -331,19 +337,12 @@ def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
     if kind == OpKind.SCAN_FORWARD:
         counted = eqx.debug.assert_max_traces(_forward_program(group, run, placement),
                                               max_traces=None)
-        return jax.jit(counted), counted
+        return Program(counted, donate_values=False), counted
     if kind != OpKind.SCAN_REVERSE:
         raise ValueError(f"kind={kind!r} is not a scan op; use make_program")
-    body = _reverse_program(group, run, optimizer, placement, norm_only)
-    if norm_only:
-        counted = eqx.debug.assert_max_traces(
-            lambda carry, args, weights, shared: body(carry, args, weights, shared),
-            max_traces=None)
-        return jax.jit(counted), counted
     counted = eqx.debug.assert_max_traces(
-        lambda carry, args, params, shared: body(carry, args, params, shared),
-        max_traces=None)
-    return jax.jit(counted, donate_argnames=("carry", "params")), counted
+        _reverse_program(group, run, optimizer, placement, norm_only), max_traces=None)
+    return Program(counted, donate_values=not norm_only), counted
 
 
 class ScanProgramCache:
