@@ -212,7 +212,7 @@ def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, ch
 
     Args:
       qk: ``[batch, length, d_head]`` shared queries/keys (keys are their normalisation).
-      v: ``[batch, length, d_head]`` values.
+      v: ``[batch, length, d_value]`` values (``d_value`` may differ from ``d_head``).
       rotations: one ``float32[d_head, n_f / 2]`` per bucket factor (`hash_buckets`).
       chunk_len, n_chunks_before: as `LSHCausalAttention`.
       dropout_rate, seed, mask_bits: attention dropout (``seed``: uint32[2] from
@@ -221,7 +221,7 @@ def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, ch
         rounds, so every (head, round) draws its own dropout mask.
 
     Returns:
-      the output ``[batch, length, d_head]`` in ``v.dtype`` and the per-position
+      the output ``[batch, length, d_value]`` in ``v.dtype`` and the per-position
       log-sum-exp of the logits it saw, ``[batch, length]`` (at least float32).
     """
     batch, length, _ = qk.shape
