@@ -48,6 +48,8 @@ from revtrain.layers.sequence_parallel import check_not_split
 class _Cast(Layer):
     """Casts a floating-point input to ``dtype`` (integer inputs pass unchanged)."""
 
+    position_wise = True
+
     def __init__(self, dtype: Any):
         super().__init__(n_in=1, n_out=1, name=f"Cast[{jnp.dtype(dtype).name}]")
         self._dtype = jnp.dtype(dtype)
@@ -243,7 +245,9 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
       ff_chunk_size: run each feed-forward block, and the head's concatenation and
         LayerNorm, over chunks of this many positions (`revtrain.layers.Chunk`; Trax's
         ``ff_chunk_size``), so their ``[batch, length, d_ff]`` and ``[batch, length, 2 *
-        d_model]`` temporaries exist one chunk at a time; None runs them whole. Chunking
+        d_model]`` temporaries exist one chunk at a time; in `ReversibleTransformerLM`
+        the half-residuals' reverse passes run over chunks of this size too (everything
+        but attention's core: `revtrain.layers.position_chunks`); None runs them whole. Chunking
         adds a level to those weights trees, and with dropout the feed-forward masks
         depend on the chunk size.
       pos_type: ``'sinusoidal'`` (the added table of `PositionalEncoding`) or
@@ -276,11 +280,12 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
                                    attention_layer=_attention(
                                        attention_type, d_model, n_heads, dropout, mode,
                                        max_len, dropout_mask_bits, pos_type,
-                                       (d_attention_key, d_attention_value))),
+                                       (d_attention_key, d_attention_value)),
+                                   chunk_size=ff_chunk_size),
             ReversibleSwap(),
             ReversibleHalfResidual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
                                                   compute_dtype, dropout_mask_bits,
-                                                  ff_chunk_size)),
+                                                  ff_chunk_size), chunk_size=ff_chunk_size),
             ReversibleSwap(),
         ]
     model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode, dropout_mask_bits,

@@ -59,6 +59,7 @@ from revtrain.layers.attention.dense import (
     init_projections,
     project,
 )
+from revtrain.layers.attention.headwise import Headwise, run_by_head
 from revtrain.layers.attention.ring import ring_attention
 from revtrain.layers.attention.rotary import check_rotary_head_size, rotary_embedding
 from revtrain.layers.core import check_mode, check_rate
@@ -253,19 +254,48 @@ class CausalAttention(Layer):
         not depend on it. ``implementation='ring'`` runs `ring_attention` over the axis of
         ``sharded`` (a `SequenceSharding`), whose global positions the rotary angles use.
         """
-        batch, length, d = x.shape
-        n_heads = self._n_heads
+        headwise = self._headwise(x.dtype, x.shape[1], rng, rate, implementation, sharded)
+        return run_by_head(headwise, x, weights)
 
-        projections = tuple(by_head(pair, n_heads, x.dtype) for pair in weights[:3])
-        w_out = weights[3][0].astype(x.dtype).reshape(n_heads, self._d_value, d)
+    def headwise(self, input_shape: tuple[int, ...], dtype, rng: jax.Array | None
+                 ) -> Headwise | None:
+        """This layer's call on ``[batch, length, d_feature]`` inputs of ``dtype`` as
+        per-head stages (`revtrain.layers.attention.headwise`): position-wise projections
+        (rotary angles included) around a full-length core that runs the implementation
+        the call would (ring under a sequence split), so ``run_by_head`` of it equals the
+        call. None in ``'predict'`` mode with a cache (decoding runs whole).
+
+        Raises:
+          ValueError: as a call does, for inputs that are not ``[batch, length,
+            d_feature]`` or not of a sequence split's local length.
+        """
+        self._check_input(tuple(input_shape))
+        if self._cache_len is not None:
+            return None
+        batch, length, _ = input_shape
+        rate = self._dropout if self._mode == "train" else 0.0
+        sharded = check_local_length("CausalAttention", length)
+        if sharded is not None:
+            implementation = "ring"
+        else:
+            implementation = self._implementation or choose_implementation(
+                batch, self._n_heads, length, self._d_key, dtype, rate,
+                jax.default_backend(), self._d_value)
+        return self._headwise(dtype, length, rng, rate, implementation, sharded)
+
+    def _headwise(self, dtype, length: int, rng, rate: float, implementation: str,
+                  sharded) -> Headwise:
+        n_heads = self._n_heads
         positions = jnp.arange(length) if sharded is None else sharded.local_positions()
 
-        @jax.checkpoint
-        def head(x, projection, w_o, h):
-            q, k, v = (jnp.dot(x, w) + b for w, b in projection)
+        def project(x, pairs, h, positions):
+            q, k, v = (jnp.dot(x, w) + b for w, b in pairs)
             if self._rotary:
                 q, k = (rotary_embedding(a[:, :, None], positions)[:, :, 0] for a in (q, k))
-            q, k, v = (a[:, :, None] for a in (q, k, v))
+            return q, k, v
+
+        def core(projected, h):
+            q, k, v = (a[:, :, None] for a in projected)
             if implementation == "ring":
                 attended = ring_attention(
                     q, k, v, axis_name=sharded.axis_name, block_size=self._block_size,
@@ -280,14 +310,9 @@ class CausalAttention(Layer):
                     q, k, v, None, rate, rng, is_causal=True,
                     implementation=self._implementation, mask_bits=self._mask_bits,
                     head_start=h, total_heads=n_heads)
-            return jnp.dot(attended[:, :, 0], w_o)
+            return attended[:, :, 0]
 
-        def add_head(total, xs):
-            return total + head(x, *xs), None
-
-        total = jnp.zeros_like(x, shape=(batch, length, d))
-        total, _ = jax.lax.scan(add_head, total, (projections, w_out, jnp.arange(n_heads)))
-        return total + weights[3][1].astype(x.dtype)
+        return Headwise(n_heads, 3, jnp.dtype(dtype), project, core, positions)
 
     def _attend_cached(self, q, k, v, state):
         """Writes ``k, v`` at the cache index and attends to every position up to each query."""

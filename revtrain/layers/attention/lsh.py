@@ -72,7 +72,8 @@ import numpy as np
 from jax import lax
 
 from revtrain.layers.attention.blockwise import accumulation_dtype, mesh_full
-from revtrain.layers.attention.dense import by_head, head_widths, init_projections, project
+from revtrain.layers.attention.dense import head_widths, init_projections, project
+from revtrain.layers.attention.headwise import Headwise, run_by_head
 from revtrain.layers.attention.lsh_chunks import (
     SELF_PENALTY,
     lsh_round,
@@ -218,6 +219,28 @@ class LSHCausalAttention(Layer):
                         "hash buckets")
         if self._cache_len is not None:
             return self._decode(x, weights, state)
+        return run_by_head(self._headwise(x.shape, x.dtype, rng), x, weights), state
+
+    def headwise(self, input_shape: tuple[int, ...], dtype, rng: jax.Array | None
+                 ) -> Headwise | None:
+        """This layer's call on ``[batch, length, d_feature]`` inputs of ``dtype`` as
+        per-head stages (`revtrain.layers.attention.headwise`): the position-wise
+        shared query/key and value projections (rotary angles included) around a core
+        that hashes, sorts and attends over the whole length; ``run_by_head`` of it equals
+        the call. None in ``'predict'`` mode with a cache (decoding runs whole).
+
+        Raises:
+          ValueError: as a call does (inputs, a missing rng, a sequence split).
+        """
+        self._check_input(tuple(input_shape))
+        check_not_split("LSHCausalAttention", "use attention_type=CausalAttention (ring "
+                        "attention over the split) or seq=1", why="sorts positions into "
+                        "hash buckets")
+        if self._cache_len is not None:
+            return None
+        return self._headwise(tuple(input_shape), dtype, rng)
+
+    def _headwise(self, shape: tuple[int, ...], dtype, rng) -> Headwise:
         if self._hash_seed is not None:
             hash_key, dropout_key = jax.random.key(self._hash_seed), rng
         elif rng is None:
@@ -230,16 +253,12 @@ class LSHCausalAttention(Layer):
             raise ValueError(f"LSHCausalAttention dropout={rate} needs an rng; pass a "
                              f"jax.random.key or use mode='eval'")
         seed = mask_seed(dropout_key) if rate else None
-        batch, length, d = x.shape
+        batch, length, _ = shape
         n_heads, n_hashes = self._n_heads, self._n_hashes
         factors = self.n_buckets_for(length)
         rotations = tuple(
             jax.random.normal(key, (n_heads, n_hashes, self._d_key, f // 2), jnp.float32)
             for key, f in zip(jax.random.split(hash_key, len(factors)), factors, strict=True))
-
-        projections = tuple(by_head(pair, n_heads, x.dtype) for pair in weights[:2])
-        w_out = weights[2][0].astype(x.dtype).reshape(n_heads, self._d_value, d)
-        positions = jnp.arange(length)
 
         @functools.partial(jax.checkpoint, policy=_SAVE_SORT)
         def one_round(carry, xs):
@@ -257,11 +276,15 @@ class LSHCausalAttention(Layer):
             total = total * old[..., None] + out.astype(total.dtype) * this[..., None]
             return (new_top, weight * old + this, total), None
 
-        @functools.partial(jax.checkpoint, policy=_SAVE_SORT)
-        def head(x, projection, w_o, h, head_rotations):
-            qk, v = (jnp.dot(x, w) + b for w, b in projection)
+        def project(x, pairs, h, positions):
+            qk, v = (jnp.dot(x, w) + b for w, b in pairs)
             if self._rotary:
                 qk = rotary_embedding(qk[:, :, None], positions)[:, :, 0]
+            return qk, v
+
+        def core(projected, h):
+            qk, v = projected
+            head_rotations = tuple(r[h] for r in rotations)
             acc = accumulation_dtype(qk)
             if n_hashes == 1:
                 out, _ = lsh_round(qk, v, tuple(r[0] for r in head_rotations),
@@ -269,25 +292,20 @@ class LSHCausalAttention(Layer):
                                    n_chunks_before=self._n_chunks_before, dropout_rate=rate,
                                    seed=seed, mask_bits=self._mask_bits, head=h,
                                    total_heads=n_heads, round_index=0, n_hashes=1)
-            else:
-                def scan_round(carry, xs):
-                    r, round_rotations = xs
-                    return one_round(carry, (qk, v, h, r, round_rotations))
-                init = (mesh_full((batch, length), -jnp.inf, qk, dtype=acc),
-                        mesh_full((batch, length), 0.0, qk, dtype=acc),
-                        mesh_full(v.shape, 0.0, v, dtype=acc))
-                (_, weight, out), _ = lax.scan(scan_round, init,
-                                               (jnp.arange(n_hashes), head_rotations))
-                out = out / weight[..., None]
-            return jnp.dot(out.astype(x.dtype), w_o)
+                return out
 
-        def add_head(total, xs):
-            return total + head(x, *xs), None
+            def scan_round(carry, xs):
+                r, round_rotations = xs
+                return one_round(carry, (qk, v, h, r, round_rotations))
+            init = (mesh_full((batch, length), -jnp.inf, qk, dtype=acc),
+                    mesh_full((batch, length), 0.0, qk, dtype=acc),
+                    mesh_full(v.shape, 0.0, v, dtype=acc))
+            (_, weight, out), _ = lax.scan(scan_round, init,
+                                           (jnp.arange(n_hashes), head_rotations))
+            return out / weight[..., None]
 
-        total = jnp.zeros_like(x, shape=(batch, length, d))
-        total, _ = lax.scan(add_head, total, (projections, w_out, jnp.arange(n_heads),
-                                              rotations))
-        return total + weights[2][1].astype(x.dtype), state
+        return Headwise(n_heads, 2, jnp.dtype(dtype), project, core, jnp.arange(length),
+                        policy=_SAVE_SORT)
 
     def _decode(self, x, weights, state):
         """Writes the new positions' normalised keys and values at the cache index and
