@@ -32,7 +32,10 @@ the hash's ``B x L x n_f / 2`` rotated values per bucket factor): no
 ``L x c`` array over the whole sequence is kept, and the compiled program does not grow
 with the length. The chunk kernel and the sort/unsort gathers have custom vjps: the
 kernel recomputes its probabilities from the saved log-sum-exp (FlashAttention's
-backward), and a gather's cotangent is the inverse gather (no scatter).
+backward) and normalises its keys per window (no sorted key array), and a gather's
+cotangent is the inverse gather (no scatter). The rounds of a head are combined under one
+custom vjp (`lsh_rounds`) that keeps ``qk, v`` and the output and recomputes one round at
+a time backwards, so one round's sorted ``q, v`` exist at a time.
 
 What LSH approximates: within a round a query attends only to the keys that share its
 chunks, so probability mass outside them is lost; more rounds (``n_hashes``) make a
@@ -62,7 +65,6 @@ defaults, the ``1e5`` self penalty, the bucket factorisation); Andoni et al., 20
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,12 +73,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revtrain.layers.attention.blockwise import accumulation_dtype, mesh_full
 from revtrain.layers.attention.dense import head_widths, init_projections, project
 from revtrain.layers.attention.headwise import Headwise, run_by_head
 from revtrain.layers.attention.lsh_chunks import (
     SELF_PENALTY,
     lsh_round,
+    lsh_rounds,
     normalised,
     shared_qk_attention,
 )
@@ -253,28 +255,12 @@ class LSHCausalAttention(Layer):
             raise ValueError(f"LSHCausalAttention dropout={rate} needs an rng; pass a "
                              f"jax.random.key or use mode='eval'")
         seed = mask_seed(dropout_key) if rate else None
-        batch, length, _ = shape
+        length = shape[1]
         n_heads, n_hashes = self._n_heads, self._n_hashes
         factors = self.n_buckets_for(length)
         rotations = tuple(
             jax.random.normal(key, (n_heads, n_hashes, self._d_key, f // 2), jnp.float32)
             for key, f in zip(jax.random.split(hash_key, len(factors)), factors, strict=True))
-
-        @functools.partial(jax.checkpoint, policy=_SAVE_SORT)
-        def one_round(carry, xs):
-            # The rounds' softmax by their log-sum-exp, online (max, weight, weighted sum):
-            # normalising by the summed weights keeps equal rounds exact even where the
-            # self penalty puts the log-sum-exp near -1e5 (float32 spacing 0.008 there).
-            top, weight, total = carry
-            qk, v, h, r, round_rotations = xs
-            out, lse = lsh_round(qk, v, round_rotations, chunk_len=self._chunk_len,
-                                 n_chunks_before=self._n_chunks_before, dropout_rate=rate,
-                                 seed=seed, mask_bits=self._mask_bits, head=h,
-                                 total_heads=n_heads, round_index=r, n_hashes=n_hashes)
-            new_top = jnp.maximum(top, lse)
-            old, this = jnp.exp(top - new_top), jnp.exp(lse - new_top)
-            total = total * old[..., None] + out.astype(total.dtype) * this[..., None]
-            return (new_top, weight * old + this, total), None
 
         def project(x, pairs, h, positions):
             qk, v = (jnp.dot(x, w) + b for w, b in pairs)
@@ -285,7 +271,6 @@ class LSHCausalAttention(Layer):
         def core(projected, h):
             qk, v = projected
             head_rotations = tuple(r[h] for r in rotations)
-            acc = accumulation_dtype(qk)
             if n_hashes == 1:
                 out, _ = lsh_round(qk, v, tuple(r[0] for r in head_rotations),
                                    chunk_len=self._chunk_len,
@@ -293,16 +278,10 @@ class LSHCausalAttention(Layer):
                                    seed=seed, mask_bits=self._mask_bits, head=h,
                                    total_heads=n_heads, round_index=0, n_hashes=1)
                 return out
-
-            def scan_round(carry, xs):
-                r, round_rotations = xs
-                return one_round(carry, (qk, v, h, r, round_rotations))
-            init = (mesh_full((batch, length), -jnp.inf, qk, dtype=acc),
-                    mesh_full((batch, length), 0.0, qk, dtype=acc),
-                    mesh_full(v.shape, 0.0, v, dtype=acc))
-            (_, weight, out), _ = lax.scan(scan_round, init,
-                                           (jnp.arange(n_hashes), head_rotations))
-            return out / weight[..., None]
+            return lsh_rounds(qk, v, head_rotations, chunk_len=self._chunk_len,
+                              n_chunks_before=self._n_chunks_before, dropout_rate=rate,
+                              seed=seed, mask_bits=self._mask_bits, head=h,
+                              total_heads=n_heads)
 
         return Headwise(n_heads, 2, jnp.dtype(dtype), project, core, jnp.arange(length),
                         policy=_SAVE_SORT)
