@@ -330,8 +330,8 @@ def sequence_length() -> str:
                 f"{c['batch_size']}, vocab {c['vocab_size']}, dropout {c['dropout']}, Adam; "
                 f"host allocator {c['host_allocator']}"
                 + "".join(f"; the {label} rows on {where}" for label, where in elsewhere.items()))
-    return _with_sources(lengths.readme_table(payload),
-                         _source("sequence_length", payload, settings))
+    table = lengths.readme_table(payload).rstrip("\n") + "\n\n" + lengths.notes(payload) + "\n"
+    return _with_sources(table, _source("sequence_length", payload, settings))
 
 
 def _ring_source(name: str, payload: dict[str, Any]) -> str:

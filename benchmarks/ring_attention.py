@@ -97,8 +97,8 @@ def _programs(n_shards: int, block_size: int):
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from revtrain.layers.attention import blockwise as blockwise_attention
-    from revtrain.layers.attention import ring as ring_attention
+    from revtrain.layers.attention.blockwise import blockwise_attention
+    from revtrain.layers.attention.ring import ring_attention
 
     def fwd_bwd(attention):
         def run(q, k, v, ct):

@@ -20,10 +20,14 @@ with ``CrossEntropyLoss(n_chunks=length // 4096)``, batch 1, Adam, trained by ``
 * ``lsh`` -- `LSHCausalAttention` (``--chunk_len``, ``--n_hashes``, one chunk before)
   with the chunked feed-forward: Reformer's configuration, as Trax's LSH rows.
 
-Each (variant, length) runs in a fresh process: ``--warmup`` steps (the first compiles,
-its time is ``first_step_s``), then ``--steps`` measured steps. Reported: the peak device
-bytes (``memory_stats`` on GPU/TPU, the dispatch ledger on CPU: `revtrain.memory`), the
-process's peak RSS, the median step time, the model FLOPs per step (``6 x`` the forward
+Each (variant, length) runs in a fresh process: model construction and initialisation
+(``build_s``), ``--warmup`` steps (the first compiles, its time is ``first_step_s``), then
+``--steps`` measured steps; above ``--one_step_above`` positions (the 1,048,576-token LSH
+row) one step, no warm-up, and only LSH runs above ``--exact_max_length``. Reported: the
+peak device bytes (``memory_stats`` on GPU/TPU, the dispatch ledger on CPU:
+`revtrain.memory`), also per token and model dimension (B/tok/dim, beside the analytic
+floor of `floor_bytes`), the process's peak RSS, the median step time, the model FLOPs per
+step (``6 x`` the forward
 multiply-adds' FLOPs of the projections, the causal half of the attention products, the
 feed-forward and the head: the usual training estimate, reversal's recomputation not
 counted) and their rate as a fraction of a dense float32 ``4096 x 4096`` matmul's FLOP/s
@@ -31,9 +35,14 @@ measured in the same process (the machine's practical peak).
 
 With ``--trax_python`` (a Python with Trax 1.4.1: ``../shared/peers/trax/install.sh``),
 the same lengths also run Trax's ``ReformerLM`` with its ``ReversibleSerialTrainer``
-(``--trax_script``: full attention up to ``--full_max_length``, LSH attention at every
-length), interleaved with revtrain's, each in a fresh process, so the two sides share
-the hour and the machine. Writes ``sequence_length.json``, ``.md`` and ``.png``.
+(``--trax_script``: full attention up to ``--full_max_length``, LSH attention up to
+``--trax_max_length``), interleaved with revtrain's, each in a fresh process, so the two
+sides share the hour and the machine. Trax runs at revtrain's per-head attention width
+(``d_model // n_heads``; ``--trax_d_attention`` sets another: Trax's ``ReformerLM``
+defaults to 64), and its ``ReformerLM`` trains an ``[L, d_model]`` position table
+(``axial_pos_shape=None``) that revtrain's sinusoidal table is not. Its ``setup_s`` is the
+process's time less its steps: imports, construction and initialisation. Writes
+``sequence_length.json``, ``.md`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -67,10 +76,11 @@ TRAX_VARIANTS = {"trax_full": "Trax full", "trax_lsh": "Trax LSH"}
 DEFAULTS = {"lengths": "1024,4096,8192,16384,65536", "trax_max_length": 65536,
             "d_model": 128, "d_ff": 512, "n_layers": 2, "n_heads": 4, "vocab_size": 256,
             "block_size": 512, "ff_chunk_size": 4096,
-            "full_max_length": 8192, "chunk_len": 128, "n_hashes": 2}
+            "full_max_length": 8192, "chunk_len": 128, "n_hashes": 2,
+            "exact_max_length": 65536, "one_step_above": 524288}
 QUICK = {"lengths": "64,256", "d_model": 32, "d_ff": 64, "block_size": 32,
          "ff_chunk_size": 64, "full_max_length": 256, "chunk_len": 16,
-         "trax_max_length": 256}
+         "trax_max_length": 256, "exact_max_length": 256, "one_step_above": 256}
 TRAX_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "trax" / (
     "reformer_length.py")
 FLAGS = flags.FLAGS
@@ -94,6 +104,14 @@ flags.DEFINE_integer("trax_max_length", None, "longest length Trax's LSH attenti
 flags.DEFINE_string("trax_python", None, "a Python with Trax 1.4.1 installed: also run "
                     "Trax's ReformerLM (full and LSH attention) at each length")
 flags.DEFINE_string("trax_script", str(TRAX_SCRIPT), "the Trax side's script")
+flags.DEFINE_integer("trax_d_attention", None, "Trax's per-head attention width "
+                     "(d_attention_key = d_attention_value; default d_model // n_heads, "
+                     "revtrain's: matched)", lower_bound=1)
+flags.DEFINE_integer("exact_max_length", None, "longest length the exact variants run at "
+                     "(default 65536); only LSH runs above", lower_bound=1)
+flags.DEFINE_integer("one_step_above", None, "above this length a configuration runs one "
+                     "step, no warm-up (default 524288: the 1,048,576-token row)",
+                     lower_bound=1)
 flags.DEFINE_boolean("update", False, "re-measure only the configurations asked for and "
                      "replace their rows in the JSON already in --out_dir (the other rows, "
                      "and the run's date, are kept; each row records its own time)")
@@ -110,7 +128,7 @@ def parse_flags(argv: Sequence[str] | None) -> SimpleNamespace:
     defaults = {**DEFAULTS, **(QUICK if args.quick else {})}
     for name in ("lengths", "n_layers", "block_size", "ff_chunk_size", "full_max_length",
                  "d_model", "d_ff", "n_heads", "vocab_size", "chunk_len", "n_hashes",
-                 "trax_max_length"):
+                 "trax_max_length", "exact_max_length", "one_step_above"):
         value = getattr(FLAGS, name)
         explicit = FLAGS[name].present
         setattr(args, name, value if explicit and value is not None else defaults[name])
@@ -118,6 +136,7 @@ def parse_flags(argv: Sequence[str] | None) -> SimpleNamespace:
     args.lengths = [int(n) for n in lengths]
     args.dropout = 0.0 if not FLAGS["dropout"].present else args.dropout
     args.batch_size = 1 if not FLAGS["batch_size"].present else args.batch_size
+    args.trax_d_attention = FLAGS.trax_d_attention or args.d_model // args.n_heads
     return args
 
 
@@ -134,16 +153,40 @@ def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
     """One config per (length, variant), length-major; Trax's runs beside revtrain's."""
     base, configs = base_config(args), []
     for length in args.lengths:
+        at = base | {"seq_len": length}
+        if length > args.one_step_above:
+            at |= {"warmup": 0, "steps": 1}
         for variant in args.attention_kinds:
             if variant == "full" and length > args.full_max_length:
                 continue
-            configs.append(base | {"variant": variant, "seq_len": length})
+            if variant != "lsh" and length > args.exact_max_length:
+                continue
+            configs.append(at | {"variant": variant})
+        trax = at | {"trax_d_attention": args.trax_d_attention}
         if args.trax_python:
             if length <= args.full_max_length and "full" in args.attention_kinds:
-                configs.append(base | {"variant": "trax_full", "seq_len": length})
+                configs.append(trax | {"variant": "trax_full"})
             if length <= args.trax_max_length:
-                configs.append(base | {"variant": "trax_lsh", "seq_len": length})
+                configs.append(trax | {"variant": "trax_lsh"})
     return configs
+
+
+def floor_bytes(config: dict[str, Any]) -> float:
+    """The analytic floor of a reversible step's device memory, in bytes
+    (``docs/long_sequences.md``): per token, the two float32 residual streams and their
+    cotangents (``4 x 4 d_model`` bytes) and one layer's irreducible temporaries, heads
+    one at a time: one head's queries, keys and values, their cotangents and its output
+    (``4 (2 (2 d_key + d_value) + d_value)`` bytes, ``d_key = d_value = d_model //
+    n_heads``). 23 B per token and model dimension at d_model 128 and 4 heads."""
+    d = config["d_model"]
+    width = d // config["n_heads"]
+    per_token = 4 * (4 * d + 2 * (2 * width + width) + width)
+    return float(per_token * config["seq_len"] * config["batch_size"])
+
+
+def per_token_dim(n_bytes: float, config: dict[str, Any]) -> float:
+    """``n_bytes / (length x d_model x batch)``: bytes per token per model dimension."""
+    return n_bytes / (config["seq_len"] * config["d_model"] * config["batch_size"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -234,7 +277,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
 
     from revtrain import memory
 
+    start = time.perf_counter()
     trainer, batch = build(config)
+    build_s = time.perf_counter() - start
     start = time.perf_counter()
     for step in range(config["warmup"]):
         trainer.one_step(batch, jax.random.key(step), step=step)
@@ -251,6 +296,8 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
             cpu_times.append(time.process_time() - cpu_begin)
             losses.append(float(loss))
     step_s = statistics.median(times)
+    if not config["warmup"]:  # One step, compile included (the longest rows).
+        first = times[0]
     if "mesh" in config:
         return {"method": peak.method, "peak_bytes": peak.peak_bytes, "step_s": step_s,
                 "step_times_s": times, "step_cpu_s": statistics.median(cpu_times),
@@ -259,7 +306,7 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     matmul = matmul_flops_per_second()
     return {"method": peak.method, "peak_bytes": peak.peak_bytes,
             "peak_label": peak.peak_label, "peak_rss_bytes": peak.peak_rss_bytes,
-            "first_step_s": first, "step_s": step_s, "step_times_s": times,
+            "first_step_s": first, "build_s": build_s, "step_s": step_s, "step_times_s": times,
             "losses": losses, "model_flops": flops, "model_flops_per_s": flops / step_s,
             "matmul_flops_per_s": matmul, "fraction_of_matmul": flops / step_s / matmul}
 
@@ -268,7 +315,7 @@ def run_trax(args: SimpleNamespace, config: dict[str, Any]) -> dict[str, Any]:
     """Trax's side in a fresh process: its script prints one JSON line."""
     attention = "full" if config["variant"] == "trax_full" else "lsh"
     command = [args.trax_python, args.trax_script, str(config["seq_len"]),
-               str(config["d_model"]), attention]
+               str(config["d_model"]), attention, str(config["trax_d_attention"])]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
@@ -278,10 +325,14 @@ def run_trax(args: SimpleNamespace, config: dict[str, Any]) -> dict[str, Any]:
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             out = json.loads(line)
+            wall = time.perf_counter() - start
+            # Its script runs three steps (the first compiles; step_s is the faster other).
+            setup = wall - out["first_s"] - 2 * out["step_s"]
             return config | {"peak_rss_bytes": out["peak_rss_MiB"] * harness.MIB,
                              "first_step_s": out["first_s"], "step_s": out["step_s"],
-                             "losses": [out["loss"]],
-                             "worker_wall_s": time.perf_counter() - start}
+                             "losses": [out["loss"]], "worker_wall_s": wall,
+                             "setup_s": setup, "trax_d_attention": out.get(
+                                 "d_attention", config["trax_d_attention"])}
     tail = "\n".join(done.stderr.strip().splitlines()[-8:])
     return config | {"error": f"trax exited with code {done.returncode}: {tail}"}
 
@@ -367,12 +418,45 @@ def _lsh_targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 ratio = lsh[key] / mid[key]
                 checks.append({"target": f"LSH linear: 64K {what} <= 4.5x 16K's",
                                "value": f"{ratio:.2f}x", "met": ratio <= 4.5})
+    checks += _floor_targets(results)
     half_million = _find(results, "lsh", 524288)
     if half_million:
         peak = half_million["peak_bytes"] / 2 ** 30
         checks.append({"target": "LSH 512K: a step completes, peak device memory <= 4 GiB",
                        "value": f"{peak:.2f} GiB, step {half_million['step_s']:.1f} s",
                        "met": peak <= 4})
+    return checks
+
+
+def _floor_targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 38's targets: 32 B/tok/dim at 64K (exact and LSH), the 1M LSH step, RSS and
+    first steps against Trax's in the same run."""
+    checks = []
+
+    def check(target, value, met):
+        checks.append({"target": target, "value": value, "met": bool(met)})
+
+    for variant in ("default", "lsh"):
+        r = _find(results, variant, 65536)
+        if r and "peak_bytes" in r:
+            per_dim = per_token_dim(r["peak_bytes"], r)
+            check(f"{_label(variant)} 64K ledger <= 32 B/tok/dim", f"{per_dim:.1f}",
+                  per_dim <= 32)
+    million = _find(results, "lsh", 1048576)
+    if million:
+        peak, rss = million["peak_bytes"] / 2 ** 30, million["peak_rss_bytes"] / 2 ** 30
+        check("LSH 1M: ledger <= 4 GiB, RSS <= 5.5 GiB", f"{peak:.2f} / {rss:.2f} GiB",
+              peak <= 4 and rss <= 5.5)
+    lsh, trax = _find(results, "lsh", 65536), _find(results, "trax_lsh", 65536)
+    if lsh and trax:
+        ratio = lsh["peak_rss_bytes"] / trax["peak_rss_bytes"]
+        check("LSH 64K RSS <= 0.8x Trax LSH's", f"{ratio:.2f}x", ratio <= 0.8)
+    for length in (16384, 65536):
+        lsh, trax = _find(results, "lsh", length), _find(results, "trax_lsh", length)
+        if lsh and trax:
+            check(f"LSH {length // 1024}K first step <= Trax's",
+                  f"{lsh['first_step_s']:.1f} s vs {trax['first_step_s']:.1f} s",
+                  lsh["first_step_s"] <= trax["first_step_s"])
     return checks
 
 
@@ -386,16 +470,37 @@ def readme_table(payload: dict[str, Any]) -> str:
         r = _find(results, variant, length)
         if r is None:
             return "—"
-        memory = (f"{report.mib(r['peak_bytes'])} / " if device and "peak_bytes" in r
-                  else "")
+        memory = (f"{report.mib(r['peak_bytes'])} ({per_token_dim(r['peak_bytes'], r):.0f}) / "
+                  if device and "peak_bytes" in r else "")
         return f"{memory}{report.mib(r['peak_rss_bytes'])} / {r['step_s']:.2f} s"
 
+    def floor(length):
+        r = next(r for r in results if r["seq_len"] == length)
+        return f"{per_token_dim(floor_bytes(r), r):.0f}"
+
     rows = [[f"{n:,}", cell("full", n), cell("default", n), cell("lsh", n),
-             cell("trax_full", n, False), cell("trax_lsh", n, False)] for n in lengths]
+             cell("trax_full", n, False), cell("trax_lsh", n, False), floor(n)]
+            for n in lengths]
     return report.markdown_table(
-        ["length", "revtrain full: peak MiB / RSS MiB / step", "revtrain default: peak MiB "
-         "/ RSS MiB / step", "revtrain LSH: peak MiB / RSS MiB / step",
-         "Trax full: RSS MiB / step", "Trax LSH: RSS MiB / step"], rows)
+        ["length", "revtrain full: peak MiB (B/tok/dim) / RSS MiB / step",
+         "revtrain default: peak MiB (B/tok/dim) / RSS MiB / step",
+         "revtrain LSH: peak MiB (B/tok/dim) / RSS MiB / step",
+         "Trax full: RSS MiB / step", "Trax LSH: RSS MiB / step", "floor B/tok/dim"], rows)
+
+
+def notes(payload: dict[str, Any]) -> str:
+    """What the table's columns hold beyond their headers, for the documents."""
+    widths = sorted({r["trax_d_attention"] for r in payload["results"]
+                     if "trax_d_attention" in r})
+    c = payload["config"]
+    trax = (f"Trax at per-head attention width {', '.join(map(str, widths))} (revtrain's is "
+            f"{c['d_model'] // c['n_heads']})" if widths else
+            "Trax at its ReformerLM's default per-head attention width 64 (revtrain's is "
+            f"{c['d_model'] // c['n_heads']})")
+    return (f"B/tok/dim: peak device bytes per token per model dimension; floor: the "
+            f"analytic floor (`floor_bytes`). {trax}; Trax's ReformerLM also trains an "
+            f"`[L, d_model]` position table (`axial_pos_shape=None`), where revtrain's "
+            f"sinusoidal table has no weights.")
 
 
 def _measured_on(r: dict[str, Any], info: dict[str, Any]) -> str:
@@ -421,13 +526,19 @@ def markdown(payload: dict[str, Any]) -> str:
             rows.append([f"{r['seq_len']:,}", _label(r["variant"]), "failed", "", "", "", ""])
             continue
         peak = f"{report.mib(r['peak_bytes'])} ({r['method']})" if "peak_bytes" in r else "—"
+        per_dim = "—" if "peak_bytes" not in r else (
+            f"{per_token_dim(r['peak_bytes'], r):.1f} ({per_token_dim(floor_bytes(r), r):.1f})")
         fraction = f"{100 * r['fraction_of_matmul']:.1f}%" if "fraction_of_matmul" in r else "—"
-        rows.append([f"{r['seq_len']:,}", _label(r["variant"]), peak,
+        setup = r.get("build_s", r.get("setup_s"))
+        rows.append([f"{r['seq_len']:,}", _label(r["variant"]), peak, per_dim,
                      report.mib(r["peak_rss_bytes"]), f"{r['step_s']:.2f}",
-                     f"{r['first_step_s']:.1f}", fraction, _measured_on(r, info)])
+                     f"{r['first_step_s']:.1f}", "—" if setup is None else f"{setup:.1f}",
+                     fraction, _measured_on(r, info)])
     lines.append(report.markdown_table(
-        ["length", "variant", "peak device MiB", "peak RSS MiB", "step s", "first step s",
-         "model FLOP/s vs matmul", "measured"], rows))
+        ["length", "variant", "peak device MiB", "B/tok/dim (floor)", "peak RSS MiB",
+         "step s", "first step s", "build s", "model FLOP/s vs matmul", "measured"], rows))
+    lines += ["", notes(payload) + " Build s: model construction and initialisation "
+              "(Trax: its process's time less its steps, imports included)."]
     checks = targets(payload["results"])
     if checks:
         lines += ["", report.targets_table(checks)]

@@ -84,6 +84,9 @@ train = gin.external_configurable(
 _SET_BY_THE_LM = {"n_heads": "n_heads", "dropout": "dropout", "mode": "mode",
                   "max_len": "max_len", "mask_bits": "dropout_mask_bits",
                   "rotary": "pos_type"}
+# What the LMs pass only when their own parameter of that name is set (not None).
+_SET_BY_THE_LM_WHEN_BOUND = ("d_attention_key", "d_attention_value")
+_LMS = ("ReversibleTransformerLM", "TransformerLM")
 
 
 def check_bindings() -> None:
@@ -92,8 +95,10 @@ def check_bindings() -> None:
     The attention layers (`ATTENTION_LAYERS`) are registered to be an LM's
     ``attention_type``; the LM passes them ``n_heads``, ``dropout``, ``mode``,
     ``max_len``, ``mask_bits`` (and ``rotary``), so binding one of those on an attention
-    layer would have no effect.
+    layer would have no effect; ``d_attention_key`` and ``d_attention_value`` may be
+    bound on either the LM or the attention layer, not both.
     """
+    lm_bound = {name for lm in _LMS for name in gin.get_bindings(lm)}
     for layer in ATTENTION_LAYERS:
         bound = gin.get_bindings(layer)
         for name, lm_name in _SET_BY_THE_LM.items():
@@ -101,6 +106,11 @@ def check_bindings() -> None:
                 raise ValueError(f"{layer}.{name} is set by the language model, which "
                                  f"overrides the binding; bind ReversibleTransformerLM."
                                  f"{lm_name} (or TransformerLM.{lm_name}) instead")
+        for name in _SET_BY_THE_LM_WHEN_BOUND:
+            if name in bound and name in lm_bound:
+                raise ValueError(f"{layer}.{name} and the language model's {name} are both "
+                                 f"bound, and the model's overrides the layer's; bind only "
+                                 f"one of them")
 
 
 def run_configs() -> dict[str, object]:

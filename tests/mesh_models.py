@@ -35,14 +35,16 @@ def position_wise():
                              tl.LogSoftmax(), tl.CrossEntropyLoss())
 
 
-def transformer():
+def transformer(ff_chunk_size=None):
     """A two-layer `ReversibleTransformerLM` with blockwise attention (blocks of 2): the
-    block trainers scan its two equal layers with ``scan_layers=True``."""
+    block trainers scan its two equal layers with ``scan_layers=True``; ``ff_chunk_size``
+    also runs the half-residuals' reverse passes over chunks of positions."""
     model = ReversibleTransformerLM(
         vocab_size=VOCAB, d_model=D, d_ff=2 * D, n_layers=2, n_heads=2, max_len=LENGTH,
         dropout=0.0, attention_type=functools.partial(tl.CausalAttention,
                                                       implementation="blockwise",
-                                                      block_size=2))
+                                                      block_size=2),
+        ff_chunk_size=ff_chunk_size)
     return tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
 
 

@@ -85,6 +85,11 @@ def test_nan_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path, capsys):
       "--gin_bindings=LSHCausalAttention.n_heads=2"],
      "LSHCausalAttention.n_heads is set by the language model, which overrides the binding; "
      "bind ReversibleTransformerLM.n_heads"),
+    ([f"--config_file={COPY_TASK}", "--output_dir=X",
+      "--gin_bindings=CausalAttention.d_attention_key=8",
+      "--gin_bindings=ReversibleTransformerLM.d_attention_key=16"],
+     "CausalAttention.d_attention_key and the language model's d_attention_key are both "
+     "bound"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, capsys, argv_tail, message):
     argv = [a.replace("=X", f"={tmp_path}") for a in argv_tail]

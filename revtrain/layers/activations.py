@@ -42,6 +42,8 @@ def _check_axis(layer: _Activation, x: jax.Array) -> None:
 class Relu(_Activation):
     """``max(x, 0)`` element-wise."""
 
+    position_wise = True
+
     def apply(self, x):
         return jax.nn.relu(x)
 
@@ -54,6 +56,8 @@ class Gelu(_Activation):
         x^3)))`` as Trax's ``Gelu`` does (default); False gives the exact ``x Phi(x)``.
     """
 
+    position_wise = True
+
     def __init__(self, approximate: bool = True):
         super().__init__()
         self._approximate = approximate
@@ -65,12 +69,16 @@ class Gelu(_Activation):
 class Tanh(_Activation):
     """``tanh(x)`` element-wise."""
 
+    position_wise = True
+
     def apply(self, x):
         return jnp.tanh(x)
 
 
 class Sigmoid(_Activation):
     """``1 / (1 + exp(-x))`` element-wise."""
+
+    position_wise = True
 
     def apply(self, x):
         return jax.nn.sigmoid(x)

@@ -79,7 +79,7 @@ class Chunk(Layer):
         batch, length = items[0].shape[:2]
         if length == 0:
             raise ValueError("Chunk got a length-0 input; pass at least one position")
-        size = min(self._chunk_size, length)
+        size = self.chunk_size_for(length)
         n_chunks = -(-length // size)
         pad = n_chunks * size - length
 
@@ -90,15 +90,50 @@ class Chunk(Layer):
 
         @jax.checkpoint
         def run(chunks, index):
-            key = None if rng is None else jax.random.fold_in(rng, index)
             inputs = chunks if self.n_in > 1 else chunks[0]
-            return layer.pure_fn(inputs, layer_weights, layer_state, key)[0]
+            return self._run(inputs, layer_weights, layer_state, rng, index)
 
         chunked = tuple(to_chunks(a) for a in items)
         ys = lax.map(lambda args: run(*args), (chunked, jnp.arange(n_chunks)))
         ys = jnp.moveaxis(ys, 0, 1)
         y = ys.reshape((batch, n_chunks * size) + ys.shape[3:])
         return (y[:, :length] if pad else y), state
+
+    @property
+    def chunk_size(self) -> int:
+        """Positions per chunk (fewer when the whole length is shorter)."""
+        return self._chunk_size
+
+    def chunk_size_for(self, length: int) -> int:
+        """Positions per chunk at ``length``: ``min(chunk_size, length)``."""
+        return min(self._chunk_size, length)
+
+    def _run(self, inputs, layer_weights, layer_state, rng, index):
+        key = None if rng is None else jax.random.fold_in(rng, index)
+        return self.sublayers[0].pure_fn(inputs, layer_weights, layer_state, key)[0]
+
+    def run_chunk(self, x: jax.Array, weights, state, rng: jax.Array | None,
+                  index, length: int) -> jax.Array:
+        """Chunk ``index`` of a ``length``-position call, alone: what `forward_with_state`
+        computes for those positions (same key, ``fold_in(rng, index)``; the last chunk
+        zero-padded to `chunk_size_for` ``(length)`` as it is there).
+
+        Args:
+          x: ``[batch, n, ...]``, the chunk's ``n <= chunk_size_for(length)`` positions
+            (one input: ``n_in == 1``).
+          weights, state, rng: the layer's, as for `forward_with_state`.
+          index: the chunk's index (an int or a traced int).
+          length: the whole call's length.
+
+        Returns:
+          ``[batch, n, ...]``.
+        """
+        (layer_weights,), (layer_state,) = weights, state
+        n, size = x.shape[1], self.chunk_size_for(length)
+        if n < size:
+            x = jnp.pad(x, [(0, 0), (0, size - n)] + [(0, 0)] * (x.ndim - 2))
+        y = self._run(x, layer_weights, layer_state, rng, index)
+        return y[:, :n] if n < size else y
 
     def init_weights_and_state(self, input_signature, rng):
         (layer,) = self.sublayers

@@ -146,6 +146,8 @@ class Dense(Layer):
       LayerError: when the input's last axis differs from the ``d_in`` seen at ``init``.
     """
 
+    position_wise = True
+
     def __init__(self, n_units: int, use_bias: bool = True,
                  kernel_init: Initializer = GLOROT_UNIFORM,
                  bias_init: Initializer = TINY_NORMAL):

@@ -88,7 +88,15 @@ class Layer:
     summary of them, so two layers built with equal arguments are known to compute the same
     function (trainers use this to compile one function for many identical layers). The
     arguments must not change after construction: the key is computed once and kept.
+
+    ``position_wise`` (a class attribute, False here) says that a layer computes each
+    position of its ``[batch, length, ...]`` input alone, ignoring its rng and keeping no
+    state, so any slice of positions can be computed by itself: `LayerNorm`, `Dense` and
+    element-wise activations set it, and a half-residual's reverse then runs over chunks
+    of positions (`revtrain.layers.position_chunks`).
     """
+
+    position_wise: bool = False
 
     def __new__(cls, *args, **kwargs):
         obj = super().__new__(cls)

@@ -34,6 +34,8 @@ class LayerNorm(Layer):
       epsilon: added to the variance for numerical stability (Trax's default 1e-6).
     """
 
+    position_wise = True
+
     def __init__(self, epsilon: float = 1e-6):
         super().__init__(n_in=1, n_out=1)
         self._epsilon = epsilon

@@ -44,6 +44,7 @@ from revtrain.layers.combinators import (
     split_rng,
 )
 from revtrain.layers.layer import Layer, State, Weights
+from revtrain.layers.position_chunks import chunked_half_residual_reverse, reverse_chunk_size
 from revtrain.layers.scan import run_in_series
 from revtrain.layers.sequence_parallel import check_not_split
 from revtrain.layers.signatures import LayerError, error_signature
@@ -55,13 +56,6 @@ from revtrain.layers.stack import (
     stack_items,
     stack_of,
 )
-
-
-def _run_serially(layers: Sequence[Layer], stack: Any, weights: Weights, state: State,
-                  rng: jax.Array | None, scan: bool = True) -> tuple[Any, State]:
-    """Runs ``layers`` one after another on ``stack`` with one rng key each, as `Serial`
-    (repeated runs by ``lax.scan``: `revtrain.layers.scan`)."""
-    return run_in_series(layers, stack, weights, state, rng, scan=scan)
 
 
 def _raising_layer_errors(method: Callable) -> Callable:
@@ -245,18 +239,24 @@ class ReversibleHalfResidual(ReversibleLayer):
     Recomputing ``f`` in `reverse` uses the forward rng, the *old* state of the compute
     part and the *new* state of the attention layer (as Trax and Reformer, whose attention
     layers keep what they computed in the forward pass, e.g. hash buckets, in their state).
-    `reverse_and_grad` is fused: ``f`` runs once, under ``jax.vjp``.
+    `reverse_and_grad` is fused: ``f`` runs once, under ``jax.vjp``; with ``chunk_size`` (or
+    a `revtrain.layers.Chunk` in the compute part) over chunks of positions where ``f``
+    allows it, so that only attention's core sees the whole length
+    (`revtrain.layers.position_chunks`).
 
     Args:
       *layers: the compute part (lists are flattened as in `Serial`).
       attention_layer: an optional layer run after the compute part.
+      chunk_size: positions per chunk of `reverse_and_grad`, or None: a `Chunk`'s size if
+        the compute part has one, else none (the LMs pass ``ff_chunk_size``).
 
     Raises:
-      ValueError: when ``f`` does not leave exactly one item (the residual).
+      ValueError: when ``f`` does not leave exactly one item (the residual), or for a
+        ``chunk_size`` that is not a positive int, or not a `Chunk`'s in the compute part.
     """
 
     def __init__(self, *layers: Any, attention_layer: Layer | None = None,
-                 name: str | None = None):
+                 name: str | None = None, chunk_size: int | None = None):
         compute = Serial(*layers)
         attention = Select([0]) if attention_layer is None else attention_layer
         f = Serial(compute, attention)
@@ -266,11 +266,12 @@ class ReversibleHalfResidual(ReversibleLayer):
                              f"the residual must be exactly one; end them with one output")
         super().__init__(n_in=1 + f_n_in, n_out=1 + f_n_in, name=name,
                          sublayers=(compute, attention))
+        self._chunking = (reverse_chunk_size(compute, chunk_size), attention_layer is not None)
 
     def _residual(self, ctx: Any, weights: Weights, state: State,
                   rng: jax.Array | None) -> tuple[jax.Array, State]:
         """Runs ``f`` on the context stack; returns ``(residual, new_state)``."""
-        return _run_serially(self.sublayers, ctx, weights, state, rng)
+        return run_in_series(self.sublayers, ctx, weights, state, rng)
 
     def init_weights_and_state(self, input_signature, rng):
         _, ctx, _ = self._split(input_signature)
@@ -303,6 +304,10 @@ class ReversibleHalfResidual(ReversibleLayer):
         acc, ctx, ctx_items = self._split(output)
         ct_acc, ct_ctx = ct[0], tuple(ct[1:])
         run_state = self._reverse_state(weights, state, new_state)
+        chunked = chunked_half_residual_reverse(self.sublayers, self._chunking, acc, ctx_items,
+                                                ct, weights, run_state, rng)
+        if chunked is not None:
+            return chunked
 
         def f(ctx, w):
             residual, _ = self._residual(ctx, w, run_state, rng)
@@ -355,7 +360,7 @@ class ReversibleSerial(ReversibleLayer):
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
-        return _run_serially(self.sublayers, x, weights, state, rng, scan=self._scan)
+        return run_in_series(self.sublayers, x, weights, state, rng, scan=self._scan)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)

@@ -48,6 +48,8 @@ from revtrain.layers.sequence_parallel import check_not_split
 class _Cast(Layer):
     """Casts a floating-point input to ``dtype`` (integer inputs pass unchanged)."""
 
+    position_wise = True
+
     def __init__(self, dtype: Any):
         super().__init__(n_in=1, n_out=1, name=f"Cast[{jnp.dtype(dtype).name}]")
         self._dtype = jnp.dtype(dtype)
@@ -100,14 +102,18 @@ def _check_long_context(attention_type: Any, ff_chunk_size: Any, pos_type: Any) 
 
 def _attention(attention_type: Callable[..., Layer], d_model: int, n_heads: int,
                dropout: float, mode: str, max_len: int, mask_bits: int,
-               pos_type: str) -> Layer:
+               pos_type: str, widths: tuple[int | None, int | None] = (None, None)) -> Layer:
     """``attention_type(d_model, n_heads=, dropout=, mode=, max_len=, mask_bits=)``, with
-    ``rotary=True`` added for ``pos_type='rotary'``; in ``'predict'`` mode ``max_len`` is
-    the key/value cache length, else None."""
+    ``rotary=True`` added for ``pos_type='rotary'`` and ``d_attention_key=``,
+    ``d_attention_value=`` for the ``widths`` that are set; in ``'predict'`` mode
+    ``max_len`` is the key/value cache length, else None."""
     kwargs = dict(n_heads=n_heads, dropout=dropout, mode=mode,
                   max_len=max_len if mode == "predict" else None, mask_bits=mask_bits)
     if pos_type == "rotary":
         kwargs["rotary"] = True
+    for name, width in zip(("d_attention_key", "d_attention_value"), widths, strict=True):
+        if width is not None:
+            kwargs[name] = width
     layer = attention_type(d_model, **kwargs)
     if not isinstance(layer, Layer) or layer.n_in != 1 or layer.n_out != 1:
         raise ValueError(f"attention_type={attention_type!r} gave {layer!r}, not a layer "
@@ -188,7 +194,9 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
                             dropout_mask_bits: int = DEFAULT_MASK_BITS,
                             attention_type: Callable[..., Layer] = CausalAttention,
                             ff_chunk_size: int | None = None,
-                            pos_type: str = "sinusoidal") -> Layer:
+                            pos_type: str = "sinusoidal",
+                            d_attention_key: int | None = None,
+                            d_attention_value: int | None = None) -> Layer:
     """A Reformer-style reversible Transformer LM: ``int32[batch, length]`` -> log-probs.
 
     Layers: ``Embedding, Dropout, PositionalEncoding, Dup``, then one `ReversibleSerial` of
@@ -232,22 +240,32 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
       attention_type: the attention layer (Trax's name): a class or factory called as
         ``attention_type(d_model, n_heads=, dropout=, mode=, max_len=, mask_bits=)``
         (``max_len`` is the cache length in ``'predict'`` mode, else None), plus
-        ``rotary=True`` when ``pos_type='rotary'``. Default `CausalAttention`.
+        ``rotary=True`` when ``pos_type='rotary'`` and the widths below when they are
+        set. Default `CausalAttention`.
       ff_chunk_size: run each feed-forward block, and the head's concatenation and
         LayerNorm, over chunks of this many positions (`revtrain.layers.Chunk`; Trax's
         ``ff_chunk_size``), so their ``[batch, length, d_ff]`` and ``[batch, length, 2 *
-        d_model]`` temporaries exist one chunk at a time; None runs them whole. Chunking
+        d_model]`` temporaries exist one chunk at a time; in `ReversibleTransformerLM`
+        the half-residuals' reverse passes run over chunks of this size too (everything
+        but attention's core: `revtrain.layers.position_chunks`); None runs them whole. Chunking
         adds a level to those weights trees, and with dropout the feed-forward masks
         depend on the chunk size.
       pos_type: ``'sinusoidal'`` (the added table of `PositionalEncoding`) or
         ``'rotary'`` (no table: queries and keys rotated by their positions, RoFormer).
+      d_attention_key: per-head width of attention's queries and keys (Trax's
+        ``ReformerLM`` name), passed to ``attention_type`` when set; None (default)
+        leaves the layer's own default, ``d_model // n_heads``. Trax's ``ReformerLM``
+        defaults to 64.
+      d_attention_value: per-head width of attention's values, passed as
+        ``d_attention_key`` is.
 
     Returns:
       A `Serial`: ``int32[batch, length] -> float32[batch, length, vocab_size]``, with
       attributes ``vocab_size`` and ``max_len``.
 
     Raises:
-      ValueError: when ``n_heads`` does not divide ``d_model`` (from `CausalAttention`),
+      ValueError: when ``n_heads`` does not divide ``d_model`` and a width is left at its
+        default (from `CausalAttention`),
         ``n_layers < 0``, ``compute_dtype`` is not a float dtype, ``dropout_mask_bits``
         is not 8 or 16, ``ff_chunk_size`` is not a positive int or None, ``pos_type`` is
         unknown, ``attention_type`` does not make a one-in-one-out layer, or rotary
@@ -261,11 +279,13 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
             ReversibleHalfResidual(LayerNorm(), *_cast(compute_dtype),
                                    attention_layer=_attention(
                                        attention_type, d_model, n_heads, dropout, mode,
-                                       max_len, dropout_mask_bits, pos_type)),
+                                       max_len, dropout_mask_bits, pos_type,
+                                       (d_attention_key, d_attention_value)),
+                                   chunk_size=ff_chunk_size),
             ReversibleSwap(),
             ReversibleHalfResidual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
                                                   compute_dtype, dropout_mask_bits,
-                                                  ff_chunk_size)),
+                                                  ff_chunk_size), chunk_size=ff_chunk_size),
             ReversibleSwap(),
         ]
     model = Serial(_embed(vocab_size, d_model, max_len, dropout, mode, dropout_mask_bits,
@@ -282,7 +302,9 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
                   mode: str = "train", compute_dtype: Any = jnp.float32,
                   dropout_mask_bits: int = DEFAULT_MASK_BITS,
                   attention_type: Callable[..., Layer] = CausalAttention,
-                  ff_chunk_size: int | None = None, pos_type: str = "sinusoidal") -> Layer:
+                  ff_chunk_size: int | None = None, pos_type: str = "sinusoidal",
+                  d_attention_key: int | None = None,
+                  d_attention_value: int | None = None) -> Layer:
     """The plain (non-reversible) pre-norm Transformer LM, the baseline of the reversible one.
 
     Layers: ``Embedding, Dropout, PositionalEncoding``, ``n_layers`` pairs of
@@ -306,7 +328,8 @@ def TransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int = 2048,
         blocks += [
             Residual(LayerNorm(), *_cast(compute_dtype),
                      _attention(attention_type, d_model, n_heads, dropout, mode, max_len,
-                                dropout_mask_bits, pos_type), *back),
+                                dropout_mask_bits, pos_type,
+                                (d_attention_key, d_attention_value)), *back),
             Residual(*_feed_forward(d_model, d_ff, dropout, ff_activation, mode,
                                     compute_dtype, dropout_mask_bits, ff_chunk_size), *back),
         ]

@@ -23,13 +23,19 @@ def test_runs_each_variant_in_a_worker_and_writes_outputs(tmp_path):
         assert 0 < r["fraction_of_matmul"] < 1 and r["model_flops"] > 0
     # Blockwise holds no 256 x 256 buffers: below the full path at the longer length.
     assert rows[("blockwise", 256)]["peak_bytes"] < rows[("full", 256)]["peak_bytes"]
-    assert "| 256 | blockwise |" in (tmp_path / "sequence_length.md").read_text()
+    text = (tmp_path / "sequence_length.md").read_text()
+    assert "| 256 | blockwise |" in text and "position table" in text
+    for r in rows.values():
+        assert r["build_s"] > 0
+        per_dim = sequence_length.per_token_dim(r["peak_bytes"], r)
+        assert f"{per_dim:.1f} (" in text   # B/tok/dim beside the floor
     assert (tmp_path / "sequence_length.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def _row(variant, length, peak_mib, rss_mib, step=1.0):
     return {"variant": variant, "seq_len": length, "peak_bytes": peak_mib * harness.MIB,
-            "peak_rss_bytes": rss_mib * harness.MIB, "step_s": step, "method": "ledger"}
+            "peak_rss_bytes": rss_mib * harness.MIB, "step_s": step, "method": "ledger",
+            "d_model": 128, "n_heads": 4, "batch_size": 1, "first_step_s": 5.0}
 
 
 def test_targets_use_the_runs_own_trax_rows():
@@ -117,3 +123,31 @@ def test_mesh_update_reruns_the_asked_runs_and_keeps_the_others(tmp_path, monkey
     assert all(r["measured"] == before["machine"]["date"] for r in got[:2])
     assert [r["kind"] for r in got[2:]] == ["hybrid", "hybrid"]
     assert json.loads((tmp_path / "sequence_mesh.json").read_text())["results"] == got
+
+
+def test_floor_is_the_issues_23_bytes_per_token_and_dimension():
+    config = {"seq_len": 65536, "d_model": 128, "n_heads": 4, "batch_size": 1}
+    floor = sequence_length.floor_bytes(config)
+    assert sequence_length.per_token_dim(floor, config) == 23.0
+    assert round(floor / harness.MIB) == 184
+
+
+def test_long_rows_run_one_step_and_only_lsh_above_the_exact_limit():
+    args = sequence_length.parse_flags(["--lengths", "65536,1048576", "--trax_python",
+                                        "python"])
+    configs = {(c["variant"], c["seq_len"]): c for c in sequence_length.configurations(args)}
+    assert {v for v, n in configs if n == 1048576} == {"lsh"}
+    assert (configs[("lsh", 1048576)]["warmup"], configs[("lsh", 1048576)]["steps"]) == (0, 1)
+    assert configs[("lsh", 65536)]["warmup"] == 1
+    assert configs[("trax_lsh", 65536)]["trax_d_attention"] == 32   # matched: 128 // 4
+
+
+def test_floor_targets_read_bytes_per_token_and_dimension():
+    results = [_row("lsh", 65536, 250, 1200, step=10.0), _row("default", 65536, 300, 1300),
+               _row("trax_lsh", 65536, 0, 1600, step=12.0),
+               _row("lsh", 1048576, 3900, 5000, step=200.0)]
+    checks = {c["target"]: c for c in sequence_length.targets(results)}
+    assert checks["LSH + ff chunks 64K ledger <= 32 B/tok/dim"]["value"] == "31.2"
+    assert not checks["default + ff chunks 64K ledger <= 32 B/tok/dim"]["met"]
+    assert checks["LSH 1M: ledger <= 4 GiB, RSS <= 5.5 GiB"]["met"]
+    assert checks["LSH 64K RSS <= 0.8x Trax LSH's"]["value"] == "0.75x"

@@ -103,14 +103,16 @@ def test_sinusoidal_rows_at_positions_equal_the_table():
                                sinusoidal_encoding(length, d)[positions], rtol=0, atol=1e-6)
 
 
-def test_reversible_lm_sharded_forward_equals_unsharded():
+@pytest.mark.parametrize("widths", [{}, {"d_attention_key": 6, "d_attention_value": 10}])
+def test_reversible_lm_sharded_forward_equals_unsharded(widths):
     """Embedding, the position table's rows at global positions, a reversible block with
-    ring attention, the head (rotary positions: the reverse-pass test below)."""
+    ring attention (at the default and at Trax's non-default per-head widths), the head
+    (rotary positions: the reverse-pass test below)."""
     length = 128
     model = ReversibleTransformerLM(vocab_size=32, d_model=16, d_ff=32, n_layers=1,
                                     n_heads=2, max_len=length, dropout=0.0,
                                     attention_type=functools.partial(CausalAttention,
-                                                                     block_size=8))
+                                                                     block_size=8), **widths)
     model.init(ShapeDtype((2, length), jnp.int32), rng=jax.random.key(1))
     tokens = jax.random.randint(jax.random.key(0), (2, length), 0, 32)
     perm = sequence_layout(N, length)

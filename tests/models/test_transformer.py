@@ -404,3 +404,27 @@ def test_bad_long_context_arguments_are_rejected_naming_them(make, kwargs, messa
     with pytest.raises(ValueError, match=message) as info:
         make(**args)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [ReversibleTransformerLM, TransformerLM])
+def test_attention_widths_reach_the_attention_and_the_default_keeps_the_weights(cls):
+    """Trax's ``d_attention_key`` / ``d_attention_value``: the LM passes them to its
+    ``attention_type`` only when set, so the default model and its checkpoints are as
+    before, and a factory that does not take them still works."""
+    def shapes(model):
+        weights, _ = model.init(ShapeDtype((BATCH, LENGTH), jnp.int32), rng=jax.random.key(0))
+        return weights, {w.shape for w in jax.tree.leaves(weights)}
+
+    default, default_shapes = shapes(_lm(cls, n_layers=1))
+    same, _ = shapes(_lm(cls, n_layers=1, d_attention_key=D // 2, d_attention_value=D // 2))
+    assert_trees_close(same, default, rtol=0, atol=0)
+    _, wide = shapes(_lm(cls, n_layers=1, d_attention_key=3, d_attention_value=5))
+    assert {(D, 6), (D, 10), (10, D)} <= wide and (D, 6) not in default_shapes
+    seen = []
+
+    def attention(d_model, **kwargs):
+        seen.append(kwargs)
+        return Fn("Identity", lambda x: x)
+
+    _lm(cls, n_layers=1, attention_type=attention)
+    assert "d_attention_key" not in seen[-1] and "d_attention_value" not in seen[-1]

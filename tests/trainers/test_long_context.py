@@ -115,6 +115,30 @@ def test_lsh_with_a_hash_seed_does_not_depend_on_the_device_count_or_fsdp():
         assert_trees_close(weights, one[1], rtol=1e-5, atol=1e-5)
 
 
+WIDTHS = {"d_attention_key": 6, "d_attention_value": 2}  # d_model 8, 2 heads: default 4
+
+
+@pytest.mark.parametrize("kind", ["blockwise", "lsh"])
+def test_the_trainers_agree_at_trax_per_head_widths(kind):
+    """Non-default ``d_attention_key`` / ``d_attention_value`` through all three trainers,
+    dropout included; blockwise attention against the full-path Trainer."""
+    if kind == "lsh":
+        reference = _steps(_build("Trainer", 1, attention=_lsh(**WIDTHS)))
+        attention = _lsh(**WIDTHS)
+    else:
+        reference = _steps(_build("Trainer", 1, attention=functools.partial(
+            tl.CausalAttention, implementation="xla", **WIDTHS)))
+        attention = functools.partial(tl.CausalAttention, implementation="blockwise",
+                                      block_size=8, **WIDTHS)
+    assert reference[0][1] < reference[0][0]
+    for name in TRAINERS:
+        losses, weights = _steps(_build(name, 1, attention=attention))
+        np.testing.assert_allclose(losses, reference[0], rtol=1e-5, err_msg=name)
+        assert_trees_close(weights, reference[1], rtol=1e-5, atol=1e-5)
+    shapes = {w.shape for w in jax.tree.leaves(weights)}
+    assert (8, 12) in shapes and (8, 4) in shapes and (4, 8) in shapes
+
+
 def test_no_recompilation_after_the_first_step():
     trainer = _build("ReversibleSerialTrainer", 2)
     _steps(trainer, n=1)

@@ -7,6 +7,8 @@ of 4 CPU devices: all three trainers on all six meshes. The model is position-wi
 layers mix no positions), so a ``seq`` split needs no ring attention; the Transformer case adds ring
 attention and scanned layers on ``(1, 2, 2)``.
 """
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -71,3 +73,13 @@ def test_a_sequence_split_transformer_trains_what_one_device_trains():
                             scan_layers=True), reference)
     _assert_same(_two_steps("MemoryEfficientTrainer", (1, 2, 2), transformer,
                             scan_window=2), reference)
+
+
+def test_position_chunks_under_a_sequence_split_train_what_one_device_trains():
+    """The half-residuals' reverse over chunks of 3 local positions (not dividing them)
+    around ring attention, with FSDP: the one-device Trainer's steps (which differentiates
+    the whole model, no reverse)."""
+    model = functools.partial(transformer, ff_chunk_size=3)
+    reference = _two_steps("Trainer", None, model)
+    _assert_same(_two_steps("ReversibleSerialTrainer", (1, 2, 2), model, scan_layers=True),
+                 reference)

@@ -7,7 +7,7 @@ Every layer here takes Trax's ``attention_type`` signature, so a model takes any
 - `blockwise` (+ `blockwise_kernel`): exact attention in O(length) memory, online softmax
   over key blocks with a recomputing vjp;
 - `ring`: the same blocks over a sequence split across the ``seq`` mesh axis;
-- `lsh` (+ `lsh_chunks`, `lsh_hashing`): Reformer's shared-QK LSH attention;
+- `lsh` (+ `lsh_chunks`, `lsh_rounds`, `lsh_hashing`): Reformer's shared-QK LSH attention;
 - `rotary`: rotary position embeddings applied to queries and keys.
 """
 

@@ -55,9 +55,11 @@ from revtrain.layers.attention.dense import (
     causal_mask,
     dot_product_attention,
     einsum_attention,
+    head_widths,
     init_projections,
     project,
 )
+from revtrain.layers.attention.headwise import Headwise, run_by_head
 from revtrain.layers.attention.ring import ring_attention
 from revtrain.layers.attention.rotary import check_rotary_head_size, rotary_embedding
 from revtrain.layers.core import check_mode, check_rate
@@ -72,15 +74,15 @@ FULL_ATTENTION_MAX_BYTES = 64 * 2 ** 20
 
 
 def choose_implementation(batch: int, n_heads: int, length: int, d_head: int, dtype,
-                          dropout: float, backend: str) -> str:
+                          dropout: float, backend: str, d_value: int | None = None) -> str:
     """The implementation `CausalAttention` runs when given ``implementation=None``.
 
     * ``'xla'`` (the full path) while the float32 ``[batch, n_heads, length, length]``
       logits take at most `FULL_ATTENTION_MAX_BYTES` (64 MiB): at such sizes it is the
       fastest and its buffers are small;
     * above that, ``'cudnn'`` on a GPU backend for float16/bfloat16 inputs without
-      attention dropout and with ``d_head`` a multiple of 8 up to 128 (what cuDNN's flash
-      attention takes);
+      attention dropout and with ``d_head`` a multiple of 8 up to 128, the values' width
+      equal to it (what cuDNN's flash attention takes);
     * else ``'blockwise'`` (CPU, TPU, float32, dropout): linear memory everywhere.
 
     ``batch`` is what the layer sees: per device inside the trainers' ``shard_map``. All
@@ -88,10 +90,12 @@ def choose_implementation(batch: int, n_heads: int, length: int, d_head: int, dt
     the choice changes results by float rounding only.
 
     Args:
-      batch, n_heads, length, d_head: the attention's sizes.
+      batch, n_heads, length, d_head: the attention's sizes (``d_head``: per-head width
+        of queries and keys).
       dtype: the query/key/value dtype.
       dropout: the attention-dropout rate in effect (0 outside ``'train'`` mode).
       backend: ``jax.default_backend()``: ``'cpu'``, ``'gpu'`` or ``'tpu'``.
+      d_value: per-head width of the values (default ``d_head``).
 
     Returns:
       ``'xla'``, ``'cudnn'`` or ``'blockwise'``.
@@ -99,7 +103,8 @@ def choose_implementation(batch: int, n_heads: int, length: int, d_head: int, dt
     if 4 * batch * n_heads * length * length <= FULL_ATTENTION_MAX_BYTES:
         return "xla"
     if (backend == "gpu" and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
-            and not dropout and d_head % 8 == 0 and d_head <= 128):
+            and not dropout and d_head % 8 == 0 and d_head <= 128
+            and d_value in (None, d_head)):
         return "cudnn"
     return "blockwise"
 
@@ -108,19 +113,23 @@ class CausalAttention(Layer):
     """Multi-head causal self-attention: ``[batch, length, d_feature]`` -> same shape.
 
     Position ``t`` of the output depends only on input positions ``<= t``. Weights are four
-    ``(w: float32[d_feature, d_feature], b: float32[d_feature])`` pairs, for the query, key,
-    value and output projections in that order; kernels are Glorot-uniform and biases
-    normal with stddev 1e-6, as Trax's ``Dense``. Every implementation computes the same
-    function (module docstring), so weights and checkpoints move freely between them.
+    ``(w, b)`` pairs (float32), for the query, key, value and output projections in that
+    order: ``w: [d_feature, n_heads * d_attention_key]`` for the query and the key,
+    ``[d_feature, n_heads * d_attention_value]`` for the value and ``[n_heads *
+    d_attention_value, d_feature]`` for the output (all ``[d_feature, d_feature]`` at the
+    default widths); kernels are Glorot-uniform and biases normal with stddev 1e-6, as
+    Trax's ``Dense``. Every implementation computes the same function (module
+    docstring), so weights and checkpoints move freely between them.
 
     Args:
       d_feature: model width; the last axis of the input.
-      n_heads: number of heads; each has ``d_head = d_feature // n_heads``.
+      n_heads: number of heads.
       dropout: drop rate for the attention probabilities, in ``[0, 1)``, ``'train'`` mode only.
       mode: ``'train'``, ``'eval'`` or ``'predict'``. In ``'predict'`` mode with ``max_len``
         set, the layer decodes incrementally (Trax's predict mode): its state is a
-        key/value cache ``(keys, values: float32[batch, max_len, n_heads, d_head], index:
-        int32[])``, each call takes the next ``length`` positions (the whole prompt once,
+        key/value cache ``(keys: float32[batch, max_len, n_heads, d_attention_key],
+        values: float32[batch, max_len, n_heads, d_attention_value], index: int32[])``,
+        each call takes the next ``length`` positions (the whole prompt once,
         then one token) and attends to the cached positions before them with the full
         path (a new token costs ``O(max_len * d_feature)``; a prompt of ``p`` tokens holds
         ``[batch, n_heads, p, max_len]`` logits). Without ``max_len``, ``'predict'``
@@ -137,6 +146,11 @@ class CausalAttention(Layer):
         <= 7.6e-6) or 8 (rate error <= 2e-3); see `revtrain.layers.dropout_masks`.
       rotary: rotate queries and keys by their positions (`revtrain.layers.attention.rotary`,
         RoFormer) before attending; the LMs set it for ``pos_type='rotary'``.
+      d_attention_key: per-head width of queries and keys (Trax's ``ReformerLM`` name);
+        None (default) is ``d_feature // n_heads``. Logits are scaled by ``1 /
+        sqrt(d_attention_key)``.
+      d_attention_value: per-head width of values, and of each head's output before the
+        output projection; None (default) is ``d_feature // n_heads``.
 
     Under a sequence split (`revtrain.layers.sequence_parallel.sequence_sharded`, ``n_shards
     > 1``) every implementation runs ring attention over the split's mesh axis (module
@@ -146,10 +160,11 @@ class CausalAttention(Layer):
 
     Raises:
       ValueError: if ``d_feature`` or ``n_heads`` is not a positive int, ``d_feature`` is
-        not divisible by ``n_heads``, ``implementation`` is unknown, ``block_size`` is not
-        a positive int, ``rotary`` is set with an odd ``d_head``, or ``'cudnn'`` is asked
-        for where it cannot run (no GPU backend, or attention dropout in ``'train'``
-        mode).
+        not divisible by ``n_heads`` where a width is left at its default, a width is not
+        a positive int, ``implementation`` is unknown, ``block_size`` is not a positive
+        int, ``rotary`` is set with an odd ``d_attention_key``, or ``'cudnn'`` is asked
+        for where it cannot run (no GPU backend, attention dropout in ``'train'`` mode,
+        or key and value widths that differ).
       LayerError: (from ``pure_fn``) for inputs that are not ``[batch, length, d_feature]``,
         or, under a sequence split, not of the split's local length or in ``'predict'``
         mode with a cache.
@@ -158,15 +173,14 @@ class CausalAttention(Layer):
     def __init__(self, d_feature: int, n_heads: int = 1, dropout: float = 0.0,
                  mode: str = "train", max_len: int | None = None,
                  implementation: str | None = None, mask_bits: int = DEFAULT_MASK_BITS,
-                 block_size: int = DEFAULT_BLOCK_SIZE, rotary: bool = False):
+                 block_size: int = DEFAULT_BLOCK_SIZE, rotary: bool = False,
+                 d_attention_key: int | None = None, d_attention_value: int | None = None):
         super().__init__(n_in=1, n_out=1)
         for name, value in (("d_feature", d_feature), ("n_heads", n_heads)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"CausalAttention {name}={value!r} must be a positive int")
-        if d_feature % n_heads:
-            raise ValueError(f"d_feature={d_feature} is not divisible by n_heads={n_heads}; "
-                             f"use an n_heads that divides d_feature (or a d_feature that is "
-                             f"a multiple of n_heads)")
+        self._d_key, self._d_value = head_widths(d_feature, n_heads, d_attention_key,
+                                                 d_attention_value, "CausalAttention")
         self._d_feature = d_feature
         self._n_heads = n_heads
         self._dropout = check_rate(dropout, "CausalAttention")
@@ -174,11 +188,12 @@ class CausalAttention(Layer):
         if max_len is not None and max_len < 1:
             raise ValueError(f"CausalAttention max_len={max_len} must be >= 1 or None")
         self._cache_len = max_len if mode == "predict" else None
-        self._implementation = _check_implementation(implementation, self._dropout, mode)
+        self._implementation = _check_implementation(implementation, self._dropout, mode,
+                                                     self._d_key, self._d_value)
         self._block_size = check_block_size(block_size, "CausalAttention")
         self._mask_bits = check_mask_bits(mask_bits, "CausalAttention")
         if rotary:
-            check_rotary_head_size(d_feature // n_heads, "CausalAttention")
+            check_rotary_head_size(self._d_key, "CausalAttention")
         self._rotary = bool(rotary)
 
     def _check_input(self, shape: tuple[int, ...]) -> None:
@@ -191,7 +206,6 @@ class CausalAttention(Layer):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(jnp.float32)
         batch, length, _ = x.shape
-        d_head = self._d_feature // self._n_heads
         rate = self._dropout if self._mode == "train" else 0.0
         if self._cache_len is not None:
             check_not_split("CausalAttention(mode='predict')", "decode without a sequence "
@@ -202,13 +216,14 @@ class CausalAttention(Layer):
         implementation = None
         if self._cache_len is None:
             implementation = self._implementation or choose_implementation(
-                batch, self._n_heads, length, d_head, x.dtype, rate, jax.default_backend())
+                batch, self._n_heads, length, self._d_key, x.dtype, rate,
+                jax.default_backend(), self._d_value)
             large = 4 * batch * self._n_heads * length * length > FULL_ATTENTION_MAX_BYTES
             if implementation == "blockwise" or (implementation == "xla" and large):
                 return self._by_head(x, weights, rng, rate, implementation), state
 
         def heads(a):
-            return a.reshape(batch, length, self._n_heads, d_head)
+            return a.reshape(batch, length, self._n_heads, -1)
 
         q, k, v = (heads(project(pair, x)) for pair in weights[:3])
         if self._cache_len is not None:
@@ -222,7 +237,7 @@ class CausalAttention(Layer):
                 implementation)
             attended = dot_product_attention(q, k, v, None, rate, rng, is_causal=True,
                                              implementation=passed, mask_bits=self._mask_bits)
-        return project(weights[3], attended.reshape(batch, length, self._d_feature)), state
+        return project(weights[3], attended.reshape(batch, length, -1)), state
 
     def _by_head(self, x, weights, rng, rate, implementation, sharded=None):
         """Attention one head at a time: ``y = sum_h attn_h(x) W_o[h] + b_o``.
@@ -239,20 +254,48 @@ class CausalAttention(Layer):
         not depend on it. ``implementation='ring'`` runs `ring_attention` over the axis of
         ``sharded`` (a `SequenceSharding`), whose global positions the rotary angles use.
         """
-        batch, length, d = x.shape
-        n_heads = self._n_heads
-        d_head = d // n_heads
+        headwise = self._headwise(x.dtype, x.shape[1], rng, rate, implementation, sharded)
+        return run_by_head(headwise, x, weights)
 
-        projections = tuple(by_head(pair, n_heads, x.dtype) for pair in weights[:3])
-        w_out = weights[3][0].astype(x.dtype).reshape(n_heads, d_head, d)
+    def headwise(self, input_shape: tuple[int, ...], dtype, rng: jax.Array | None
+                 ) -> Headwise | None:
+        """This layer's call on ``[batch, length, d_feature]`` inputs of ``dtype`` as
+        per-head stages (`revtrain.layers.attention.headwise`): position-wise projections
+        (rotary angles included) around a full-length core that runs the implementation
+        the call would (ring under a sequence split), so ``run_by_head`` of it equals the
+        call. None in ``'predict'`` mode with a cache (decoding runs whole).
+
+        Raises:
+          ValueError: as a call does, for inputs that are not ``[batch, length,
+            d_feature]`` or not of a sequence split's local length.
+        """
+        self._check_input(tuple(input_shape))
+        if self._cache_len is not None:
+            return None
+        batch, length, _ = input_shape
+        rate = self._dropout if self._mode == "train" else 0.0
+        sharded = check_local_length("CausalAttention", length)
+        if sharded is not None:
+            implementation = "ring"
+        else:
+            implementation = self._implementation or choose_implementation(
+                batch, self._n_heads, length, self._d_key, dtype, rate,
+                jax.default_backend(), self._d_value)
+        return self._headwise(dtype, length, rng, rate, implementation, sharded)
+
+    def _headwise(self, dtype, length: int, rng, rate: float, implementation: str,
+                  sharded) -> Headwise:
+        n_heads = self._n_heads
         positions = jnp.arange(length) if sharded is None else sharded.local_positions()
 
-        @jax.checkpoint
-        def head(x, projection, w_o, h):
-            q, k, v = (jnp.dot(x, w) + b for w, b in projection)
+        def project(x, pairs, h, positions):
+            q, k, v = (jnp.dot(x, w) + b for w, b in pairs)
             if self._rotary:
                 q, k = (rotary_embedding(a[:, :, None], positions)[:, :, 0] for a in (q, k))
-            q, k, v = (a[:, :, None] for a in (q, k, v))
+            return q, k, v
+
+        def core(projected, h):
+            q, k, v = (a[:, :, None] for a in projected)
             if implementation == "ring":
                 attended = ring_attention(
                     q, k, v, axis_name=sharded.axis_name, block_size=self._block_size,
@@ -267,14 +310,9 @@ class CausalAttention(Layer):
                     q, k, v, None, rate, rng, is_causal=True,
                     implementation=self._implementation, mask_bits=self._mask_bits,
                     head_start=h, total_heads=n_heads)
-            return jnp.dot(attended[:, :, 0], w_o)
+            return attended[:, :, 0]
 
-        def add_head(total, xs):
-            return total + head(x, *xs), None
-
-        total = jnp.zeros_like(x, shape=(batch, length, d))
-        total, _ = jax.lax.scan(add_head, total, (projections, w_out, jnp.arange(n_heads)))
-        return total + weights[3][1].astype(x.dtype)
+        return Headwise(n_heads, 3, jnp.dtype(dtype), project, core, positions)
 
     def _attend_cached(self, q, k, v, state):
         """Writes ``k, v`` at the cache index and attends to every position up to each query."""
@@ -293,11 +331,15 @@ class CausalAttention(Layer):
 
     def init_weights_and_state(self, input_signature, rng):
         self._check_input(input_signature.shape)
-        return init_projections(input_signature, rng, self._d_feature, 4, self._n_heads,
-                                self._cache_len)
+        d, h = self._d_feature, self._n_heads
+        shapes = ((d, h * self._d_key), (d, h * self._d_key), (d, h * self._d_value),
+                  (h * self._d_value, d))
+        return init_projections(input_signature, rng, shapes, self._cache_len,
+                                (h, self._d_key, self._d_value))
 
 
-def _check_implementation(implementation: str | None, dropout: float, mode: str) -> str | None:
+def _check_implementation(implementation: str | None, dropout: float, mode: str,
+                          d_key: int, d_value: int) -> str | None:
     """Returns ``implementation`` if `CausalAttention` can run it here, else raises
     ValueError naming it and the fix."""
     if implementation not in IMPLEMENTATIONS:
@@ -306,6 +348,10 @@ def _check_implementation(implementation: str | None, dropout: float, mode: str)
                          f"choose by size")
     if implementation != "cudnn":
         return implementation
+    if d_key != d_value:
+        raise ValueError(f"CausalAttention implementation='cudnn' needs keys and values of "
+                         f"one width, but d_attention_key={d_key} and d_attention_value="
+                         f"{d_value}; use equal widths or implementation='blockwise'")
     backend = jax.default_backend()
     if backend != "gpu":
         raise ValueError(f"CausalAttention implementation='cudnn' needs an NVIDIA GPU, but "

@@ -5,8 +5,9 @@
 and values, causal, with logits and softmax in at least float32 and attention dropout by
 the position-keyed mask of `revtrain.layers.dropout_masks` (so the full and blockwise
 paths of `revtrain.layers.CausalAttention` drop alike). `project`, `by_head` and
-`init_projections` are the ``(w: [d, d], b: [d])`` projections of `CausalAttention` and
-`revtrain.layers.LSHCausalAttention` (Trax's ``Dense`` initialisers).
+`init_projections` are the ``(w: [d_in, d_out], b: [d_out])`` projections of
+`CausalAttention` and `revtrain.layers.LSHCausalAttention` (Trax's ``Dense``
+initialisers), and `head_widths` their per-head query/key and value widths.
 
 References: Vaswani et al., 2017, "Attention Is All You Need"; Trax's
 ``trax.layers.attention`` (dropout on the attention probabilities).
@@ -15,10 +16,12 @@ References: Vaswani et al., 2017, "Attention Is All You Need"; Trax's
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from revtrain.layers.core import GLOROT_UNIFORM, TINY_NORMAL
 from revtrain.layers.dropout_masks import (
@@ -143,35 +146,69 @@ def project(pair: tuple[jax.Array, jax.Array], x: jax.Array) -> jax.Array:
     return jnp.dot(x, w.astype(x.dtype)) + b.astype(x.dtype)
 
 
+def head_widths(d_feature: int, n_heads: int, d_attention_key: int | None,
+                d_attention_value: int | None, owner: str) -> tuple[int, int]:
+    """``(d_key, d_value)``: the per-head widths of queries/keys and of values.
+
+    Each defaults to ``d_feature // n_heads`` (which then must divide); Trax's
+    ``ReformerLM`` names them ``d_attention_key`` and ``d_attention_value``.
+
+    Raises:
+      ValueError: for a width that is not a positive int, or a default width where
+        ``n_heads`` does not divide ``d_feature``; the message names the value and the fix.
+    """
+    widths = []
+    for name, value in (("d_attention_key", d_attention_key),
+                        ("d_attention_value", d_attention_value)):
+        if value is None:
+            if d_feature % n_heads:
+                raise ValueError(f"{owner} d_feature={d_feature} is not divisible by "
+                                 f"n_heads={n_heads}; use an n_heads that divides "
+                                 f"d_feature, or set d_attention_key and d_attention_value")
+            value = d_feature // n_heads
+        elif isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{owner} {name}={value!r} must be a positive int (per-head "
+                             f"width) or None for d_feature // n_heads")
+        widths.append(int(value))
+    return widths[0], widths[1]
+
+
 def by_head(pair: tuple[jax.Array, jax.Array], n_heads: int, dtype) -> tuple[jax.Array,
                                                                             jax.Array]:
-    """A ``(w: [d, d], b: [d])`` projection as per-head ``([heads, d, d_head], [heads,
-    d_head])`` in ``dtype``, for a ``lax.scan`` over the heads."""
+    """A ``(w: [d, n_heads * d_head], b: [n_heads * d_head])`` projection as per-head
+    ``([heads, d, d_head], [heads, d_head])`` in ``dtype``, for a ``lax.scan`` over the
+    heads."""
     w, b = pair
-    d = w.shape[0]
-    return (jnp.moveaxis(w.astype(dtype).reshape(d, n_heads, d // n_heads), 1, 0),
-            b.astype(dtype).reshape(n_heads, d // n_heads))
+    d, width = w.shape
+    return (jnp.moveaxis(w.astype(dtype).reshape(d, n_heads, width // n_heads), 1, 0),
+            b.astype(dtype).reshape(n_heads, width // n_heads))
 
 
-def init_projections(input_signature, rng: jax.Array, d_feature: int, n_projections: int,
-                     n_heads: int, cache_len: int | None) -> tuple[tuple, tuple]:
-    """``n_projections`` ``(w: float32[d, d], b: float32[d])`` pairs (Glorot-uniform
-    kernels, normal biases with stddev 1e-6, as Trax's ``Dense``) and, for ``cache_len``,
-    a predict-mode cache ``(keys, values: float32[batch, cache_len, n_heads, d_head],
-    index: int32[])`` (else ``()``)."""
+def init_projections(input_signature, rng: jax.Array, shapes: Sequence[tuple[int, int]],
+                     cache_len: int | None, cache_heads: tuple[int, int, int] = (1, 1, 1)
+                     ) -> tuple[tuple, tuple]:
+    """One ``(w: float32[d_in, d_out], b: float32[d_out])`` pair per ``(d_in, d_out)`` of
+    ``shapes`` (Glorot-uniform kernels, normal biases with stddev 1e-6, as Trax's
+    ``Dense``) and, for ``cache_len``, a predict-mode cache ``(keys: float32[batch,
+    cache_len, n_heads, d_key], values: float32[batch, cache_len, n_heads, d_value],
+    index: int32[])`` with ``cache_heads = (n_heads, d_key, d_value)`` (else ``()``).
+
+    One key of ``jax.random.split(rng, len(shapes))`` per pair, so weights of the default
+    widths (``d_in = d_out = d_feature``) do not depend on whether widths were given."""
     pairs = []
-    for key in jax.random.split(rng, n_projections):
+    for key, (d_in, d_out) in zip(jax.random.split(rng, len(shapes)), shapes, strict=True):
         rng_w, rng_b = jax.random.split(key)
-        pairs.append((GLOROT_UNIFORM(rng_w, (d_feature, d_feature), jnp.float32),
-                      TINY_NORMAL(rng_b, (d_feature,), jnp.float32)))
+        pairs.append((GLOROT_UNIFORM(rng_w, (d_in, d_out), jnp.float32),
+                      TINY_NORMAL(rng_b, (d_out,), jnp.float32)))
     if cache_len is None:
         return tuple(pairs), ()
-    shape = (input_signature.shape[0], cache_len, n_heads, d_feature // n_heads)
-    cache = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+    n_heads, d_key, d_value = cache_heads
+    batch = input_signature.shape[0]
+    cache = (jnp.zeros((batch, cache_len, n_heads, d_key), jnp.float32),
+             jnp.zeros((batch, cache_len, n_heads, d_value), jnp.float32),
              jnp.zeros((), jnp.int32))
     return tuple(pairs), cache
 
 
-
 __all__ = ["by_head", "causal_mask", "dot_product_attention", "einsum_attention",
-           "init_projections", "project"]
+           "head_widths", "init_projections", "project"]

@@ -32,7 +32,10 @@ the hash's ``B x L x n_f / 2`` rotated values per bucket factor): no
 ``L x c`` array over the whole sequence is kept, and the compiled program does not grow
 with the length. The chunk kernel and the sort/unsort gathers have custom vjps: the
 kernel recomputes its probabilities from the saved log-sum-exp (FlashAttention's
-backward), and a gather's cotangent is the inverse gather (no scatter).
+backward) and normalises its keys per window (no sorted key array), and a gather's
+cotangent is the inverse gather (no scatter). The rounds of a head are combined under one
+custom vjp (`lsh_rounds`) that keeps ``qk, v`` and the output and recomputes one round at
+a time backwards, so one round's sorted ``q, v`` exist at a time.
 
 What LSH approximates: within a round a query attends only to the keys that share its
 chunks, so probability mass outside them is lost; more rounds (``n_hashes``) make a
@@ -62,7 +65,6 @@ defaults, the ``1e5`` self penalty, the bucket factorisation); Andoni et al., 20
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,8 +73,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revtrain.layers.attention.blockwise import accumulation_dtype, mesh_full
-from revtrain.layers.attention.dense import by_head, init_projections, project
+from revtrain.layers.attention.dense import head_widths, init_projections, project
+from revtrain.layers.attention.headwise import Headwise, run_by_head
 from revtrain.layers.attention.lsh_chunks import (
     SELF_PENALTY,
     lsh_round,
@@ -88,6 +90,7 @@ from revtrain.layers.attention.lsh_hashing import (
     permute,
     sort_order,
 )
+from revtrain.layers.attention.lsh_rounds import lsh_rounds
 from revtrain.layers.attention.rotary import check_rotary_head_size, rotary_embedding
 from revtrain.layers.core import check_mode, check_rate
 from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, check_mask_bits, mask_seed
@@ -112,18 +115,20 @@ class LSHCausalAttention(Layer):
 
     Usable as a language model's ``attention_type`` (it takes the arguments the LMs pass:
     ``n_heads``, ``dropout``, ``mode``, ``max_len``, ``mask_bits``, ``rotary``). Weights
-    are three ``(w: float32[d_feature, d_feature], b: float32[d_feature])`` pairs: the
-    shared query/key, the value and the output projections (Glorot-uniform kernels, normal
-    biases with stddev 1e-6). The algorithm, its costs and what it approximates are in the
-    module docstring.
+    are three float32 ``(w, b)`` pairs: the shared query/key (``w: [d_feature, n_heads *
+    d_attention_key]``), the value (``[d_feature, n_heads * d_attention_value]``) and the
+    output projections (``[n_heads * d_attention_value, d_feature]``), all ``[d_feature,
+    d_feature]`` at the default widths (Glorot-uniform kernels, normal biases with stddev
+    1e-6). The algorithm, its costs and what it approximates are in the module docstring.
 
     Args:
       d_feature: model width; the last axis of the input.
-      n_heads: heads; each has ``d_head = d_feature // n_heads``.
+      n_heads: heads.
       dropout: drop rate of the attention probabilities, ``[0, 1)``, ``'train'`` mode only.
       mode: ``'train'``, ``'eval'`` or ``'predict'``. In ``'predict'`` mode with ``max_len``
-        set, the layer decodes incrementally with a cache ``(keys, values:
-        float32[batch, max_len, n_heads, d_head], index: int32[])`` (normalised keys) and
+        set, the layer decodes incrementally with a cache ``(keys: float32[batch,
+        max_len, n_heads, d_attention_key], values: float32[batch, max_len, n_heads,
+        d_attention_value], index: int32[])`` (normalised keys) and
         attends to every cached position under the layer's rules (the exact
         ``chunk_len >= length`` limit; not hashed). Without ``max_len`` it behaves as
         ``'eval'``.
@@ -144,14 +149,21 @@ class LSHCausalAttention(Layer):
       mask_bits: random bits per attention-dropout mask element, 16 or 8.
       rotary: rotate the shared query/key by position (RoFormer) before hashing; the LMs
         set it for ``pos_type='rotary'``.
+      d_attention_key: per-head width of the shared query/key (Trax's ``ReformerLM``
+        name; its ``LSHSelfAttention`` calls it ``d_qk`` and defaults to 64); None
+        (default) is ``d_feature // n_heads``. The hash rotations are ``[d_attention_key,
+        n_buckets / 2]``.
+      d_attention_value: per-head width of the values (Trax's ``d_v``); None (default)
+        is ``d_feature // n_heads``.
 
     Raises:
       ValueError: at construction, for ``d_feature``/``n_heads`` that are not positive
-        ints or do not divide, ``chunk_len < 1``, ``n_hashes < 1``, ``n_chunks_before <
+        ints or, where a width is left at its default, do not divide, a width that is not
+        a positive int, ``chunk_len < 1``, ``n_hashes < 1``, ``n_chunks_before <
         0``, an odd (or non-int) ``n_buckets`` or more than `MAX_BUCKETS` of them,
         ``hash_seed`` not an int in ``[0, 2**32)``, ``max_len < 1``, a ``dropout`` outside
         ``[0, 1)``, an unknown ``mode``, ``mask_bits`` not 8 or 16, ``rotary`` with an odd
-        ``d_head``; on a call (wrapped in `LayerError`), inputs that are not ``[batch,
+        ``d_attention_key``; on a call (wrapped in `LayerError`), inputs that are not ``[batch,
         length, d_feature]`` or are empty, a call without an rng and without
         ``hash_seed``, and in ``'predict'`` mode inputs of another batch than the cache's
         or longer than ``max_len`` (as `CausalAttention`, the cache index itself is not
@@ -163,13 +175,13 @@ class LSHCausalAttention(Layer):
                  chunk_len: int = DEFAULT_CHUNK_LEN, n_chunks_before: int = 1,
                  n_hashes: int = 1, n_buckets: int | Sequence[int] | None = None,
                  hash_seed: int | None = None, mask_bits: int = DEFAULT_MASK_BITS,
-                 rotary: bool = False):
+                 rotary: bool = False, d_attention_key: int | None = None,
+                 d_attention_value: int | None = None):
         super().__init__(n_in=1, n_out=1)
         self._d_feature = _check_int(d_feature, "d_feature", 1)
         self._n_heads = _check_int(n_heads, "n_heads", 1)
-        if d_feature % n_heads:
-            raise ValueError(f"LSHCausalAttention d_feature={d_feature} is not divisible by "
-                             f"n_heads={n_heads}; use an n_heads that divides d_feature")
+        self._d_key, self._d_value = head_widths(d_feature, n_heads, d_attention_key,
+                                                 d_attention_value, "LSHCausalAttention")
         self._dropout = check_rate(dropout, "LSHCausalAttention")
         self._mode = check_mode(mode, "LSHCausalAttention")
         if max_len is not None:
@@ -185,7 +197,7 @@ class LSHCausalAttention(Layer):
         self._hash_seed = hash_seed
         self._mask_bits = check_mask_bits(mask_bits, "LSHCausalAttention")
         if rotary:
-            check_rotary_head_size(d_feature // n_heads, "LSHCausalAttention")
+            check_rotary_head_size(self._d_key, "LSHCausalAttention")
         self._rotary = bool(rotary)
 
     def _check_input(self, shape: tuple[int, ...]) -> None:
@@ -209,6 +221,28 @@ class LSHCausalAttention(Layer):
                         "hash buckets")
         if self._cache_len is not None:
             return self._decode(x, weights, state)
+        return run_by_head(self._headwise(x.shape, x.dtype, rng), x, weights), state
+
+    def headwise(self, input_shape: tuple[int, ...], dtype, rng: jax.Array | None
+                 ) -> Headwise | None:
+        """This layer's call on ``[batch, length, d_feature]`` inputs of ``dtype`` as
+        per-head stages (`revtrain.layers.attention.headwise`): the position-wise
+        shared query/key and value projections (rotary angles included) around a core
+        that hashes, sorts and attends over the whole length; ``run_by_head`` of it equals
+        the call. None in ``'predict'`` mode with a cache (decoding runs whole).
+
+        Raises:
+          ValueError: as a call does (inputs, a missing rng, a sequence split).
+        """
+        self._check_input(tuple(input_shape))
+        check_not_split("LSHCausalAttention", "use attention_type=CausalAttention (ring "
+                        "attention over the split) or seq=1", why="sorts positions into "
+                        "hash buckets")
+        if self._cache_len is not None:
+            return None
+        return self._headwise(tuple(input_shape), dtype, rng)
+
+    def _headwise(self, shape: tuple[int, ...], dtype, rng) -> Headwise:
         if self._hash_seed is not None:
             hash_key, dropout_key = jax.random.key(self._hash_seed), rng
         elif rng is None:
@@ -221,78 +255,49 @@ class LSHCausalAttention(Layer):
             raise ValueError(f"LSHCausalAttention dropout={rate} needs an rng; pass a "
                              f"jax.random.key or use mode='eval'")
         seed = mask_seed(dropout_key) if rate else None
-        batch, length, d = x.shape
-        n_heads, d_head, n_hashes = self._n_heads, d // self._n_heads, self._n_hashes
+        length = shape[1]
+        n_heads, n_hashes = self._n_heads, self._n_hashes
         factors = self.n_buckets_for(length)
         rotations = tuple(
-            jax.random.normal(key, (n_heads, n_hashes, d_head, f // 2), jnp.float32)
+            jax.random.normal(key, (n_heads, n_hashes, self._d_key, f // 2), jnp.float32)
             for key, f in zip(jax.random.split(hash_key, len(factors)), factors, strict=True))
 
-        projections = tuple(by_head(pair, n_heads, x.dtype) for pair in weights[:2])
-        w_out = weights[2][0].astype(x.dtype).reshape(n_heads, d_head, d)
-        positions = jnp.arange(length)
-
-        @functools.partial(jax.checkpoint, policy=_SAVE_SORT)
-        def one_round(carry, xs):
-            # The rounds' softmax by their log-sum-exp, online (max, weight, weighted sum):
-            # normalising by the summed weights keeps equal rounds exact even where the
-            # self penalty puts the log-sum-exp near -1e5 (float32 spacing 0.008 there).
-            top, weight, total = carry
-            qk, v, h, r, round_rotations = xs
-            out, lse = lsh_round(qk, v, round_rotations, chunk_len=self._chunk_len,
-                                 n_chunks_before=self._n_chunks_before, dropout_rate=rate,
-                                 seed=seed, mask_bits=self._mask_bits, head=h,
-                                 total_heads=n_heads, round_index=r, n_hashes=n_hashes)
-            new_top = jnp.maximum(top, lse)
-            old, this = jnp.exp(top - new_top), jnp.exp(lse - new_top)
-            total = total * old[..., None] + out.astype(total.dtype) * this[..., None]
-            return (new_top, weight * old + this, total), None
-
-        @functools.partial(jax.checkpoint, policy=_SAVE_SORT)
-        def head(x, projection, w_o, h, head_rotations):
-            qk, v = (jnp.dot(x, w) + b for w, b in projection)
+        def project(x, pairs, h, positions):
+            qk, v = (jnp.dot(x, w) + b for w, b in pairs)
             if self._rotary:
                 qk = rotary_embedding(qk[:, :, None], positions)[:, :, 0]
-            acc = accumulation_dtype(qk)
+            return qk, v
+
+        def core(projected, h):
+            qk, v = projected
+            head_rotations = tuple(r[h] for r in rotations)
             if n_hashes == 1:
                 out, _ = lsh_round(qk, v, tuple(r[0] for r in head_rotations),
                                    chunk_len=self._chunk_len,
                                    n_chunks_before=self._n_chunks_before, dropout_rate=rate,
                                    seed=seed, mask_bits=self._mask_bits, head=h,
                                    total_heads=n_heads, round_index=0, n_hashes=1)
-            else:
-                def scan_round(carry, xs):
-                    r, round_rotations = xs
-                    return one_round(carry, (qk, v, h, r, round_rotations))
-                init = (mesh_full((batch, length), -jnp.inf, qk, dtype=acc),
-                        mesh_full((batch, length), 0.0, qk, dtype=acc),
-                        mesh_full(v.shape, 0.0, v, dtype=acc))
-                (_, weight, out), _ = lax.scan(scan_round, init,
-                                               (jnp.arange(n_hashes), head_rotations))
-                out = out / weight[..., None]
-            return jnp.dot(out.astype(x.dtype), w_o)
+                return out
+            return lsh_rounds(qk, v, head_rotations, chunk_len=self._chunk_len,
+                              n_chunks_before=self._n_chunks_before, dropout_rate=rate,
+                              seed=seed, mask_bits=self._mask_bits, head=h,
+                              total_heads=n_heads)
 
-        def add_head(total, xs):
-            return total + head(x, *xs), None
-
-        total = jnp.zeros_like(x, shape=(batch, length, d))
-        total, _ = lax.scan(add_head, total, (projections, w_out, jnp.arange(n_heads),
-                                              rotations))
-        return total + weights[2][1].astype(x.dtype), state
+        return Headwise(n_heads, 2, jnp.dtype(dtype), project, core, jnp.arange(length),
+                        policy=_SAVE_SORT)
 
     def _decode(self, x, weights, state):
         """Writes the new positions' normalised keys and values at the cache index and
         attends to every cached position up to each query (`shared_qk_attention`)."""
         keys, values, index = state
-        batch, length, d = x.shape
-        d_head = d // self._n_heads
+        batch, length, _ = x.shape
         if batch != keys.shape[0] or length > self._cache_len:
             raise ValueError(f"LSHCausalAttention decodes into a cache of batch "
                              f"{keys.shape[0]} and {self._cache_len} positions, but got "
                              f"inputs of shape {x.shape}; init the layer with this batch, or a "
                              f"larger max_len")
 
-        qk, v = (project(pair, x).reshape(batch, length, self._n_heads, d_head)
+        qk, v = (project(pair, x).reshape(batch, length, self._n_heads, -1)
                  for pair in weights[:2])
         q_positions = index + jnp.arange(length)
         if self._rotary:
@@ -302,13 +307,15 @@ class LSHCausalAttention(Layer):
         values = lax.dynamic_update_slice(values, v.astype(values.dtype), (0, index, 0, 0))
         attended = shared_qk_attention(qk, values.astype(v.dtype), q_positions,
                                        jnp.arange(self._cache_len), keys=keys)
-        out = project(weights[2], attended.reshape(batch, length, d))
+        out = project(weights[2], attended.reshape(batch, length, -1))
         return out, (keys, values, index + length)
 
     def init_weights_and_state(self, input_signature, rng):
         self._check_input(input_signature.shape)
-        return init_projections(input_signature, rng, self._d_feature, 3, self._n_heads,
-                                self._cache_len)
+        d, h = self._d_feature, self._n_heads
+        shapes = ((d, h * self._d_key), (d, h * self._d_value), (h * self._d_value, d))
+        return init_projections(input_signature, rng, shapes, self._cache_len,
+                                (h, self._d_key, self._d_value))
 
 
 __all__ = ["DEFAULT_CHUNK_LEN", "MAX_BUCKETS", "MAX_UNFACTORED_BUCKETS", "SELF_PENALTY",

@@ -60,6 +60,12 @@ def _front_pad(x: jax.Array, config: _Config, value=0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
+def _sliced(x: jax.Array, config: _Config) -> bool:
+    """Whether `_window` slices ``x`` in place: its chunks before a group (``before x
+    chunk`` rows) fit in it. Else (a sequence shorter than them) it is front-padded."""
+    return config.before * config.chunk <= x.shape[1]
+
+
 def _rows(x: jax.Array, g: jax.Array, config: _Config) -> jax.Array:
     """Group ``g``'s query rows of ``x`` as ``[batch, group, chunk, ...]``."""
     size = config.group * config.chunk
@@ -67,12 +73,48 @@ def _rows(x: jax.Array, g: jax.Array, config: _Config) -> jax.Array:
     return block.reshape(x.shape[0], config.group, config.chunk, *x.shape[2:])
 
 
-def _window(x_padded: jax.Array, g: jax.Array, config: _Config) -> jax.Array:
-    """Group ``g``'s key rows of front-padded ``x``: ``[batch, group + before, chunk, ...]``."""
-    size = (config.group + config.before) * config.chunk
-    block = lax.dynamic_slice_in_dim(x_padded, g * config.group * config.chunk, size, axis=1)
-    return block.reshape(x_padded.shape[0], config.group + config.before, config.chunk,
-                         *x_padded.shape[2:])
+def _window(x: jax.Array, g: jax.Array, config: _Config, fill=None) -> jax.Array:
+    """Group ``g``'s key rows of ``x``: ``[batch, group + before, chunk, ...]``, the
+    ``before`` chunks before the group, then its own.
+
+    The rows before group 0 do not exist: they are ``fill`` where given (the positions:
+    `_SENTINEL`, so the causal mask hides them) and otherwise whatever rows the clamped
+    slice holds (keys and values under masked logits, whose probabilities are exactly 0).
+    No front-padded copy of ``x`` is made unless ``x`` is shorter than those rows.
+    """
+    size, before = config.group * config.chunk, config.before * config.chunk
+    if not _sliced(x, config):
+        x = _front_pad(x, config, _SENTINEL if fill is not None else 0)
+        block = lax.dynamic_slice_in_dim(x, g * size, size + before, axis=1)
+    else:
+        block = lax.dynamic_slice_in_dim(x, g * size, size, axis=1)
+        if before:
+            prev = lax.dynamic_slice_in_dim(x, jnp.maximum(g * size - before, 0), before,
+                                            axis=1)
+            if fill is not None:
+                prev = jnp.where(g == 0, jnp.asarray(fill, x.dtype), prev)
+            block = jnp.concatenate([prev, block], axis=1)
+    return block.reshape(x.shape[0], config.group + config.before, config.chunk,
+                         *x.shape[2:])
+
+
+def _add_window(total: jax.Array, part: jax.Array, g: jax.Array, config: _Config
+                ) -> jax.Array:
+    """``total`` with `_window`'s transpose of ``part`` (``[batch, group + before, chunk,
+    ...]``) added in place: its own chunks at group ``g``'s rows, the chunks before at the
+    rows before them (for group 0 those parts are exactly zero: masked keys)."""
+    size, before = config.group * config.chunk, config.before * config.chunk
+    part = part.reshape(part.shape[0], -1, *part.shape[3:]).astype(total.dtype)
+
+    def add(total, rows, start):
+        current = lax.dynamic_slice_in_dim(total, start, rows.shape[1], axis=1)
+        return lax.dynamic_update_slice_in_dim(total, current + rows, start, axis=1)
+
+    if not _sliced(total, config):   # tiny: whole-sequence arithmetic on a padded copy
+        padded = add(_front_pad(total, config), part, g * size)
+        return padded[:, before:]
+    total = add(total, part[:, before:], g * size)
+    return add(total, part[:, :before], jnp.maximum(g * size - before, 0)) if before else total
 
 
 def _keys(window: jax.Array, config: _Config) -> jax.Array:
@@ -114,24 +156,30 @@ def _dropped(x: jax.Array, seed: jax.Array, g: jax.Array, config: _Config) -> ja
     return apply_keep_mask(x, keep.reshape(x.shape), config.rate, config.mask_bits)
 
 
-def _forward(config: _Config, q, k, v, positions, seed):
+def _window_keys(q: jax.Array, g: jax.Array, config: _Config) -> jax.Array:
+    """Group ``g``'s keys, ``[batch, group, (before + 1) chunk, d]``: the normalised
+    queries of its window (`normalised`, in the accumulation dtype), computed here rather
+    than kept as a second sorted array."""
+    return _keys(normalised(_window(q, g, config), keep_wide=True), config)
+
+
+def _forward(config: _Config, q, v, positions, seed):
     """Output ``[batch, n, d_v]`` and log-sum-exp ``[batch, n]`` of the sorted rows."""
     batch, n, _ = q.shape
-    kp, vp = _front_pad(k, config), _front_pad(v, config)
-    pos_p = _front_pad(positions, config, _SENTINEL)
     size = config.group * config.chunk
     acc = accumulation_dtype(q)
-    like = (q, k, v, seed)
+    like = (q, v, seed)
 
     def group(g, carry):
         out, lse = carry
-        s = _logits(_rows(q, g, config), _keys(_window(kp, g, config), config),
-                    _rows(positions, g, config), _keys(_window(pos_p, g, config), config))
+        s = _logits(_rows(q, g, config), _window_keys(q, g, config),
+                    _rows(positions, g, config),
+                    _keys(_window(positions, g, config, _SENTINEL), config))
         m = s.max(axis=-1, keepdims=True)
         p = jnp.exp(s - m)
         total = p.sum(axis=-1, keepdims=True)
         p = _dropped(p, seed, g, config).astype(v.dtype)
-        o = jnp.einsum("bgqk,bgkd->bgqd", p, _keys(_window(vp, g, config), config),
+        o = jnp.einsum("bgqk,bgkd->bgqd", p, _keys(_window(v, g, config), config),
                        preferred_element_type=acc) / total
         out = lax.dynamic_update_slice_in_dim(
             out, o.reshape(batch, size, -1).astype(out.dtype), g * size, axis=1)
@@ -145,36 +193,33 @@ def _forward(config: _Config, q, k, v, positions, seed):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunk_attention(config: _Config, q, k, v, positions, seed):
-    return _forward(config, q, k, v, positions, seed)
+def _chunk_attention(config: _Config, q, v, positions, seed):
+    return _forward(config, q, v, positions, seed)
 
 
-def _chunk_attention_fwd(config: _Config, q, k, v, positions, seed):
-    out, lse = _forward(config, q, k, v, positions, seed)
-    return (out, lse), (q, k, v, positions, seed, out, lse)
+def _chunk_attention_fwd(config: _Config, q, v, positions, seed):
+    out, lse = _forward(config, q, v, positions, seed)
+    return (out, lse), (q, v, positions, seed, out, lse)
 
 
 def _chunk_attention_bwd(config: _Config, residuals, cts):
-    q, k, v, positions, seed, out, lse = residuals
+    q, v, positions, seed, out, lse = residuals
     d_out, d_lse = cts
     batch, n, _ = q.shape
     acc = accumulation_dtype(q)
     # d out_r / d s_rc as blockwise attention's backward; d lse_r / d s_rc = p_rc adds
     # d_lse_r, which enters as a shift of D_r = do_r . out_r.
     delta = jnp.einsum("bnd,bnd->bn", d_out, out, preferred_element_type=acc) - d_lse
-    kp, vp = _front_pad(k, config), _front_pad(v, config)
-    pos_p = _front_pad(positions, config, _SENTINEL)
     size = config.group * config.chunk
-    window = (config.group + config.before) * config.chunk
     scale = 1.0 / math.sqrt(q.shape[-1])
-    like = (q, k, v, d_out, d_lse, seed)
+    like = (q, v, d_out, d_lse, seed)
 
     def group(g, carry):
         dq, dk, dv = carry
         q_g, do_g = _rows(q, g, config), _rows(d_out, g, config)
-        k_g, v_g = _keys(_window(kp, g, config), config), _keys(_window(vp, g, config), config)
+        k_g, v_g = _window_keys(q, g, config), _keys(_window(v, g, config), config)
         s = _logits(q_g, k_g, _rows(positions, g, config),
-                    _keys(_window(pos_p, g, config), config))
+                    _keys(_window(positions, g, config, _SENTINEL), config))
         p = jnp.exp(s - _rows(lse, g, config)[..., None])
         dv_g = jnp.einsum("bgqk,bgqd->bgkd", _dropped(p, seed, g, config).astype(do_g.dtype),
                           do_g, preferred_element_type=acc)
@@ -184,20 +229,15 @@ def _chunk_attention_bwd(config: _Config, residuals, cts):
         dk_g = jnp.einsum("bgqk,bgqd->bgkd", ds, q_g, preferred_element_type=acc) * scale
         dq = lax.dynamic_update_slice_in_dim(dq, dq_g.reshape(batch, size, -1), g * size,
                                              axis=1)
+        return (dq, _add_window(dk, _unkeys(dk_g, config), g, config),
+                _add_window(dv, _unkeys(dv_g, config), g, config))
 
-        def add(total, part):
-            start = g * size
-            current = lax.dynamic_slice_in_dim(total, start, window, axis=1)
-            part = _unkeys(part, config).reshape(current.shape)
-            return lax.dynamic_update_slice_in_dim(total, current + part, start, axis=1)
-
-        return dq, add(dk, dk_g), add(dv, dv_g)
-
-    zeros = [mesh_full(x.shape, 0.0, *like, dtype=acc) for x in (q, kp, vp)]
+    zeros = [mesh_full(x.shape, 0.0, *like, dtype=acc) for x in (q, q, v)]
     dq, dk, dv = lax.fori_loop(0, n // size, group, tuple(zeros))
-    front = config.before * config.chunk
-    return (dq.astype(q.dtype), dk[:, front:].astype(k.dtype), dv[:, front:].astype(v.dtype),
-            None, None)
+    # The keys are the normalised queries: their cotangent joins the queries' through it.
+    _, normalised_vjp = jax.vjp(lambda x: normalised(x, keep_wide=True), q)
+    (dq_from_keys,) = normalised_vjp(dk)
+    return (dq + dq_from_keys).astype(q.dtype), dv.astype(v.dtype), None, None
 
 
 _chunk_attention.defvjp(_chunk_attention_fwd, _chunk_attention_bwd)
@@ -212,7 +252,7 @@ def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, ch
 
     Args:
       qk: ``[batch, length, d_head]`` shared queries/keys (keys are their normalisation).
-      v: ``[batch, length, d_head]`` values.
+      v: ``[batch, length, d_value]`` values (``d_value`` may differ from ``d_head``).
       rotations: one ``float32[d_head, n_f / 2]`` per bucket factor (`hash_buckets`).
       chunk_len, n_chunks_before: as `LSHCausalAttention`.
       dropout_rate, seed, mask_bits: attention dropout (``seed``: uint32[2] from
@@ -221,16 +261,16 @@ def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, ch
         rounds, so every (head, round) draws its own dropout mask.
 
     Returns:
-      the output ``[batch, length, d_head]`` in ``v.dtype`` and the per-position
+      the output ``[batch, length, d_value]`` in ``v.dtype`` and the per-position
       log-sum-exp of the logits it saw, ``[batch, length]`` (at least float32).
     """
     batch, length, _ = qk.shape
     order, inverse = sort_order(hash_buckets(qk, rotations),
                                 math.prod(2 * r.shape[-1] for r in rotations))
     q = permute(qk, order, inverse)
-    # Keys stay in the accumulation dtype: their cotangent (before the normalisation's
-    # 1 / |q| shrinks it) can exceed float16's range.
-    k = normalised(q, keep_wide=True)
+    # Keys are q's normalisation, computed per window inside the kernel in the
+    # accumulation dtype (their cotangent, before the normalisation's 1 / |q| shrinks it,
+    # can exceed float16's range), so no second sorted array is kept.
     sv = permute(v, order, inverse)
     n_chunks = -(-length // chunk_len)
     group = min(max(1, _GROUP_ROWS // chunk_len), n_chunks)
@@ -238,7 +278,7 @@ def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, ch
     padded = -(-n_chunks // group) * group * chunk_len
     pad = padded - length
     if pad:
-        q, k, sv = (jnp.pad(a, [(0, 0), (0, pad), (0, 0)]) for a in (q, k, sv))
+        q, sv = (jnp.pad(a, [(0, 0), (0, pad), (0, 0)]) for a in (q, sv))
         order_p = jnp.pad(order, [(0, 0), (0, pad)], constant_values=_SENTINEL)
     else:
         order_p = order
@@ -251,8 +291,8 @@ def lsh_round(qk: jax.Array, v: jax.Array, rotations: Sequence[jax.Array], *, ch
                                              * jnp.uint32(chunked)])])
     config = _Config(chunk_len, n_chunks_before, group, rate, mask_bits, n_hashes * chunked,
                      total_heads)
-    q, k, sv, order_p, seed = vary_alike(q, k, sv, order_p, seed)
-    out, lse = _chunk_attention(config, q, k, sv, order_p, seed)
+    q, sv, order_p, seed = vary_alike(q, sv, order_p, seed)
+    out, lse = _chunk_attention(config, q, sv, order_p, seed)
     if pad:
         out, lse = out[:, :length], lse[:, :length]
     return permute(out, inverse, order), permute(lse, inverse, order)

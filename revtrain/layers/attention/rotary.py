@@ -25,7 +25,8 @@ def check_rotary_head_size(d_head: int, owner: str) -> None:
     """Raises ValueError when ``d_head`` is odd (rotary pairs features)."""
     if d_head % 2:
         raise ValueError(f"{owner}: rotary position embeddings pair the features of a head, "
-                         f"but d_head={d_head} is odd; use an even d_model // n_heads")
+                         f"but d_head={d_head} is odd; use an even d_model // n_heads (or an "
+                         f"even d_attention_key)")
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array) -> jax.Array:

@@ -8,7 +8,7 @@ import pytest
 from jax.test_util import check_grads
 
 from revtrain.layers import einsum_attention
-from revtrain.layers.attention import blockwise as blockwise_attention
+from revtrain.layers.attention.blockwise import blockwise_attention
 from revtrain.layers.dropout_masks import mask_seed, position_keep_mask, quantised_rate
 
 

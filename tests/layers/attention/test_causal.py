@@ -345,3 +345,71 @@ def test_the_full_path_runs_one_head_at_a_time_above_the_threshold(monkeypatch, 
     assert float(by_head[0]) == pytest.approx(float(whole[0]), rel=1e-5)
     for a, b in zip(jax.tree.leaves(by_head[1]), jax.tree.leaves(whole[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _reference_widths(x, weights, n_heads, d_key, d_value):
+    """`_reference` with per-head query/key width ``d_key`` and value width ``d_value``."""
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = [tuple(np.asarray(a, np.float64) for a in p)
+                                               for p in weights]
+    x = np.asarray(x, np.float64)
+    q, k, v = x @ wq + bq, x @ wk + bk, x @ wv + bv
+    heads = np.zeros(x.shape[:2] + (n_heads * d_value,))
+    for h in range(n_heads):
+        qh, kh = q[..., h * d_key:(h + 1) * d_key], k[..., h * d_key:(h + 1) * d_key]
+        vh = v[..., h * d_value:(h + 1) * d_value]
+        logits = np.einsum("bqd,bkd->bqk", qh, kh) / np.sqrt(d_key)
+        logits = np.where(np.tril(np.ones(logits.shape[1:], bool)), logits, -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        heads[..., h * d_value:(h + 1) * d_value] = (p / p.sum(-1, keepdims=True)) @ vh
+    return heads @ wo + bo
+
+
+@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+@pytest.mark.parametrize("d_key, d_value", [(3, 5), (6, 2), (4, 4)])
+def test_attention_widths_match_the_reference(implementation, d_key, d_value):
+    """Trax's ``d_attention_key`` / ``d_attention_value``: weight shapes, outputs and the
+    one-head-at-a-time path (blockwise) against a float64 numpy reference."""
+    layer = _layer(2, implementation=implementation, block_size=4, d_attention_key=d_key,
+                   d_attention_value=d_value)
+    assert jax.tree.map(jnp.shape, layer.weights) == (
+        ((D, 2 * d_key), (2 * d_key,)), ((D, 2 * d_key), (2 * d_key,)),
+        ((D, 2 * d_value), (2 * d_value,)), ((2 * d_value, D), (D,)))
+    x = _x()
+    np.testing.assert_allclose(layer(x), _reference_widths(x, layer.weights, 2, d_key, d_value),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_default_widths_keep_the_weights_and_non_default_ones_need_no_divisor():
+    default, explicit = _layer(2), _layer(2, d_attention_key=D // 2, d_attention_value=D // 2)
+    for a, b in zip(jax.tree.leaves(default.weights), jax.tree.leaves(explicit.weights),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    layer = CausalAttention(10, n_heads=4, d_attention_key=3, d_attention_value=5)
+    layer.init(SDS((1, 5, 10), jnp.float32), rng=jax.random.key(0))
+    assert layer(_x((1, 5, 10))).shape == (1, 5, 10)
+
+
+def test_predict_mode_with_widths_matches_train_mode():
+    widths = dict(d_attention_key=6, d_attention_value=2)
+    predict = CausalAttention(D, n_heads=2, mode="predict", max_len=L, rotary=True, **widths)
+    train = _layer(2, rotary=True, **widths)
+    predict.init(SDS((B, 1, D), jnp.float32), rng=jax.random.key(1))
+    assert [a.shape for a in predict.state[:2]] == [(B, L, 2, 6), (B, L, 2, 2)]
+    x = _x()
+    state, steps = predict.state, []
+    for t in range(L):
+        y, state = predict.pure_fn(x[:, t:t + 1], train.weights, state, None)
+        steps.append(y)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), train(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(d_attention_key=0), r"d_attention_key=0 must be a positive int"),
+    (dict(d_attention_value=2.5), r"d_attention_value=2.5 must be a positive int"),
+    (dict(d_attention_key=3, rotary=True), r"d_head=3 is odd"),
+    (dict(d_attention_key=4, d_attention_value=8, implementation="cudnn"),
+     r"needs keys and values of one width, but d_attention_key=4 and d_attention_value=8"),
+])
+def test_bad_widths_are_one_line_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CausalAttention(D, n_heads=2, **kwargs)

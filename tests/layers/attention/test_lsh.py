@@ -29,19 +29,26 @@ def _dense_reference(x, weights, length):
     s = jnp.einsum("bqhd,bkhd->bhqk", qk, k) / np.sqrt(qk.shape[-1])
     rows, cols = np.arange(length)[:, None], np.arange(length)[None, :]
     s = jnp.where(cols <= rows, s, -jnp.inf) - 1e5 * (cols == rows)
-    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(x.shape)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(
+        x.shape[0], length, -1)
     return out @ weights[2][0] + weights[2][1]
 
 
-@pytest.mark.parametrize("length,chunk_len,n_hashes,n_chunks_before",
-                         [(40, 64, 1, 1), (40, 40, 3, 0), (33, 48, 2, 2)])
+@pytest.mark.parametrize("length,chunk_len,n_hashes,n_chunks_before,widths",
+                         [(40, 64, 1, 1, {}), (40, 40, 3, 0, {}), (33, 48, 2, 2, {}),
+                          (40, 64, 2, 1, {"d_attention_key": 6, "d_attention_value": 10})])
 def test_one_chunk_equals_the_dense_reference_outputs_and_gradients(
-        length, chunk_len, n_hashes, n_chunks_before):
+        length, chunk_len, n_hashes, n_chunks_before, widths):
+    """The last case: Trax's per-head widths, keys narrower and values wider than
+    d_feature // n_heads (weights [16, 12], [16, 20], [20, 16])."""
     with jax.enable_x64(True):
         x = jax.random.normal(jax.random.key(1), (2, length, D), jnp.float64)
         layer = tl.LSHCausalAttention(D, n_heads=HEADS, chunk_len=chunk_len,
-                                      n_hashes=n_hashes, n_chunks_before=n_chunks_before)
+                                      n_hashes=n_hashes, n_chunks_before=n_chunks_before,
+                                      **widths)
         weights, state = _init(layer, x)
+        if widths:
+            assert [w.shape for w, _ in weights] == [(D, 12), (D, 20), (20, D)]
 
         def lsh(x, w):
             return jnp.sum(jnp.sin(layer.pure_fn(x, w, state, jax.random.key(3))[0]))
@@ -76,14 +83,16 @@ def _round_reference(qk, v, rotations, chunk_len, n_chunks_before):
     return jnp.einsum("bqk,bkd->bqd", jnp.exp(s - lse[..., None]), v), lse
 
 
-@pytest.mark.parametrize("length,chunk_len,n_chunks_before,group_rows",
-                         [(64, 8, 1, 16), (61, 8, 1, 8), (64, 4, 2, 4096), (50, 8, 0, 24)])
+@pytest.mark.parametrize("length,chunk_len,n_chunks_before,group_rows,d_value",
+                         [(64, 8, 1, 16, 8), (61, 8, 1, 8, 8), (64, 4, 2, 4096, 8),
+                          (50, 8, 0, 24, 8), (61, 8, 1, 8, 3)])
 def test_a_round_equals_its_dense_reference(monkeypatch, length, chunk_len,
-                                            n_chunks_before, group_rows):
-    """Many chunks, padding (61, 50), several loop groups (_GROUP_ROWS small) and one."""
+                                            n_chunks_before, group_rows, d_value):
+    """Many chunks, padding (61, 50), several loop groups (_GROUP_ROWS small) and one;
+    values of another width than the keys (3)."""
     monkeypatch.setattr(lsh_chunks, "_GROUP_ROWS", group_rows)
     qk = jax.random.normal(jax.random.key(1), (2, length, 8))
-    v = jax.random.normal(jax.random.key(2), (2, length, 8))
+    v = jax.random.normal(jax.random.key(2), (2, length, d_value))
     rotations = [jax.random.normal(jax.random.key(4), (8, 2)),
                  jax.random.normal(jax.random.key(5), (8, 1))]  # 4 x 2 buckets
 
@@ -188,13 +197,15 @@ def test_default_buckets_follow_reformer_and_factorise_as_trax():
     assert layer.n_buckets_for(10_000) == (4, 6)
 
 
-def test_predict_mode_decodes_as_the_one_chunk_layer_evaluates():
-    """Decoding attends to every cached position: the chunk_len >= length limit."""
+@pytest.mark.parametrize("widths", [{}, {"d_attention_key": 4, "d_attention_value": 12}])
+def test_predict_mode_decodes_as_the_one_chunk_layer_evaluates(widths):
+    """Decoding attends to every cached position: the chunk_len >= length limit; the LM
+    passes Trax's per-head widths to the layer."""
     def lm(mode):
         attention = lambda *a, **k: tl.LSHCausalAttention(*a, chunk_len=64, n_hashes=2, **k)
         return TransformerLM(vocab_size=11, d_model=D, d_ff=32, n_layers=2, n_heads=HEADS,
                              max_len=20, dropout=0.0, mode=mode, attention_type=attention,
-                             pos_type="rotary")
+                             pos_type="rotary", **widths)
 
     tokens = np.random.RandomState(0).randint(0, 11, (2, 12)).astype(np.int32)
     evaluate = lm("eval")
@@ -223,6 +234,8 @@ def test_predict_mode_decodes_as_the_one_chunk_layer_evaluates():
     ({"n_heads": 3}, "not divisible by n_heads=3"),
     ({"dropout": 1.0}, "dropout rate=1.0"),
     ({"rotary": True, "n_heads": 16}, "rotary"),
+    ({"rotary": True, "d_attention_key": 5}, "d_head=5 is odd"),
+    ({"d_attention_value": 0}, "d_attention_value=0 must be a positive int"),
 ])
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
