@@ -70,7 +70,7 @@ FLAGS = flags.FLAGS
 # ------------------------------------------------------------------------------------------
 # Flags and configurations (parent process).
 
-def _positive_ints(values: list[str]) -> bool:
+def positive_ints(values: list[str]) -> bool:
     return bool(values) and all(v.strip().isdigit() and int(v) >= 1 for v in values)
 
 
@@ -116,7 +116,7 @@ flags.DEFINE_boolean("render_only", False, "only rewrite the Markdown and PNG fr
                      "in --out_dir")
 flags.DEFINE_string("out_dir", None, f"where outputs go (default {RESULTS_DIR}, or "
                     f"{QUICK_RESULTS_DIR} with --quick)")
-flags.register_validator("depths", lambda v: v is None or _positive_ints(v),
+flags.register_validator("depths", lambda v: v is None or positive_ints(v),
                          "--depths must be positive integers, e.g. 2,4,8")
 flags.register_validator("trainers", lambda v: bool(v) and set(v) <= set(TRAINERS),
                          f"--trainers must be a subset of {','.join(TRAINERS)}")

@@ -323,7 +323,7 @@ def sequence_length() -> str:
     elsewhere = {}  # Variants measured on another machine (rows replaced by --update).
     for r in payload["results"]:
         if r.get("processor", m["processor"]) != m["processor"]:
-            elsewhere.setdefault(lengths._label(r["variant"]),
+            elsewhere.setdefault(lengths.variant_label(r["variant"]),
                                  f"{r['processor']}, {r['measured'][:10]}")
     settings = (f"`ReversibleSerialTrainer`, one device, d_model {c['d_model']}, d_ff "
                 f"{c['d_ff']}, {c['n_layers']} layers, {c['n_heads']} heads, batch "

@@ -118,7 +118,7 @@ flags.DEFINE_boolean("update", False, "re-measure only the configurations asked 
 flags.register_validator("attention_kinds",
                          lambda v: bool(v) and set(v) <= set(VARIANTS),
                          f"--attention_kinds must be a subset of {','.join(VARIANTS)}")
-flags.register_validator("lengths", lambda v: v is None or harness._positive_ints(v),
+flags.register_validator("lengths", lambda v: v is None or harness.positive_ints(v),
                          "--lengths must be positive integers, e.g. 1024,4096")
 
 
@@ -347,7 +347,7 @@ def _describe(r: dict[str, Any]) -> str:
             f" first step {r['first_step_s']:.1f} s")
 
 
-def _label(variant: str) -> str:
+def variant_label(variant: str) -> str:
     return {**VARIANTS, **TRAX_VARIANTS}[variant]
 
 
@@ -440,7 +440,7 @@ def _floor_targets(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         r = _find(results, variant, 65536)
         if r and "peak_bytes" in r:
             per_dim = per_token_dim(r["peak_bytes"], r)
-            check(f"{_label(variant)} 64K ledger <= 32 B/tok/dim", f"{per_dim:.1f}",
+            check(f"{variant_label(variant)} 64K ledger <= 32 B/tok/dim", f"{per_dim:.1f}",
                   per_dim <= 32)
     million = _find(results, "lsh", 1048576)
     if million:
@@ -523,14 +523,15 @@ def markdown(payload: dict[str, Any]) -> str:
     rows = []
     for r in payload["results"]:
         if "error" in r:
-            rows.append([f"{r['seq_len']:,}", _label(r["variant"]), "failed", "", "", "", ""])
+            rows.append([f"{r['seq_len']:,}", variant_label(r["variant"]), "failed",
+                         "", "", "", ""])
             continue
         peak = f"{report.mib(r['peak_bytes'])} ({r['method']})" if "peak_bytes" in r else "—"
         per_dim = "—" if "peak_bytes" not in r else (
             f"{per_token_dim(r['peak_bytes'], r):.1f} ({per_token_dim(floor_bytes(r), r):.1f})")
         fraction = f"{100 * r['fraction_of_matmul']:.1f}%" if "fraction_of_matmul" in r else "—"
         setup = r.get("build_s", r.get("setup_s"))
-        rows.append([f"{r['seq_len']:,}", _label(r["variant"]), peak, per_dim,
+        rows.append([f"{r['seq_len']:,}", variant_label(r["variant"]), peak, per_dim,
                      report.mib(r["peak_rss_bytes"]), f"{r['step_s']:.2f}",
                      f"{r['first_step_s']:.1f}", "—" if setup is None else f"{setup:.1f}",
                      fraction, _measured_on(r, info)])
@@ -561,7 +562,7 @@ def plot(path: Path, results: Sequence[dict[str, Any]]) -> bool:
                       if r["variant"] == variant and "error" not in r and key in r]
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker="o", label=_label(variant))
+                ax.plot(xs, ys, marker="o", label=variant_label(variant))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length (tokens)")
@@ -603,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result = harness.run_worker(__file__, config, args.timeout)
         outcome = f"ERROR {result['error']}" if "error" in result else _describe(result)
         print(f"[{k}/{len(configs)}] length {config['seq_len']:,}, "
-              f"{_label(config['variant'])}: {outcome}", flush=True)
+              f"{variant_label(config['variant'])}: {outcome}", flush=True)
         info = harness.machine_info()
         results.append(result | {"measured": info["date"], "processor": info["processor"]})
     if previous is not None:
