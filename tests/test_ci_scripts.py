@@ -33,7 +33,8 @@ def test_pins_cover_only_the_installed_extras():
     assert lower_bounds(setup_cfg, []) == {
         name: version for name, version in test.items()
         if name in {"jax", "jaxlib", "numpy", "optax", "equinox", "orbax-checkpoint",
-                    "gin-config", "absl-py", "psutil", "tqdm", "tensorboardX"}}
+                    "gin-config", "absl-py", "psutil", "tqdm", "tensorboardX",
+                    "sentencepiece"}}
 
 
 def test_an_unknown_extra_is_one_error():
