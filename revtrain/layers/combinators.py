@@ -298,6 +298,11 @@ class Concatenate(Layer):
         super().__init__(n_in=n_items, n_out=1)
         self._axis = axis
 
+    @property
+    def axis(self) -> int:
+        """The axis the items are joined along."""
+        return self._axis
+
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         items = stack_items(x)

@@ -24,7 +24,17 @@ is a leaf) must be:
   (exact classes) whose ``n_chunks`` is not 1.
 
 Consecutive on the stack means the ``Dense`` output feeds only the ``LogSoftmax`` and that
-output only the loss's first input, so nothing else can read the logits. None of these
+output only the loss's first input, so nothing else can read the logits.
+
+The position-wise work before the head joins the fusion too when it is a `Chunk` leaf
+right before the ``Dense`` whose layer (nested plain Serials opened) is ``position_wise``
+leaves (`revtrain.layers.Layer`: no rng, no state), the first of them possibly a
+``Concatenate(axis=-1)`` of feature items: the reversible LM's ``Chunk(Serial(Concatenate,
+LayerNorm))`` over its two residual streams. Each loss chunk then computes its own
+normalised features from the streams' rows, so neither the ``[batch, length, 2 * d_model]``
+features nor their cotangent exist at full length (the loss program of a block trainer
+holds the streams, their cotangents and one chunk's temporaries). Its chunks are at most
+the `Chunk`'s ``batch * chunk_size`` positions. None of these
 layers reads its mode, rng or state (their state is ``()``), and each computes every
 position from that position alone, so chunking positions changes only the order of the
 final float32 sums: the fused value and gradients equal the unfused ones to float
@@ -54,13 +64,14 @@ from typing import Any
 import jax.numpy as jnp
 
 from revtrain.layers.activations import LogSoftmax
+from revtrain.layers.chunk import Chunk
 from revtrain.layers.chunked_loss import (
     chunk_count,
     chunked_weighted_sums,
     flatten_positions,
     mean_from_sums,
 )
-from revtrain.layers.combinators import Serial
+from revtrain.layers.combinators import Concatenate, Serial
 from revtrain.layers.core import Dense
 from revtrain.layers.layer import Layer
 from revtrain.layers.metrics import CrossEntropyLoss, WeightedCategoryCrossEntropy
@@ -73,47 +84,84 @@ Path = tuple[int, ...]
 
 
 class _PassThrough(Layer):
-    """Stands in for the fused ``Dense`` and ``LogSoftmax``: passes the features on."""
+    """Stands in for a fused ``Chunk``, ``Dense`` or ``LogSoftmax``: passes its ``n_items``
+    items on."""
+
+    def __init__(self, n_items: int = 1):
+        super().__init__(n_in=n_items, n_out=n_items)
 
     def forward_with_state(self, x, weights, state, rng):
         return x, state
 
 
-class _FusedLoss(Layer):
-    """``(features, targets, weights) -> loss`` of ``dense``, ``log_softmax``, ``loss``.
+def _empty_state(layer: Layer) -> Any:
+    """The state tree of a stateless position-wise ``layer`` (plain Serials opened)."""
+    if type(layer) is Serial:
+        return tuple(_empty_state(sub) for sub in layer.sublayers)
+    return ()
 
-    Weights: ``(dense_weights, loss_weights)``; state: the loss's (``()``).
+
+class _FusedLoss(Layer):
+    """``(*features, targets, weights) -> loss`` of ``prefix`` (a `Chunk` or None),
+    ``dense``, ``log_softmax``, ``loss``.
+
+    Weights: ``(prefix_weights or (), dense_weights, loss_weights)``; state: the loss's
+    (``()``). ``features`` are the prefix's ``n_in`` inputs, or one item without a prefix.
     """
 
-    def __init__(self, dense: Dense, log_softmax: LogSoftmax, loss: Layer):
-        super().__init__(n_in=3, n_out=1, name=f"Fused{loss.name}")
-        self._layers = (dense, log_softmax, loss)
+    def __init__(self, prefix: Chunk | None, dense: Dense, log_softmax: LogSoftmax,
+                 loss: Layer):
+        n_features = 1 if prefix is None else prefix.n_in
+        super().__init__(n_in=n_features + 2, n_out=1, name=f"Fused{loss.name}")
+        self._layers = (prefix, dense, log_softmax, loss)
+
+    def _features(self, items, prefix_weights):
+        prefix = self._layers[0]
+        if prefix is None:
+            return items[0]
+        (inner,), (inner_weights,) = prefix.sublayers, prefix_weights
+        x = tuple(items) if len(items) > 1 else items[0]
+        return inner.pure_fn(x, inner_weights, _empty_state(inner), None)[0]
 
     def _unfused(self, x, weights, state):
-        dense, log_softmax, loss = self._layers
-        features, targets, mask = x
-        logits, _ = dense.pure_fn(features, weights[0], (), None)
+        prefix, dense, log_softmax, loss = self._layers
+        *items, targets, mask = x
+        features = items[0] if prefix is None else prefix.pure_fn(
+            tuple(items) if len(items) > 1 else items[0], weights[0],
+            (_empty_state(prefix.sublayers[0]),), None)[0]
+        logits, _ = dense.pure_fn(features, weights[1], (), None)
         log_probs, _ = log_softmax.pure_fn(logits, (), (), None)
-        return loss.pure_fn((log_probs, targets, mask), weights[1], state, None)
+        return loss.pure_fn((log_probs, targets, mask), weights[2], state, None)
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
-        features, targets, mask = x
-        if (features.shape[:-1] != targets.shape
+        *items, targets, mask = x
+        if (any(f.ndim < 1 or f.shape[:-1] != targets.shape for f in items)
                 or not jnp.issubdtype(targets.dtype, jnp.integer)):
             return self._unfused(x, weights, state)
-        dense, log_softmax, loss = self._layers
-        dense_weights = weights[0]
+        prefix, dense, log_softmax, loss = self._layers
+        prefix_weights, dense_weights = weights[0], weights[1]
 
-        def per_position(chunk_features, chunk_targets):
-            logits, _ = dense.pure_fn(chunk_features, dense_weights, (), None)
+        def per_position(*chunk_rows):
+            *chunk_items, chunk_targets = chunk_rows
+            # A prefix sees [1, rows, features] items: its leaves are position-wise.
+            features = self._features([f[None] for f in chunk_items], prefix_weights)[0]
+            logits, _ = dense.pure_fn(features, dense_weights, (), None)
             log_probs, _ = log_softmax.pure_fn(logits, (), (), None)
             return loss.per_position(log_probs, chunk_targets)
 
-        rows = flatten_positions(features, targets, mask)
+        first, flat_targets, flat_mask = flatten_positions(items[0], targets, mask)
+        rows = (first, *(f.reshape(first.shape[0], f.shape[-1]) for f in items[1:]),
+                flat_targets)
         vocab_size = dense_weights[0].shape[-1]
         n_chunks = chunk_count(targets.size, vocab_size, loss.n_chunks)
-        sums = chunked_weighted_sums(per_position, rows[:2], rows[2], n_chunks)
+        if prefix is not None and targets.ndim >= 2:  # At most the Chunk's positions each.
+            per_chunk = targets.size // targets.shape[1] * prefix.chunk_size_for(
+                targets.shape[1])
+            n_chunks = max(n_chunks, -(-targets.size // per_chunk))
+            while targets.size % n_chunks:  # Equal chunks: the next divisor up.
+                n_chunks += 1
+        sums = chunked_weighted_sums(per_position, rows, flat_mask, n_chunks)
         return mean_from_sums(*sums), state
 
 
@@ -134,8 +182,18 @@ def _fusable(dense: Layer, log_softmax: Layer, loss: Layer) -> bool:
             and loss.n_chunks != 1)
 
 
-def find_heads(layers: Sequence[Layer]) -> list[tuple[Path, Path, Path]]:
-    """Paths of each fusable ``(Dense, LogSoftmax, loss)`` run by ``Serial(*layers)``.
+def _absorbable(layer: Layer) -> bool:
+    """A `Chunk` of position-wise leaves, the first possibly a ``Concatenate(axis=-1)``."""
+    if type(layer) is not Chunk:
+        return False
+    first, *rest = [leaf for _, leaf in _leaves(layer.sublayers)]
+    return ((first.position_wise or (type(first) is Concatenate and first.axis == -1))
+            and all(leaf.position_wise for leaf in rest))
+
+
+def find_heads(layers: Sequence[Layer]) -> list[tuple[Path, ...]]:
+    """Paths of each fusable ``([Chunk,] Dense, LogSoftmax, loss)`` run by
+    ``Serial(*layers)``: three paths, or four when the `Chunk` before the ``Dense`` joins.
 
     A path is the sublayer index at each level of nested plain `Serial` objects. Runs do
     not overlap; the rules are in this module's docstring.
@@ -144,7 +202,8 @@ def find_heads(layers: Sequence[Layer]) -> list[tuple[Path, Path, Path]]:
     while i + 2 < len(leaves):
         triple = leaves[i:i + 3]
         if _fusable(*(layer for _, layer in triple)):
-            found.append(tuple(path for path, _ in triple))
+            run = leaves[i - 1:i + 3] if i > 0 and _absorbable(leaves[i - 1][1]) else triple
+            found.append(tuple(path for path, _ in run))
             i += 3
         else:
             i += 1
@@ -182,24 +241,35 @@ def _replace_tree(tree: Sequence, new: dict[Path, Any]) -> list:
     return _replace(tree, new, lambda _, values: tuple(values), lambda value: value)
 
 
-def _fused_layers(layers: Sequence[Layer], heads: Sequence[tuple[Path, Path, Path]]
-                  ) -> list[Layer]:
+def _split(head: tuple[Path, ...]) -> tuple[Path | None, Path, Path, Path]:
+    return (None, *head) if len(head) == 3 else head
+
+
+def _fused_layers(layers: Sequence[Layer], heads: Sequence[tuple[Path, ...]]) -> list[Layer]:
     new: dict[Path, Layer] = {}
-    for dense_path, softmax_path, loss_path in heads:
+    for head in heads:
+        prefix_path, dense_path, softmax_path, loss_path = _split(head)
+        prefix = None if prefix_path is None else _get_layer(layers, prefix_path)
         dense, log_softmax, loss = (_get_layer(layers, p)
                                     for p in (dense_path, softmax_path, loss_path))
+        if prefix is not None:
+            new[prefix_path] = _PassThrough(prefix.n_in)
         new[dense_path] = _PassThrough()
         new[softmax_path] = _PassThrough()
-        new[loss_path] = _FusedLoss(dense, log_softmax, loss)
+        new[loss_path] = _FusedLoss(prefix, dense, log_softmax, loss)
     return _replace_layers(layers, new)
 
 
-def _fused_weights(weights: Sequence, heads: Sequence[tuple[Path, Path, Path]]) -> list:
+def _fused_weights(weights: Sequence, heads: Sequence[tuple[Path, ...]]) -> list:
     new: dict[Path, Any] = {}
-    for dense_path, softmax_path, loss_path in heads:
+    for head in heads:
+        prefix_path, dense_path, softmax_path, loss_path = _split(head)
+        prefix_weights = ()
+        if prefix_path is not None:
+            prefix_weights, new[prefix_path] = _get(weights, prefix_path), ()
         new[dense_path] = ()
         new[softmax_path] = _get(weights, softmax_path)
-        new[loss_path] = (_get(weights, dense_path), _get(weights, loss_path))
+        new[loss_path] = (prefix_weights, _get(weights, dense_path), _get(weights, loss_path))
     return _replace_tree(weights, new)
 
 
@@ -214,10 +284,11 @@ def fuse_heads(layers: Sequence[Layer], weights: Sequence) -> tuple[Sequence[Lay
 
     Returns:
       ``(layers, weights)`` unchanged when nothing fuses; else new lists in which each
-      ``Dense`` and ``LogSoftmax`` of a fused run is a pass-through without weights and
-      its loss a layer taking ``(dense_weights, loss_weights)``, nested plain `Serial`
-      objects rebuilt around them. States and rng keys keep their layout. Running them
-      gives the original's outputs and new states to float rounding.
+      ``Chunk``, ``Dense`` and ``LogSoftmax`` of a fused run is a pass-through without
+      weights and its loss a layer taking ``(chunk_weights or (), dense_weights,
+      loss_weights)``, nested plain `Serial` objects rebuilt around them. States and rng
+      keys keep their layout. Running them gives the original's outputs and new states
+      to float rounding.
     """
     heads = find_heads(layers)
     if not heads:
@@ -233,7 +304,8 @@ def _get_layer(layers: Sequence[Layer], path: Path) -> Layer:
 
 
 class FusedSerial(Serial):
-    """A `Serial` that computes each fusable ``Dense, LogSoftmax, loss`` run in chunks.
+    """A `Serial` that computes each fusable ``[Chunk,] Dense, LogSoftmax, loss`` run in
+    chunks.
 
     Built by `fuse_loss_heads`. Its sublayers, ``n_in``/``n_out``, weights and state trees,
     initialisation and rng use are the `Serial`'s; its heads (`find_heads`) are found once,
@@ -253,8 +325,9 @@ class FusedSerial(Serial):
         self._fused = _fused_layers(self.sublayers, self._heads)
 
     @property
-    def heads(self) -> tuple[tuple[Path, Path, Path], ...]:
-        """The fused runs: ``(dense_path, log_softmax_path, loss_path)`` each (`find_heads`)."""
+    def heads(self) -> tuple[tuple[Path, ...], ...]:
+        """The fused runs: ``([chunk_path,] dense_path, log_softmax_path, loss_path)`` each
+        (`find_heads`)."""
         return self._heads
 
     def forward_with_state(self, x, weights, state, rng):
@@ -273,8 +346,10 @@ def fuse_loss_heads(layer: Layer) -> Layer:
     consecutive leaves of a plain `Serial` (nested plain ``Serial`` objects opened), a
     ``Dense`` then ``LogSoftmax(axis=-1)`` then a `WeightedCategoryCrossEntropy` or
     `CrossEntropyLoss` whose ``n_chunks`` is not 1 (exact classes; the rules are in this
-    module's docstring): ``(features [batch, length, d_model], targets int[batch, length],
-    weights [batch, length]) -> float32 scalar``, computed one chunk of positions at a time.
+    module's docstring), with a position-wise `Chunk` right before the ``Dense`` joining
+    them: ``(features [batch, length, d_model] (one per Chunk input), targets
+    int[batch, length], weights [batch, length]) -> float32 scalar``, computed one chunk of
+    positions at a time.
 
     Args:
       layer: any layer; only a plain `Serial` (exact class) can fuse.
