@@ -72,6 +72,7 @@ from revtrain.trainers.block.ops import (
     Shared,
 )
 from revtrain.trainers.block.plan import Op, OpKind, Run
+from revtrain.trainers.block.turns import in_turn, reverse_in_turn
 from revtrain.trainers.protocols import Params
 from revtrain.trainers.updates import squared_norm
 
@@ -108,29 +109,6 @@ def _at(tree: Any, t: jax.Array, axis: int = 0) -> Any:
 def _put(tree: Any, new: Any, t: jax.Array) -> Any:
     return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, t, 0),
                         tree, new)
-
-
-def _in_turn(fn: Callable, t: jax.Array, *operands: Any) -> Any:
-    """``fn(*operands)``, computed inside a conditional (whose other branch, zeros of the same
-    types, never runs: ``t`` is a scan step, never negative).
-
-    Two things XLA does to a scan body that holds several layers cost memory that grows
-    with what the body holds, and a conditional stops both (its branches are computations
-    of their own: nothing is fused into or hoisted out of them, and their outputs are
-    buffers):
-
-    * it schedules work of a later layer that does not wait for the earlier one (keys,
-      dropout masks) beside the earlier layer's, so both layers' temporaries are live at
-      once;
-    * it fuses a layer's slot update into the write of its weights, which then re-reads
-      the stacked slots that their own in-place write overwrites, and protects that read
-      by copying every stacked buffer of the run on every iteration.
-
-    (`jax.lax.optimization_barrier` does neither on CPU: it is removed before fusion.)
-    """
-    def zeros(*args):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
-    return jax.lax.cond(t >= 0, fn, zeros, *operands)
 
 
 def _same_types(a: Any, b: Any) -> bool:
@@ -208,7 +186,7 @@ def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> 
                 if forward is None:  # Reorders stack items only (no weights, state, rng).
                     y, new_state = layer.pure_fn(x_j, (), (), None)[0], state
                 else:
-                    out = _in_turn(
+                    out = in_turn(
                         lambda x_j, state, w, i, forward=forward: forward(
                             ForwardArgs(x_j, state, args.rngs), w, i),
                         t, x_j, state, _at(weights[j], t), shared.index + t * run.period + j)
@@ -270,21 +248,29 @@ def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.Gradient
             for j in reversed(range(run.period)):
                 index = shared.index + t * run.period + j
                 w = _at((weights if norm_only else params[0])[j], t)
-                if norm_only:
-                    def one_norm(y, ct, w, j=j, index=index):
-                        y, ct, grads = layer_grads(args, j, y, ct, w, t, index)
+                def reverse(y, ct, w, j=j, index=index):
+                    return layer_grads(args, j, y, ct, w, t, index)
+
+                def one_update(grads, w, slots):
+                    return ops.update(optimizer, grads, Params(w, slots), shared, placement)
+
+                def one_layer(y, ct, w, *slots, reverse=reverse):
+                    y, ct, grads = reverse(y, ct, w)
+                    if norm_only:
                         return y, ct, squared_norm(grads)
+                    return y, ct, *one_update(grads, w, *slots)
 
-                    y, ct, outs[j] = _in_turn(one_norm, t, y, ct, w)
+                slots = () if norm_only else (_at(params[1][j], t),)
+                if reverse_in_turn(reverse, (y, ct), placement.mesh.size, y, ct, w):
+                    y, ct, *out = in_turn(one_layer, t, y, ct, w, *slots)
+                else:  # The stack items stay uncopied (`revtrain.trainers.block.turns`).
+                    y, ct, grads = reverse(y, ct, w)
+                    out = ([squared_norm(grads)] if norm_only
+                           else in_turn(one_update, t, grads, w, *slots))
+                if norm_only:
+                    outs[j] = out[0]
                     continue
-
-                def one_layer(y, ct, w, slots, j=j, index=index):
-                    y, ct, grads = layer_grads(args, j, y, ct, w, t, index)
-                    new, out = ops.update(optimizer, grads, Params(w, slots), shared,
-                                                placement)
-                    return y, ct, new, out
-
-                y, ct, new, outs[j] = _in_turn(one_layer, t, y, ct, w, _at(params[1][j], t))
+                new, outs[j] = out
                 params = tuple(tuple(_put(p[k], n, t) if k == j else p[k]
                                      for k in range(run.period))
                                for p, n in zip(params, new, strict=True))
