@@ -20,6 +20,8 @@ References: Kitaev et al., 2020, "Reformer: The Efficient Transformer", section 
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -112,8 +114,8 @@ class Chunk(Layer):
         key = None if rng is None else jax.random.fold_in(rng, index)
         return self.sublayers[0].pure_fn(inputs, layer_weights, layer_state, key)[0]
 
-    def run_chunk(self, x: jax.Array, weights, state, rng: jax.Array | None,
-                  index, length: int) -> jax.Array:
+    def run_chunk(self, x: jax.Array, weights: Any, state: Any, rng: jax.Array | None,
+                  index: int | jax.Array, length: int) -> jax.Array:
         """Chunk ``index`` of a ``length``-position call, alone: what `forward_with_state`
         computes for those positions (same key, ``fold_in(rng, index)``; the last chunk
         zero-padded to `chunk_size_for` ``(length)`` as it is there).
@@ -121,7 +123,9 @@ class Chunk(Layer):
         Args:
           x: ``[batch, n, ...]``, the chunk's ``n <= chunk_size_for(length)`` positions
             (one input: ``n_in == 1``).
-          weights, state, rng: the layer's, as for `forward_with_state`.
+          weights: the layer's weights, as for `forward_with_state`.
+          state: the layer's state, as for `forward_with_state`.
+          rng: the layer's key, as for `forward_with_state` (None without one).
           index: the chunk's index (an int or a traced int).
           length: the whole call's length.
 
