@@ -188,7 +188,9 @@ def _headwise_reverse(stage, hw: Headwise, size, acc, x, ct_acc, ct_x, compute_w
 
     (acc, dx, dw), (d_pairs, d_w_out) = lax.scan(
         head, (acc, ct_x, zeros), (pairs, w_out, jnp.arange(hw.n_heads)))
-    acc = acc - b_out.astype(acc.dtype)
+    bias = b_out.astype(acc.dtype)  # Subtracted in place, chunk by chunk, like the heads.
+    acc = over_chunks(length, size, lambda a, index, start, n: _put(a, _take(a, start, n) - bias,
+                                                                    start), acc)
     d_b_out = jnp.sum(ct_acc.astype(b_out.dtype), axis=tuple(range(ct_acc.ndim - 1)))
     (attention_ct,) = split_vjp(((d_pairs, d_w_out), d_b_out))
     return acc, dx, dw, attention_ct

@@ -26,6 +26,8 @@ from jax.ad_checkpoint import checkpoint_name
 MAX_UNFACTORED_BUCKETS = 128
 # The most buckets an int32 bucket id holds.
 MAX_BUCKETS = 2 ** 31 - 1
+# Positions hashed at a time (`hash_buckets`).
+HASH_CHUNK = 4096
 
 
 def default_n_buckets(length: int, chunk_len: int) -> tuple[int, ...]:
@@ -99,16 +101,42 @@ def _permute_bwd(residuals, ct):
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def hash_buckets(x: jax.Array, rotations: Sequence[jax.Array]) -> jax.Array:
-    """Angular LSH buckets of ``x: [batch, length, d]``: int32 ``[batch, length]`` in
-    ``[0, prod(n_f))``, mixed radix over the factors, one rotation ``[d, n_f / 2]`` each:
-    ``argmax([x R; -x R])`` (Kitaev et al., 2020, section 3). Not differentiated."""
-    x = lax.stop_gradient(x).astype(jnp.float32)
+def _hash_rows(x: jax.Array, rotations: Sequence[jax.Array]) -> jax.Array:
+    x = x.astype(jnp.float32)
     buckets = jnp.zeros(x.shape[:2], jnp.int32)
     for rotation in rotations:
         rotated = jnp.einsum("bld,dr->blr", x, rotation)
         factor = jnp.argmax(jnp.concatenate([rotated, -rotated], axis=-1), axis=-1)
         buckets = buckets * (2 * rotation.shape[-1]) + factor.astype(jnp.int32)
+    return buckets
+
+
+def hash_buckets(x: jax.Array, rotations: Sequence[jax.Array]) -> jax.Array:
+    """Angular LSH buckets of ``x: [batch, length, d]``: int32 ``[batch, length]`` in
+    ``[0, prod(n_f))``, mixed radix over the factors, one rotation ``[d, n_f / 2]`` each:
+    ``argmax([x R; -x R])`` (Kitaev et al., 2020, section 3). Not differentiated.
+
+    Each position hashes alone, so the positions go `HASH_CHUNK` at a time (a
+    ``lax.fori_loop`` writing the ids in place): the rotated ``[batch, chunk, n_f]``
+    values exist one chunk at a time, not ``[batch, length, n_f]`` (2 GiB at 1,048,576
+    tokens and 128 buckets a factor)."""
+    x = lax.stop_gradient(x)
+    batch, length = x.shape[:2]
+    if length <= HASH_CHUNK:
+        return _hash_rows(x, rotations)
+    n_full, rest = divmod(length, HASH_CHUNK)
+
+    def chunk(i, buckets):
+        start = i * HASH_CHUNK
+        rows = lax.dynamic_slice_in_dim(x, start, HASH_CHUNK, axis=1)
+        return lax.dynamic_update_slice_in_dim(buckets, _hash_rows(rows, rotations), start,
+                                               axis=1)
+
+    buckets = lax.fori_loop(0, n_full, chunk, jnp.zeros_like(x, shape=(batch, length),
+                                                            dtype=jnp.int32))
+    if rest:
+        tail = _hash_rows(x[:, n_full * HASH_CHUNK:], rotations)
+        buckets = lax.dynamic_update_slice_in_dim(buckets, tail, n_full * HASH_CHUNK, axis=1)
     return buckets
 
 
@@ -136,5 +164,5 @@ def sort_order(buckets: jax.Array, n_buckets: int) -> tuple[jax.Array, jax.Array
 # ------------------------------------------------------------------------------------------
 
 
-__all__ = ["MAX_BUCKETS", "MAX_UNFACTORED_BUCKETS", "check_n_buckets", "default_n_buckets",
-           "hash_buckets", "permute", "sort_order"]
+__all__ = ["HASH_CHUNK", "MAX_BUCKETS", "MAX_UNFACTORED_BUCKETS", "check_n_buckets",
+           "default_n_buckets", "hash_buckets", "permute", "sort_order"]

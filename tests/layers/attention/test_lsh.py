@@ -300,3 +300,20 @@ def test_empty_inputs_and_a_prompt_longer_than_the_cache_fail_with_one_line():
     _, cache = decode.init(jax.ShapeDtypeStruct((1, 1, D), jnp.float32), jax.random.key(0))
     with pytest.raises(tl.LayerError, match="cache of batch 1 and 4 positions"):
         decode.pure_fn(jnp.zeros((1, 6, D)), weights, cache, None)
+
+
+@pytest.mark.parametrize("length", [64, 70])
+def test_hashing_in_chunks_of_positions_gives_the_whole_lengths_buckets(monkeypatch, length):
+    from revtrain.layers.attention import lsh_hashing
+    qk = jax.random.normal(jax.random.key(3), (2, length, 8))
+    rotations = [jax.random.normal(jax.random.key(4), (8, 4)),
+                 jax.random.normal(jax.random.key(5), (8, 2))]
+    whole = lsh_hashing.hash_buckets(qk, rotations)
+    monkeypatch.setattr(lsh_hashing, "HASH_CHUNK", 16)
+    np.testing.assert_array_equal(jax.jit(lsh_hashing.hash_buckets)(qk, rotations), whole)
+    mesh = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])
+    spec = jax.sharding.PartitionSpec("batch")
+    sharded = jax.jit(jax.shard_map(lambda x: lsh_hashing.hash_buckets(x, rotations),
+                                    mesh=mesh, in_specs=spec, out_specs=spec))
+    placed = jax.device_put(qk, jax.sharding.NamedSharding(mesh, spec))
+    np.testing.assert_array_equal(sharded(placed), whole)
