@@ -140,6 +140,8 @@ class _FusedLoss(Layer):
                 or not jnp.issubdtype(targets.dtype, jnp.integer)):
             return self._unfused(x, weights, state)
         prefix, dense, log_softmax, loss = self._layers
+        if prefix is not None and targets.size == 0:  # Nothing to chunk: the Chunk's rules.
+            return self._unfused(x, weights, state)
         prefix_weights, dense_weights = weights[0], weights[1]
 
         def per_position(*chunk_rows):
@@ -155,14 +157,24 @@ class _FusedLoss(Layer):
                 flat_targets)
         vocab_size = dense_weights[0].shape[-1]
         n_chunks = chunk_count(targets.size, vocab_size, loss.n_chunks)
-        if prefix is not None and targets.ndim >= 2:  # At most the Chunk's positions each.
+        if prefix is not None and targets.ndim >= 2:
             per_chunk = targets.size // targets.shape[1] * prefix.chunk_size_for(
                 targets.shape[1])
-            n_chunks = max(n_chunks, -(-targets.size // per_chunk))
-            while targets.size % n_chunks:  # Equal chunks: the next divisor up.
-                n_chunks += 1
+            n_chunks = _prefix_chunk_count(targets.size, vocab_size, max(
+                n_chunks, -(-targets.size // per_chunk)))
         sums = chunked_weighted_sums(per_position, rows, flat_mask, n_chunks)
         return mean_from_sums(*sums), state
+
+
+def _prefix_chunk_count(n_positions: int, vocab: int, wanted: int) -> int:
+    """Equal chunks of at most ``n_positions / wanted`` positions (the Chunk's size): the
+    first divisor of ``n_positions`` from ``wanted`` up to ``2 * wanted``; where there is
+    none (a prime length), `chunk_count`'s largest divisor below, so the chunks stay few
+    (and larger than the Chunk's)."""
+    for n in range(wanted, min(2 * wanted, n_positions) + 1):
+        if n_positions % n == 0:
+            return n
+    return chunk_count(n_positions, vocab, wanted)
 
 
 def _leaves(layers: Sequence[Layer], prefix: Path = ()) -> list[tuple[Path, Layer]]:

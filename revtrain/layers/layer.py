@@ -93,10 +93,18 @@ class Layer:
     position of its ``[batch, length, ...]`` input alone, ignoring its rng and keeping no
     state, so any slice of positions can be computed by itself: `LayerNorm`, `Dense` and
     element-wise activations set it, and a half-residual's reverse then runs over chunks
-    of positions (`revtrain.layers.position_chunks`).
+    of positions (`revtrain.layers.position_chunks`), and a fused loss computes a
+    `revtrain.layers.Chunk` of them chunk by chunk (`revtrain.layers.fused_head`). It is
+    not inherited: a subclass (which may read its rng or mix positions) is position-wise
+    only where its own class body says ``position_wise = True`` again.
     """
 
     position_wise: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "position_wise" not in cls.__dict__:  # A subclass must say it again.
+            cls.position_wise = False
 
     def __new__(cls, *args, **kwargs):
         obj = super().__new__(cls)

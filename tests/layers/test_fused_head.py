@@ -246,3 +246,30 @@ def test_the_fused_chunk_keeps_the_loss_program_free_of_full_length_features():
     features = b * s * 2 * d * 4  # The [batch, length, 2 * d_model] features, float32.
     print(f"loss program temporaries: {m.temp_size_in_bytes / features:.2f} feature buffers")
     assert m.temp_size_in_bytes < 0.25 * features  # Was 3 buffers with the Chunk outside.
+
+
+def test_an_empty_batch_and_a_prime_length_keep_the_unfused_answers():
+    from revtrain.layers.fused_head import _prefix_chunk_count
+    layers = [tl.Chunk(tl.Serial(tl.Concatenate(), tl.LayerNorm()), 4), tl.Dense(V),
+              tl.LogSoftmax(), tl.CrossEntropyLoss()]
+    fused = tl.fuse_loss_heads(tl.Serial(*layers))
+    x = np.zeros((0, 10, 8), np.float32)
+    batch = (x, x, np.zeros((0, 10), np.int32), np.zeros((0, 10), np.float32))
+    fused.init(tuple(SDS(a.shape, a.dtype) for a in batch))
+    assert float(fused(batch)) == 0.0
+    assert _prefix_chunk_count(32768, V, 32) == 32
+    assert _prefix_chunk_count(30, V, 7) == 10  # The next divisor up, within 2x.
+    assert _prefix_chunk_count(32749, V, 32) == 1  # Prime: no divisor near; few chunks.
+
+
+def test_a_subclass_of_a_position_wise_layer_is_not_absorbed_unless_it_says_so():
+    class NoisyNorm(tl.LayerNorm):  # Might read its rng: it did not say position_wise.
+        pass
+
+    class PlainNorm(tl.LayerNorm):
+        position_wise = True
+
+    assert not NoisyNorm.position_wise and PlainNorm.position_wise
+    head = [tl.Dense(V), tl.LogSoftmax(), tl.CrossEntropyLoss()]
+    assert len(find_heads([tl.Chunk(NoisyNorm(), 4), *head])[0]) == 3
+    assert len(find_heads([tl.Chunk(PlainNorm(), 4), *head])[0]) == 4

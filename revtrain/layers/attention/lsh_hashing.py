@@ -132,8 +132,12 @@ def hash_buckets(x: jax.Array, rotations: Sequence[jax.Array]) -> jax.Array:
         return lax.dynamic_update_slice_in_dim(buckets, _hash_rows(rows, rotations), start,
                                                axis=1)
 
-    buckets = lax.fori_loop(0, n_full, chunk, jnp.zeros_like(x, shape=(batch, length),
-                                                            dtype=jnp.int32))
+    # The carry takes the first chunk's type: inside shard_map it varies over the mesh
+    # axes that x or the rotations vary over.
+    first = _hash_rows(x[:, :HASH_CHUNK], rotations)
+    buckets = lax.dynamic_update_slice_in_dim(jnp.zeros_like(first, shape=(batch, length)),
+                                              first, 0, axis=1)
+    buckets = lax.fori_loop(1, n_full, chunk, buckets)
     if rest:
         tail = _hash_rows(x[:, n_full * HASH_CHUNK:], rotations)
         buckets = lax.dynamic_update_slice_in_dim(buckets, tail, n_full * HASH_CHUNK, axis=1)

@@ -21,6 +21,11 @@ schedule early -- the bytes of its random draws, `random_draw_bytes` -- outweigh
 stack items it would copy (`reverse_in_turn`): a dropout model of short sequences keeps
 its masks apart, a long sequence keeps its streams uncopied.
 (`jax.lax.optimization_barrier` does neither on CPU: it is removed before fusion.)
+
+Results: on one device the scanned reverse gives bitwise the per-layer programs' values
+whichever layers run in turn; with FSDP, a reverse outside a conditional lets XLA fuse
+the gathered weights' use otherwise, so the two agree to float rounding (as the
+trainers' invariance tests require).
 """
 
 from __future__ import annotations

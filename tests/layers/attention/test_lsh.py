@@ -317,3 +317,18 @@ def test_hashing_in_chunks_of_positions_gives_the_whole_lengths_buckets(monkeypa
                                     mesh=mesh, in_specs=spec, out_specs=spec))
     placed = jax.device_put(qk, jax.sharding.NamedSharding(mesh, spec))
     np.testing.assert_array_equal(sharded(placed), whole)
+
+
+def test_hashing_in_chunks_takes_the_rotations_varying_axes(monkeypatch):
+    from revtrain.layers.attention import lsh_hashing
+    monkeypatch.setattr(lsh_hashing, "HASH_CHUNK", 4)
+    P = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh((2,), ("m",), devices=jax.devices()[:2])
+    x = jax.random.normal(jax.random.key(6), (2, 16, 8))
+    rotations = jax.random.normal(jax.random.key(7), (2, 8, 4))
+    hashed = jax.jit(jax.shard_map(lambda x, r: lsh_hashing.hash_buckets(x, [r[0]])[None],
+                                   mesh=mesh, in_specs=(P(), P("m")), out_specs=P("m")))
+    got = hashed(jax.device_put(x, jax.sharding.NamedSharding(mesh, P())),
+                 jax.device_put(rotations, jax.sharding.NamedSharding(mesh, P("m"))))
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(got)[i], lsh_hashing._hash_rows(x, [rotations[i]]))
