@@ -34,7 +34,8 @@ LayerNorm))`` over its two residual streams. Each loss chunk then computes its o
 normalised features from the streams' rows, so neither the ``[batch, length, 2 * d_model]``
 features nor their cotangent exist at full length (the loss program of a block trainer
 holds the streams, their cotangents and one chunk's temporaries). Its chunks are at most
-the `Chunk`'s ``batch * chunk_size`` positions. None of these
+the `Chunk`'s ``batch * chunk_size`` positions where the position count has a divisor
+near that (`_prefix_chunk_count`); at a prime count they are fewer and larger. None of these
 layers reads its mode, rng or state (their state is ``()``), and each computes every
 position from that position alone, so chunking positions changes only the order of the
 final float32 sums: the fused value and gradients equal the unfused ones to float
