@@ -1,7 +1,7 @@
 """Where a step's time goes: per-phase seconds and dropout-mask generation alone.
 
 `PhaseTimer` is a trainer observer (``on_phase`` / ``on_dispatch``, the public observer
-protocol of `revtrain.trainers.protocols`): before each compiled-function dispatch it waits
+protocol of `revtrain.trainers.common.protocols`): before each compiled-function dispatch it waits
 for that call's inputs (``jax.block_until_ready``), so the time since the previous wait is
 the device time of the work the call depends on, and it books that time to the phase the
 step was in. Waiting serialises dispatches that would otherwise overlap, so phase times are

@@ -29,6 +29,7 @@ PACKAGES = [
     ("revtrain.layers.attention", "attention.md", "Attention"),
     ("revtrain.models", "models.md", "Models"),
     ("revtrain.trainers", "trainers.md", "Trainers"),
+    ("revtrain.trainers.common", "trainers_common.md", "What the trainers share"),
     ("revtrain.trainers.block", "block.md", "The block step"),
     ("revtrain.parallel", "parallel.md", "Placement and parallelism"),
     ("revtrain.training", "training.md", "Training loop, checkpoints, decoding"),

@@ -109,3 +109,42 @@ def test_find_cycle(graph, cycle):
 def test_from_imports_resolve_to_the_submodule_when_there_is_one():
     assert "revtrain.layers.combinators" in imports_of("revtrain.layers")
     assert "revtrain.layers" not in imports_of("revtrain.layers.combinators")
+
+
+def _package_docstring_misses(package: str) -> list[str]:
+    """The direct submodules and subpackages of ``package`` that its docstring does not name
+    (as `` `name` `` or ``name/``), private modules aside."""
+    path = MODULES[package]
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    children = sorted({m.split(".")[len(package.split("."))] for m in MODULES
+                       if m.startswith(package + ".")})
+    return [c for c in children if not c.startswith("_")
+            and f"`{c}`" not in doc and f"{c}/" not in doc
+            and f"`{package}.{c}`" not in doc]
+
+
+PACKAGES = sorted(name for name in MODULES if _is_package(name) and name != "revtrain")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_docstring_names_its_modules(package):
+    missing = _package_docstring_misses(package)
+    assert not missing, (f"{package}'s docstring (its map) does not name {missing}; "
+                         f"add a line for each to {MODULES[package].relative_to(ROOT)}")
+
+
+def test_trainers_common_does_not_import_the_floors_above_it():
+    above = ("revtrain.trainers.block", "revtrain.trainers.trainer",
+             "revtrain.trainers.reversible", "revtrain.trainers.memory_efficient")
+    for name in MODULES:
+        if name.startswith("revtrain.trainers.common"):
+            bad = sorted(m for m in imports_of(name)
+                         if m.startswith(above) or m == "revtrain.trainers")
+            assert not bad, f"{name} imports {bad}, a floor above trainers.common"
+
+
+def test_trainers_has_three_floors():
+    entries = sorted(p.name for p in (PACKAGE / "trainers").iterdir()
+                     if p.name != "__pycache__")
+    assert entries == ["__init__.py", "block", "common", "memory_efficient.py",
+                       "reversible.py", "trainer.py"]

@@ -2,7 +2,15 @@
 
 Every stream yields numpy batches `(inputs, targets, weights)` holding this process's rows
 of a global batch; language-model data is already shifted (`inputs = w[:-1]`,
-`targets = w[1:]`). See `revtrain.data.inputs` for the contract.
+`targets = w[1:]`).
+
+- `inputs`: the stream contract, `Batch` and `Inputs`;
+- `batching`: global batches, per-process slices and language-model windows;
+- `corpus`: the text of the language-model streams (local files or the embedded default);
+- `text`: the language-model stream over local text (`TextFiles`);
+- `tfds`: streams from TensorFlow Datasets (the optional ``tfds`` extra);
+- `synthetic`: the copy task and uniform random tokens;
+- `tokenizers`: text to token ids and back (bytes, SentencePiece).
 """
 
 from revtrain.data.batching import ProcessSlice, lm_batch

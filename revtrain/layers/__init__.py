@@ -1,4 +1,21 @@
-"""revtrain.layers: Trax-style layers and combinators that pass data on a stack."""
+"""revtrain.layers: Trax-style layers and combinators that pass data on a stack.
+
+- the contract: `layer` (`Layer`, `pure_fn`), `base` (the vocabulary gathered), `stack`
+  (`inputs_from_stack` / `outputs_onto_stack`), `signatures` (shapes, `LayerError`),
+  `structure_keys` (when two layers compute the same function);
+- combinators: `combinators` (`Serial`, `Branch`, `Parallel`, `Residual`, ...), `scan`
+  (runs of equal layers as one ``lax.scan``), `remat` (`Remat`), `fn` (`Fn`, `PureLayer`);
+- core layers: `core` (`Dense`, `Embedding`, `Dropout`, ...), `activations`,
+  `normalization`, `conv`, `dropout_masks`, `position_tables`;
+- reversibility: `reversible` (`ReversibleSwap`, `ReversibleHalfResidual`,
+  `ReversibleSerial`), `blocks` (a model as reversible blocks), `position_chunks` (a
+  half-residual's reverse over chunks of positions);
+- `attention/`: causal, blockwise, ring and LSH attention; `sequence_parallel`: the length
+  axis over the ``seq`` mesh axis;
+- chunking and losses: `chunk` (`Chunk`, Reformer's chunked feed-forward), `metrics`
+  (losses and metrics as layers), `chunked_loss`, `projected_loss`, `fused_head` (no full
+  logits buffer).
+"""
 
 from revtrain.layers import sequence_parallel
 from revtrain.layers.activations import Gelu, LogSoftmax, Relu, Sigmoid, Softmax, Tanh

@@ -1,7 +1,8 @@
 """revtrain.models: reference models, each a function returning a layer.
 
-`ReversibleTransformerLM` (Reformer-style) and `TransformerLM` (its plain baseline) map
-token ids ``int32[batch, length]`` to log-probabilities; `RevNet` classifies NHWC images.
+- `transformer`: `ReversibleTransformerLM` (Reformer-style) and `TransformerLM` (its plain
+  baseline), token ids ``int32[batch, length]`` to log-probabilities;
+- `revnet`: `RevNet`, which classifies NHWC images.
 """
 
 from revtrain.models.revnet import RevNet

@@ -9,7 +9,9 @@ concept behind one face):
 - `rngs`: per-device, per-layer keys, split as `Serial` splits them (the invariance);
 - `collectives`: the FSDP weight gathers and gradient reductions inside a program;
 - `transfers`: host <-> device moves, replication, batched puts;
-- `inflight`: how many programs a multi-device CPU run may have queued at once.
+- `inflight`: how many programs a multi-device CPU run may have queued at once;
+- `cpu_collectives`: whether XLA's CPU client has threads enough for a program's
+  collectives, checked before it first runs.
 """
 
 from revtrain.parallel.batches import for_n_devices, reshape_by_device

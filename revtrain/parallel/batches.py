@@ -99,7 +99,7 @@ def device_weight_total(weights: Any | None, axis_name: str | tuple[str, ...]) -
     masks are exact up to 2**24 positions per device). For a batch without weights (None)
     the total is 1: every device has the same number of rows (and positions), so each
     device's share of the loss
-    (`revtrain.trainers.global_loss.loss_share`) is ``1 / devices`` either way, whatever
+    (`revtrain.trainers.common.global_loss.loss_share`) is ``1 / devices`` either way, whatever
     the stack holds. ``axis_name`` is the mesh axis, or axes, the batch is split over (the
     total varies over them: `revtrain.parallel.placement.Placement.device_axes`).
     """

@@ -1,11 +1,12 @@
-"""revtrain.trainers: three trainers with one `one_step` API.
+"""revtrain.trainers: three trainers with one `one_step` API, on three floors.
 
-- `trainer`: `Trainer`, plain data-parallel training of the whole model;
-- `reversible`, `memory_efficient`: `ReversibleSerialTrainer` and `MemoryEfficientTrainer`,
-  two configurations of the block trainer (`revtrain.trainers.block`), whose step is a plan
-  of ops run against a store of values;
-- `base`, `protocols`, `structure`, `updates`, `global_loss`: what the three share (the
-  contract, the optimizer update, the loss over the global batch).
+- top: `trainer` (`Trainer`, plain data-parallel training of the whole model), and
+  `reversible` and `memory_efficient` (`ReversibleSerialTrainer`, `MemoryEfficientTrainer`:
+  two configurations of the block trainer);
+- `block/`: the block trainer, whose step is a plan of ops run against a store of values;
+- `common/`: what all three share (the contract and protocols, `TrainerBase`, dispatch,
+  the learning rate, the optimizer update, the loss over the global batch, structure
+  checks). It imports neither floor above it.
 
 Where values live and how they move (mesh, `Placement`, batches, rngs, collectives,
 transfers) is `revtrain.parallel`, one floor below; its helpers are re-exported here, at
@@ -42,14 +43,14 @@ from revtrain.trainers.block import (
     build_schedule,
     find_runs,
 )
-from revtrain.trainers.memory_efficient import MemoryEfficientTrainer, MemoryLog
-from revtrain.trainers.protocols import (
+from revtrain.trainers.common.protocols import (
     DeviceFootprint,
     Observer,
     Params,
     TrainState,
 )
-from revtrain.trainers.protocols import Trainer as TrainerProtocol
+from revtrain.trainers.common.protocols import Trainer as TrainerProtocol
+from revtrain.trainers.memory_efficient import MemoryEfficientTrainer, MemoryLog
 from revtrain.trainers.reversible import ReversibleSerialTrainer
 from revtrain.trainers.trainer import Trainer
 

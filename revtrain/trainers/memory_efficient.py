@@ -63,9 +63,9 @@ from jax.sharding import Mesh
 from revtrain.layers.base import Layer
 from revtrain.layers.blocks import Block
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.base import OptimizerFn
+from revtrain.trainers.block.block_trainer import BlockTrainer
 from revtrain.trainers.block.host_store import HostStore
-from revtrain.trainers.block.trainer import BlockTrainer
+from revtrain.trainers.common.base import OptimizerFn
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from jax.sharding import Mesh
 from revtrain.layers.base import Layer
 from revtrain.layers.blocks import Block
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.base import OptimizerFn
+from revtrain.trainers.block.block_trainer import BlockTrainer
 from revtrain.trainers.block.device_store import DeviceStore
 from revtrain.trainers.block.plan import runs_of
-from revtrain.trainers.block.trainer import BlockTrainer
+from revtrain.trainers.common.base import OptimizerFn
 
 
 class ReversibleSerialTrainer(BlockTrainer):

@@ -17,10 +17,10 @@ from revtrain.parallel.batches import device_weight_total, for_n_devices
 from revtrain.parallel.collectives import REP, gather_weights, reduce_gradients
 from revtrain.parallel.placement import Placement
 from revtrain.parallel.rngs import StepKeys
-from revtrain.trainers.base import OptimizerFn, TrainerBase
-from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.protocols import DeviceFootprint, TrainState
-from revtrain.trainers.updates import apply_optimizer
+from revtrain.trainers.common.base import OptimizerFn, TrainerBase
+from revtrain.trainers.common.global_loss import check_scalar_loss, global_loss, loss_share
+from revtrain.trainers.common.protocols import DeviceFootprint, TrainState
+from revtrain.trainers.common.updates import apply_optimizer
 
 
 class Trainer(TrainerBase):
@@ -52,9 +52,9 @@ class Trainer(TrainerBase):
 
     Invariance: the loss is the weighted mean over the *global* batch, ``sum(w * loss) /
     sum(w)`` with ``w`` the batch's third item (each device's mean loss weighted by its
-    share of the total weight, `revtrain.trainers.global_loss.loss_share`), and the gradient is
-    the sum over devices of the gradients of those shares -- so losses, gradients and
-    updated weights do not depend on how many devices or processes the batch is split
+    share of the total weight, `revtrain.trainers.common.global_loss.loss_share`), and the
+    gradient is the sum over devices of the gradients of those shares -- so losses,
+    gradients and updated weights do not depend on how many devices or processes the batch is split
     over, nor on ``fsdp`` (the same per-device gradients are summed; only the order of
     the float32 additions may differ, ~1e-7 relative) -- dropout aside: each device draws
     its own masks, as in Trax. Layer state (e.g. BatchNorm statistics) is per device, as

@@ -1,4 +1,21 @@
-"""revtrain.training: the training loop, checkpoints, metrics, optimizers and schedules."""
+"""revtrain.training: the training loop, checkpoints, metrics, optimizers and schedules.
+
+- `train_lib`: `train`, the gin-configurable entry point of ``revtrain-train``;
+- `config`: the run configuration (`RunConfig`, `CheckpointConfig`, `EvalConfig`,
+  `LogConfig`); `validation`: its checks before anything is written;
+- `builder`: builds a run's model, trainer, loop, evaluator and decoder;
+- `loop`: `Loop`, which trains, evaluates, saves and logs; `loop_metrics`: its metric
+  window, progress bar and formatting; `interrupts`: a graceful stop on signals;
+- `optimizers`, `schedules`: the optax optimizer and learning-rate schedules;
+- `checkpoints/`: saving, retaining and restoring checkpoints (orbax);
+- `evaluation`: `Evaluator`; `eval_program`: ``revtrain-eval``'s continuous evaluation;
+- `decoding`: autoregressive decoding; `decode_program`: ``revtrain-decode``'s program;
+- the run directory: `run_directory` (its file names), `run_files` (safe small writes),
+  `run_lock` (one writer), `run_tokenizer` (the tokenizer record), `config_history`,
+  `metrics_writer` (JSON lines and TensorBoard), `write_failures` (one line per failed
+  write);
+- `barriers`: the one barrier of multi-process runs.
+"""
 
 from revtrain.training.builder import (
     BuiltModel,

@@ -43,7 +43,7 @@ import optax
 import tqdm
 
 from revtrain.data.inputs import Inputs
-from revtrain.trainers.protocols import Trainer as TrainerProtocol
+from revtrain.trainers.common.protocols import Trainer as TrainerProtocol
 from revtrain.training.barriers import barrier
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.checkpoints.resume import checkpoint_tree, restore_template, resume

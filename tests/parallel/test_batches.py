@@ -18,10 +18,11 @@ def weight_totals_by_device(batch, n_devices: int) -> np.ndarray:
     ``[d * batch // n_devices, (d + 1) * batch // n_devices)`` and its total is the sum of
     those rows' weights. A batch of fewer than three items has no weights: each device's
     total is its row count. The trainers weight each device's loss by its total over the
-    global sum (`revtrain.trainers.global_loss.loss_share`), so the loss is the weighted mean over
-    the global batch however it is split: ``sum(w * loss) / sum(w)``, the same number as
-    on one device. A weights item broadcast to the targets' shape counts each weight the
-    same number of times on every device, so its ratio of totals is unchanged.
+    global sum (`revtrain.trainers.common.global_loss.loss_share`), so the loss is the
+    weighted mean over the global batch however it is split: ``sum(w * loss) / sum(w)``,
+    the same number as on one device. A weights item broadcast to the targets' shape counts
+    each weight the same number of times on every device, so its ratio of totals is
+    unchanged.
 
     Args:
       batch: a tuple of arrays with a leading batch axis divisible by ``n_devices``.

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import layers as tl
 from revtrain import memory
 from revtrain.trainers import Trainer
-from revtrain.trainers.protocols import TrainState
+from revtrain.trainers.common.protocols import TrainState
 from revtrain.training import optimizer_fn
 from tests.fsdp_models import TRAINERS, blocks_and_loss, build
 from tests.trainers.conftest import LR_OVERRIDE, adam, make_batch

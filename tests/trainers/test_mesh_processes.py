@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from revtrain.trainers.protocols import TrainState
+from revtrain.trainers.common.protocols import TrainState
 from revtrain.training import Checkpointer
 from revtrain.training.checkpoints.trees import restore_targets
 from tests import mesh_models

@@ -8,7 +8,9 @@ Every layer here takes Trax's ``attention_type`` signature, so a model takes any
   over key blocks with a recomputing vjp;
 - `ring`: the same blocks over a sequence split across the ``seq`` mesh axis;
 - `lsh` (+ `lsh_chunks`, `lsh_rounds`, `lsh_hashing`): Reformer's shared-QK LSH attention;
-- `rotary`: rotary position embeddings applied to queries and keys.
+- `rotary`: rotary position embeddings applied to queries and keys;
+- `headwise`: attention as per-head stages (projections, a full-length core, output rows),
+  so the half-residual's chunked reverse runs the core one head at a time.
 """
 
 from revtrain.layers.attention.blockwise import blockwise_attention

@@ -8,18 +8,20 @@
 - `executor`: `run_step`, the one loop that runs a plan;
 - `stores`: where a step's values live (`ParamStore`, `StepValues`), with `DeviceStore`
   (`device_store`), `HostStore` (`host_store`) and stacked runs (`stacked`);
+- `donation`: a program gives the buffers it consumes (by field) to its outputs;
+- `turns`: keeping the layers of a scan body apart, each layer's work in its own turn;
 - `precompile`: compiling every program before the first step;
-- `trainer`: `BlockTrainer`, which `ReversibleSerialTrainer` and `MemoryEfficientTrainer`
-  configure.
+- `block_trainer`: `BlockTrainer`, which `ReversibleSerialTrainer` and
+  `MemoryEfficientTrainer` configure.
 """
 
+from revtrain.trainers.block.block_trainer import BlockTrainer
 from revtrain.trainers.block.device_store import DeviceStore
 from revtrain.trainers.block.host_store import HostStore
 from revtrain.trainers.block.plan import Op, OpKind, Run, build_schedule
 from revtrain.trainers.block.precompile import CompileTimes
 from revtrain.trainers.block.scan_programs import find_runs
 from revtrain.trainers.block.stores import HeldValues, ParamStore, StepValues, StoreFactory
-from revtrain.trainers.block.trainer import BlockTrainer
 
 __all__ = [
     "BlockTrainer", "CompileTimes", "DeviceStore", "HeldValues", "HostStore", "Op", "OpKind",

@@ -22,7 +22,7 @@ from revtrain.parallel.batches import for_n_devices
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import stacked
 from revtrain.trainers.block.plan import Run
-from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
+from revtrain.trainers.common.protocols import DeviceFootprint, Params, TrainState
 
 
 class DeviceStore:

@@ -4,9 +4,9 @@ Read this module with `revtrain.trainers.block.plan` (what the ops are) and
 `revtrain.trainers.block.ops` (what each op's program takes and gives): together they are
 the whole step. `run_step` hands each op to its kind's handler (`HANDLERS`, the one place
 that tells op kinds apart), which asks a `revtrain.trainers.block.stores.StepValues` for
-the op's values, calls its program through a `revtrain.trainers.dispatch.Dispatcher`, reads
+the op's values, calls its program through a `revtrain.trainers.common.dispatch.Dispatcher`, reads
 the program's typed outputs by name and hands the new values back. The
-`revtrain.trainers.dispatch.LiveDispatcher` runs the programs and tells the observers;
+`revtrain.trainers.common.dispatch.LiveDispatcher` runs the programs and tells the observers;
 precompilation passes a recording one
 (`revtrain.trainers.block.precompile.RecordingDispatcher`) and an abstract store, and the
 same walk traces every program without running anything.
@@ -46,7 +46,7 @@ from revtrain.trainers.block.ops import (
 )
 from revtrain.trainers.block.plan import Op, OpKind, PlannedOp, Run
 from revtrain.trainers.block.stores import StepValues
-from revtrain.trainers.dispatch import Dispatcher
+from revtrain.trainers.common.dispatch import Dispatcher
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from revtrain.parallel.placement import Placement
 from revtrain.parallel.transfers import delete_arrays
 from revtrain.trainers.block import stacked
 from revtrain.trainers.block.plan import Op, OpKind, Run, runs_of
-from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
+from revtrain.trainers.common.protocols import DeviceFootprint, Params, TrainState
 
 
 def _host_buffers(tree: Any) -> Any:

@@ -14,7 +14,7 @@ output; the argument and output types and the per-device bodies are
 it consumes (`revtrain.trainers.block.donation.Program`: the fields of `ops.CONSUMED`, and
 an updating program's `Params`), so pass-through items come back in their own buffers.
 
-Combining across devices (the data-parallel invariance; `revtrain.trainers.global_loss`):
+Combining across devices (the data-parallel invariance; `revtrain.trainers.common.global_loss`):
 the loss layer's cotangent on device ``d`` is its share ``W_d / sum W`` of the global batch
 weights, every cotangent flowing back carries that share, and the weight gradient is the
 *sum* over devices of the per-device gradients, never their mean. Weights enter each vjp as
@@ -43,7 +43,7 @@ from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import ops
 from revtrain.trainers.block.donation import Program
 from revtrain.trainers.block.plan import Op, OpKind
-from revtrain.trainers.updates import squared_norm
+from revtrain.trainers.common.updates import squared_norm
 
 # Per kind: the per-device body and the shard_map out-specs of its typed outputs.
 _GRAD_BODIES = {

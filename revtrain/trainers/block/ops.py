@@ -59,9 +59,9 @@ import optax
 from revtrain.layers.base import Layer
 from revtrain.parallel.batches import device_weight_total
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.protocols import Params
-from revtrain.trainers.updates import apply_optimizer, clip_by_given_global_norm
+from revtrain.trainers.common.global_loss import check_scalar_loss, global_loss, loss_share
+from revtrain.trainers.common.protocols import Params
+from revtrain.trainers.common.updates import apply_optimizer, clip_by_given_global_norm
 
 
 class ForwardArgs(NamedTuple):
@@ -318,7 +318,7 @@ def loss_grads(layer: Layer, args: LossArgs, weights: Any, index: jax.Array, *,
     """The loss layer's global loss, final-stack cotangent, new state and weight gradient,
     the loss combined over the mesh ``axes`` (`Placement.device_axes`): each device's
     cotangent is its share ``W_d / sum W`` of the global batch weights
-    (`revtrain.trainers.global_loss`)."""
+    (`revtrain.trainers.common.global_loss`)."""
     x, state = _squeeze(args.x), _squeeze(args.state)
     fn = lambda x_, w_: layer.pure_fn(x_, w_, state, _layer_key(args.rngs, index))
     loss, vjp_fn, new_state = jax.vjp(fn, x, weights, has_aux=True)

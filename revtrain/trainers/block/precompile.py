@@ -37,7 +37,7 @@ import numpy as np
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import stacked
 from revtrain.trainers.block.plan import Run
-from revtrain.trainers.protocols import DeviceFootprint, Params, TrainState
+from revtrain.trainers.common.protocols import DeviceFootprint, Params, TrainState
 
 
 class CompileTimes(NamedTuple):
@@ -63,7 +63,7 @@ def _sds(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
 
 
 class AbstractStore:
-    """A `revtrain.trainers.protocols.ParamStore` of abstract values (no buffers).
+    """A `revtrain.trainers.common.protocols.ParamStore` of abstract values (no buffers).
 
     Weights and slots are `jax.ShapeDtypeStruct` trees in the stores' sharding
     (`Placement.weight_shardings`: replicated, or FSDP-sharded), states
@@ -164,7 +164,7 @@ def abstract_batch(batch_signature: Sequence[Any], placement: Placement) -> tupl
 
 
 class RecordingDispatcher:
-    """A `revtrain.trainers.dispatch.Dispatcher` that runs nothing: it records each call
+    """A `revtrain.trainers.common.dispatch.Dispatcher` that runs nothing: it records each call
     and returns ``jax.eval_shape`` of it.
 
     ``jax.eval_shape`` gives outputs without shardings; the real outputs of the programs

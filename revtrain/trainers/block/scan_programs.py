@@ -73,8 +73,8 @@ from revtrain.trainers.block.ops import (
 )
 from revtrain.trainers.block.plan import Op, OpKind, Run
 from revtrain.trainers.block.turns import in_turn, reverse_in_turn
-from revtrain.trainers.protocols import Params
-from revtrain.trainers.updates import squared_norm
+from revtrain.trainers.common.protocols import Params
+from revtrain.trainers.common.updates import squared_norm
 
 
 def find_runs(layers: Sequence[Layer], block_sizes: Sequence[int]) -> tuple[Run, ...]:

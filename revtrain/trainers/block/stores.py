@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block.plan import Op
-from revtrain.trainers.protocols import (
+from revtrain.trainers.common.protocols import (
     DeviceFootprint,
     Params,
     Stack,

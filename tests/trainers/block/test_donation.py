@@ -13,7 +13,7 @@ from revtrain import layers as tl
 from revtrain import memory
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
 from revtrain.trainers.block import donation, ops
-from revtrain.trainers.protocols import Params
+from revtrain.trainers.common.protocols import Params
 from tests.trainers.conftest import (
     adam,
     flat_weights,

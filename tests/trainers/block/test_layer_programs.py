@@ -1,5 +1,5 @@
 """Tests for revtrain.trainers.block.layer_programs (sharing compiled programs) and
-revtrain.trainers.global_loss (the loss share)."""
+revtrain.trainers.common.global_loss (the loss share)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,7 +81,7 @@ def test_loss_share_is_each_devices_fraction_of_the_total_weight():
     from revtrain.parallel import transfers
     from revtrain.parallel.collectives import DEV
     from revtrain.parallel.placement import Placement, make_mesh
-    from revtrain.trainers.global_loss import loss_share
+    from revtrain.trainers.common.global_loss import loss_share
     mesh = make_mesh(4)
     shares = jax.jit(jax.shard_map(lambda w: loss_share(w[0])[None], mesh=mesh,
                                    in_specs=DEV, out_specs=DEV))

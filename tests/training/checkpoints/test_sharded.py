@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from revtrain.trainers.protocols import TrainState
+from revtrain.trainers.common.protocols import TrainState
 from revtrain.training import (
     CheckpointConfig,
     Checkpointer,

@@ -1,5 +1,5 @@
 """The optimizer update of a layer (or a whole model) and what feeds it: the injected
-learning rate (`revtrain.trainers.learning_rate`) and clipping by a given global gradient
+learning rate (`revtrain.trainers.common.learning_rate`) and clipping by a given global gradient
 norm.
 
 `Trainer` and the block trainers' programs update through `apply_optimizer`, so the
@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from revtrain.trainers.learning_rate import inject_learning_rate
+from revtrain.trainers.common.learning_rate import inject_learning_rate
 
 
 def apply_optimizer(optimizer: optax.GradientTransformation, grads: Any, weights: Any,
                     slots: Any, learning_rate: jax.Array | None) -> tuple[Any, Any]:
     """One optimizer update; sets the injectable learning rate first when one is given
-    (`revtrain.trainers.learning_rate.inject_learning_rate`)."""
+    (`revtrain.trainers.common.learning_rate.inject_learning_rate`)."""
     slots = inject_learning_rate(slots, learning_rate)
     updates, new_slots = optimizer.update(grads, slots, weights)
     return optax.apply_updates(weights, updates), new_slots

@@ -1,4 +1,4 @@
-"""Tests for revtrain.trainers.base: input checks shared by every trainer."""
+"""Tests for revtrain.trainers.common.base: input checks shared by every trainer."""
 import tracemalloc
 
 import jax
@@ -172,7 +172,7 @@ import jax
 import numpy as np
 from revtrain import layers as tl
 from tests.trainers.conftest import initialised_blocks, make_batch, signature
-from tests.trainers.test_base import _trainer
+from tests.trainers.common.test_base import _trainer
 
 failing = {"on": False}
 

@@ -3,7 +3,7 @@
 Every trainer -- `Trainer`'s one program per step and a block trainer's plan of per-layer
 or scanned programs alike -- calls its programs through a `Dispatcher`, which announces
 each dispatch and each phase (``'step_start'``, ``'loss_start'``, ``'backward_start'``,
-``'step_end'``) to the trainer's observers (`revtrain.trainers.protocols.Observer`: the
+``'step_end'``) to the trainer's observers (`revtrain.trainers.common.protocols.Observer`: the
 memory ledger of `revtrain.memory`, benchmarks). The `LiveDispatcher` runs the programs;
 precompilation swaps in one that only traces
 (`revtrain.trainers.block.precompile.RecordingDispatcher`), so the same walk of a step
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from revtrain.parallel.inflight import InflightLimit
 from revtrain.parallel.transfers import delete_arrays
-from revtrain.trainers.protocols import Observer
+from revtrain.trainers.common.protocols import Observer
 
 
 class Dispatcher(Protocol):

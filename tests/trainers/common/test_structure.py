@@ -1,4 +1,4 @@
-"""Tests for revtrain.trainers.structure."""
+"""Tests for revtrain.trainers.common.structure."""
 
 import numpy as np
 import pytest

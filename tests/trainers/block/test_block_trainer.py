@@ -1,5 +1,5 @@
-"""Tests for revtrain.trainers.block.trainer: exact global-norm clipping (``clip_global_norm``)
-and kept stack copies (``keep_every``) in both block trainers."""
+"""Tests for revtrain.trainers.block.block_trainer: exact global-norm clipping
+(``clip_global_norm``) and kept stack copies (``keep_every``) in both block trainers."""
 import jax
 import numpy as np
 import optax

@@ -93,7 +93,7 @@ class Trainer(Protocol):
     """What every revtrain trainer offers, and all the training loop relies on.
 
     `revtrain.trainers.Trainer`, `ReversibleSerialTrainer` and `MemoryEfficientTrainer`
-    implement it (through `revtrain.trainers.base.TrainerBase`); a custom trainer that
+    implement it (through `revtrain.trainers.common.base.TrainerBase`); a custom trainer that
     does can be driven by `revtrain.training.Loop`.
     """
 

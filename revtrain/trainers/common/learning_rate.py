@@ -6,7 +6,7 @@ and how it reaches the devices.
 step and the ones after, in every trainer alike: `check_learning_rate` validates the
 override on the host, `PlacedRate` puts it on the mesh once per change, and
 `inject_learning_rate` writes it into the optimizer state inside the compiled update
-(`revtrain.trainers.updates.apply_optimizer`). A rate that ``inject_hyperparams`` was given
+(`revtrain.trainers.common.updates.apply_optimizer`). A rate that ``inject_hyperparams`` was given
 as a schedule is not injectable: the schedule sets it at every update.
 """
 

@@ -31,7 +31,6 @@ from revtrain.layers.blocks import Block, blocks_to_layers
 from revtrain.layers.reversible import ReversibleLayer
 from revtrain.parallel.placement import Placement
 from revtrain.parallel.rngs import StepKeys
-from revtrain.trainers.base import OptimizerFn, TrainerBase
 from revtrain.trainers.block.executor import (
     BlockStep,
     StepInputs,
@@ -50,7 +49,8 @@ from revtrain.trainers.block.precompile import (
 )
 from revtrain.trainers.block.scan_programs import ScanProgramCache, find_runs
 from revtrain.trainers.block.stores import ParamStore, StoreFactory
-from revtrain.trainers.protocols import DeviceFootprint, TrainState
+from revtrain.trainers.common.base import OptimizerFn, TrainerBase
+from revtrain.trainers.common.protocols import DeviceFootprint, TrainState
 
 
 def _check_scan_window(scan_window: Any) -> None:
@@ -222,7 +222,7 @@ class BlockTrainer(TrainerBase):
     def saved_values(self, part: str) -> tuple:
         """One entry per flat layer of ``part`` as the store holds it, for a sharded
         checkpoint: global ``jax.Array`` s (sharded with ``fsdp``) or host arrays (see
-        `revtrain.trainers.protocols.ParamStore`)."""
+        `revtrain.trainers.common.protocols.ParamStore`)."""
         return self._store.saved_values(part)
 
     def value_shardings(self, part: str) -> tuple:

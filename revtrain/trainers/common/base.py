@@ -19,15 +19,15 @@ from revtrain.layers.base import Layer
 from revtrain.parallel import transfers
 from revtrain.parallel.inflight import InflightLimit
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.dispatch import LiveDispatcher
-from revtrain.trainers.learning_rate import (
+from revtrain.trainers.common.dispatch import LiveDispatcher
+from revtrain.trainers.common.learning_rate import (
     PlacedRate,
     check_learning_rate,
     has_injectable_learning_rate,
     learning_rate_of,
 )
-from revtrain.trainers.protocols import DeviceFootprint, Observer, TrainState
-from revtrain.trainers.structure import check_same_structure, lists_as_tuples
+from revtrain.trainers.common.protocols import DeviceFootprint, Observer, TrainState
+from revtrain.trainers.common.structure import check_same_structure, lists_as_tuples
 
 OptimizerFn = Callable[[], optax.GradientTransformation]
 
@@ -53,7 +53,7 @@ class TrainerBase:
       placement: the mesh and the layout of the values (`revtrain.parallel.placement`).
       learning_rate: the current injectable learning rate (float), or None when the
         optimizer has none.
-      observers: `revtrain.trainers.protocols.Observer` objects told of every dispatch of
+      observers: `revtrain.trainers.common.protocols.Observer` objects told of every dispatch of
         a compiled function and of each phase of a step (e.g. `revtrain.memory`'s ledger).
     """
 
