@@ -79,8 +79,8 @@ def check_sentencepiece_options(vocab_size: Any, model_type: Any,
 
 
 def _sentences(paths: PathLike | Sequence[PathLike] | None, label: Label) -> list[str]:
-    """The training sentences: the non-blank lines of each UTF-8 file (or of the embedded
-    corpus), at most `MAX_SENTENCE_BYTES` long.
+    """The training sentences: the non-blank lines of the UTF-8 files (or of the embedded
+    corpus), concatenated in order, at most `MAX_SENTENCE_BYTES` long.
 
     Raises:
       FileNotFoundError, IsADirectoryError: a path is not a file.
@@ -93,18 +93,29 @@ def _sentences(paths: PathLike | Sequence[PathLike] | None, label: Label) -> lis
                  else [default_corpus().decode("utf-8")])
     except ValueError as e:  # Not UTF-8: name the option that gave the file.
         raise ValueError(f"{label('paths')}: {e}") from e
-    lines = [line for text in texts for line in text.split("\n") if line.strip()]
+    # The files as one text, as before runs recorded their tokenizer: the same sentences,
+    # so a resumed run trains the same model.
+    lines = [line for line in "".join(texts).split("\n") if line.strip()]
     sentences = [line for line in lines if len(line.encode("utf-8")) <= MAX_SENTENCE_BYTES]
     if not sentences:
-        files = ", ".join(os.fspath(path) for path in paths or ["<the embedded corpus>"])
-        several = len(paths or [None]) > 1
-        reason, fix = ((f"every line is longer than SentencePiece's limit of "
-                        f"{MAX_SENTENCE_BYTES} bytes", "break the text into lines") if lines
-                       else ("they are" if several else "it is") + " empty or blank",
-                       "give text with at least one non-blank line")
-        raise ValueError(f"{label('paths')}: {files} {'hold' if several else 'holds'} no "
-                         f"text to train a tokenizer on ({reason}); {fix}")
+        raise _no_text(paths, bool(lines), label)
     return sentences
+
+
+def _no_text(paths: Sequence[PathLike] | None, long_lines: bool, label: Label
+             ) -> ValueError:
+    """The error for files that give no sentence: blank, or only ``long_lines``."""
+    several = len(paths or [None]) > 1
+    if long_lines:
+        reason = (f"every line is longer than SentencePiece's limit of {MAX_SENTENCE_BYTES} "
+                  f"bytes")
+        fix = "break the text into lines"
+    else:
+        reason = f"{'they are' if several else 'it is'} empty or blank"
+        fix = "give text with at least one non-blank line"
+    files = ", ".join(os.fspath(path) for path in paths or ["<the embedded corpus>"])
+    return ValueError(f"{label('paths')}: {files} {'hold' if several else 'holds'} no text "
+                      f"to train a tokenizer on ({reason}); {fix}")
 
 
 def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:

@@ -63,7 +63,9 @@ def test_empty_or_blank_text_names_the_files_and_the_option(files):
     with open(long_line, "w") as f:
         f.write("x" * 70_000)
     direct, _ = _both_routes(long_line, prefix)
-    assert "every line is longer than SentencePiece's limit of 65536 bytes" in direct
+    assert direct == (f"paths: {long_line} holds no text to train a tokenizer on (every "
+                      f"line is longer than SentencePiece's limit of 65536 bytes); break the "
+                      f"text into lines")
     assert _outputs(files) == []
 
 
