@@ -242,13 +242,16 @@ def _decode(fv: flags.FlagValues) -> int:
 def _read_prompts(path: str) -> list[str]:
     """The non-blank lines of ``--prompts_file``; a usage error when there are none, so
     nothing (no ``decoder_out`` file) is written."""
+    from revtrain.data.corpus import read_text_file
+
     try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "it is not UTF-8 text"
-        raise UsageError(f"--prompts_file={path}: {reason}; give a UTF-8 file of prompts, "
-                         f"one per line") from e
+        text = read_text_file(path).replace("\r\n", "\n").replace("\r", "\n")
+    except OSError as e:
+        raise UsageError(f"--prompts_file={path}: {e.strerror or e}; give a UTF-8 file of "
+                         f"prompts, one per line") from e
+    except ValueError as e:  # Not UTF-8: the message gives the byte offset and the fix.
+        raise UsageError(f"--prompts_file={path}: {e}") from e
+    prompts = [line for line in text.split("\n") if line.strip()]
     if not prompts:
         raise UsageError(f"--prompts_file={path} holds no prompt (it is empty or blank); "
                          f"give one prompt per line")

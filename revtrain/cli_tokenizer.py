@@ -3,7 +3,9 @@
 ``revtrain-tokenizer --input=a.txt [--input=...] --vocab_size=8000 --model_prefix=out/sp``
 writes ``out/sp.model`` with `revtrain.data.train_sentencepiece` (the embedded corpus
 without ``--input``). Errors are one line, ``revtrain-tokenizer: error: <message>``, exit
-status 2, as the other tools'.
+status 2, as the other tools', naming the flag to change; they come before SentencePiece
+runs where they can (a file that is not UTF-8 or holds no text, a ``--model_prefix`` that
+is a directory), and no model file is written.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from collections.abc import Sequence
 from absl import flags
 
 from revtrain.cli_common import UsageError, add_tool_flags, is_chief, run
+
+# How a user of this program sets each option of `revtrain.data.train_sentencepiece`.
+_FLAGS = {"paths": "--input", "model_prefix": "--model_prefix", "vocab_size": "--vocab_size",
+          "model_type": "--model_type"}
 
 
 def _train_tokenizer(fv: flags.FlagValues) -> int:
@@ -27,7 +33,7 @@ def _train_tokenizer(fv: flags.FlagValues) -> int:
             raise UsageError(f"--input={path}: no such file; give UTF-8 text files")
     try:
         path = train_sentencepiece(fv.input or None, fv.model_prefix, fv.vocab_size,
-                                   fv.model_type)
+                                   fv.model_type, option_names=_FLAGS)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
     if is_chief():

@@ -149,6 +149,14 @@ def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
             f"or blank); give one prompt per line"]
         with open(os.path.join(out, "decoder_out", "step_2.jsonl")) as f:
             assert json.loads(f.read()) == record
+    prompts.write_bytes("caf\u00e9\n".encode("latin-1"))  # Not UTF-8: the shared check.
+    assert cli.decode_main(["revtrain-decode", f"--output_dir={out}",
+                            f"--prompts_file={prompts}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"revtrain-decode: error: --prompts_file={prompts}: text file '{prompts}' is not "
+        f"UTF-8: byte offset 3 (line 1) holds 0xe9, invalid continuation byte; convert the "
+        f"file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8 for Latin-1 text) or give a UTF-8 "
+        f"text file"]
     # No --max_new_bytes: as far as the 16-position cache allows after 'def ', with a note.
     assert cli.decode_main(["revtrain-decode", f"--output_dir={out}", "--prompt=def "]) == 0
     printed = capsys.readouterr()

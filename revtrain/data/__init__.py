@@ -16,6 +16,7 @@ of a global batch; language-model data is already shifted (`inputs = w[:-1]`,
 from revtrain.data.batching import ProcessSlice, lm_batch
 from revtrain.data.corpus import default_corpus
 from revtrain.data.inputs import Batch, Inputs, StreamInputs
+from revtrain.data.sentencepiece_training import train_sentencepiece, trained_sentencepiece
 from revtrain.data.synthetic import CopyTask, SyntheticSequences
 from revtrain.data.text import TextFiles
 from revtrain.data.tfds import TFDS
@@ -23,8 +24,6 @@ from revtrain.data.tokenizers import (
     ByteTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
-    train_sentencepiece,
-    trained_sentencepiece,
 )
 
 __all__ = [

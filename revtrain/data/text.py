@@ -73,6 +73,7 @@ class TextFiles(Inputs):
 
         Args:
           paths: Text files, concatenated in order; None or empty uses `default_corpus()`.
+            UTF-8 with a subword tokenizer; any bytes with `ByteTokenizer`.
           sequence_length: Tokens per example, `length` (windows hold `length + 1` bytes).
           batch_size: The global batch size; must divide by the process count.
           seed: Seed of the train offsets.
@@ -85,8 +86,9 @@ class TextFiles(Inputs):
         Raises:
           FileNotFoundError: A path does not exist (IsADirectoryError: names a directory).
           TypeError: `tokenizer` is not a `Tokenizer`.
-          ValueError: A bad argument (e.g. a negative seed), or a part of the corpus
-            shorter than one window.
+          ValueError: A bad argument (e.g. a negative seed), a part of the corpus shorter
+            than one window, or, with a subword tokenizer (which decodes the text), a file
+            that is not UTF-8 (`revtrain.data.corpus.check_utf8`).
         """
         if sequence_length < 1:
             raise ValueError(f"sequence_length={sequence_length} must be >= 1")
@@ -98,7 +100,7 @@ class TextFiles(Inputs):
         self.sequence_length = int(sequence_length)
         self.seed = batching.check_seed(seed)
         self.shard = batching.ProcessSlice.create(batch_size, process_index, process_count)
-        data = np.frombuffer(read_corpus(paths), dtype=np.uint8)
+        data = np.frombuffer(read_corpus(paths, utf8=not self.byte_level), dtype=np.uint8)
         n_train = len(data) - int(round(len(data) * eval_fraction))
         if not self.byte_level:  # Both parts whole characters: no U+FFFD at the cut.
             while n_train < len(data) and data[n_train] & 0xC0 == 0x80:

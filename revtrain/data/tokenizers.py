@@ -7,9 +7,9 @@ Two tokenizers share one interface (`Tokenizer`):
 * `SentencePieceTokenizer`: a SentencePiece model file (Kudo and Richardson, 2018), the
   subword tokenizer of T5, Trax, Paxml and MaxText, through the ``sentencepiece`` package.
 
-`train_sentencepiece` trains a model file on local text with SentencePiece's own trainer
-(``revtrain-tokenizer`` on the command line); `trained_sentencepiece` returns a tokenizer
-trained in memory on the embedded corpus (or given files) when no model file is given.
+`revtrain.data.sentencepiece_training` trains models: `train_sentencepiece` writes a model
+file (``revtrain-tokenizer`` on the command line), `trained_sentencepiece` returns a
+tokenizer trained in memory.
 
 Bits per byte across tokenizers: `Tokenizer.token_bytes` gives the number of UTF-8 bytes
 each id stands for, so an evaluation can divide its summed loss by the bytes of the text
@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import abc
 import hashlib
-import io
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from revtrain.data.corpus import PathLike, read_corpus
+from revtrain.data.corpus import PathLike
 
 BYTE_VOCAB_SIZE = 256
 # The prefix SentencePiece writes for a space (U+2581, "lower one eighth block").
@@ -125,7 +124,12 @@ class ByteTokenizer(Tokenizer):
         return "ByteTokenizer()"
 
 
-def _import_sentencepiece() -> Any:
+def import_sentencepiece() -> Any:
+    """The ``sentencepiece`` module.
+
+    Raises:
+      ImportError: it is not installed, with the command that installs it.
+    """
     try:
         import sentencepiece
     except ImportError as err:  # A dependency of revtrain; missing only in odd installs.
@@ -185,7 +189,7 @@ class SentencePieceTokenizer(Tokenizer):
         return tokenizer
 
     def _load(self, serialized: bytes, what: str, fix: str) -> None:
-        spm = _import_sentencepiece()
+        spm = import_sentencepiece()
         if not serialized:
             raise ValueError(f"{what} (the file is empty); {fix}")
         processor = spm.SentencePieceProcessor()
@@ -255,118 +259,6 @@ def _model_fingerprint(serialized: bytes) -> str:
     for field in _TRAINING_ONLY:
         model.trainer_spec.ClearField(field)
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
-
-
-def _lines(text: bytes) -> list[str]:
-    """The non-blank lines of UTF-8 ``text``: SentencePiece's training sentences."""
-    return [line for line in text.decode("utf-8", errors="replace").split("\n")
-            if line.strip()]
-
-
-def _trainer_options(vocab_size: int, model_type: str) -> dict[str, Any]:
-    """Options of a lossless model: decoding gives back the encoded text exactly."""
-    return dict(vocab_size=int(vocab_size), model_type=model_type,
-                character_coverage=0.9995, byte_fallback=True,
-                normalization_rule_name="identity", remove_extra_whitespaces=False,
-                # No U+2581 before the first word of a text: decoding gives it back as is.
-                add_dummy_prefix=False,
-                split_digits=True, max_sentence_length=1 << 16,
-                # One thread: the trainer's result then depends only on its input.
-                num_threads=1, minloglevel=2)
-
-
-def _train_serialized(text: bytes, vocab_size: int, model_type: str) -> bytes:
-    """Trains a model on ``text`` with SentencePiece's trainer; returns its bytes.
-
-    Raises:
-      ValueError: ``vocab_size`` is too small (below the 256 byte pieces plus the 3
-        control pieces) or too large for the text (SentencePiece's message, on one line).
-    """
-    spm = _import_sentencepiece()
-    minimum = BYTE_VOCAB_SIZE + 3
-    if vocab_size < minimum:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than {minimum}: the 256 byte "
-                         f"pieces of byte fallback and <unk>, <s>, </s>; use a larger "
-                         f"vocab_size")
-    model = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(_lines(text)),
-                                       model_writer=model,
-                                       **_trainer_options(vocab_size, model_type))
-    except RuntimeError as e:
-        reason = " ".join(str(e).split())
-        raise ValueError(f"SentencePiece could not train a {model_type} model of "
-                         f"vocab_size={vocab_size}: {reason}") from e
-    return model.getvalue()
-
-
-def train_sentencepiece(paths: PathLike | Sequence[PathLike] | None, model_prefix: PathLike,
-                        vocab_size: int = 8000, model_type: str = "unigram") -> str:
-    """Trains a SentencePiece model on local text files; writes ``<model_prefix>.model``.
-
-    Each non-blank line of the files is one training sentence. The model is lossless
-    (identity normalisation, whitespace kept, no dummy prefix, the rarest 0.05% of
-    characters as byte pieces: byte fallback), so `Tokenizer.token_bytes` counts the bytes
-    of the text exactly. Training runs on one thread, so the same text and options give
-    the same model.
-
-    Args:
-      paths: text files (UTF-8), or None for the embedded default corpus
-        (`revtrain.data.default_corpus`).
-      model_prefix: output path without the ``.model`` suffix; its directory must exist.
-      vocab_size: number of pieces, at least 259 (256 bytes and 3 control pieces).
-      model_type: SentencePiece's ``'unigram'`` (its default) or ``'bpe'``.
-
-    Returns:
-      The path of the model file, ``<model_prefix>.model``.
-
-    Raises:
-      FileNotFoundError: an input file or the output directory does not exist.
-      ValueError: a ``vocab_size`` or ``model_type`` SentencePiece cannot train.
-    """
-    if model_type not in ("unigram", "bpe"):
-        raise ValueError(f"model_type={model_type!r} must be 'unigram' or 'bpe'")
-    path = f"{os.fspath(model_prefix)}.model"
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"model_prefix={os.fspath(model_prefix)!r}: the directory "
-                                f"{directory} does not exist; create it first")
-    serialized = _train_serialized(read_corpus(paths), vocab_size, model_type)
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:  # Whole or not at all: a crash never leaves half a model file.
-        with open(temporary, "wb") as f:
-            f.write(serialized)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-    return path
-
-
-def trained_sentencepiece(vocab_size: int = 2048, paths: PathLike | Sequence[PathLike]
-                          | None = None, model_file: PathLike | None = None,
-                          model_type: str = "unigram") -> SentencePieceTokenizer:
-    """A SentencePiece tokenizer: ``model_file`` when given, else one trained on the text.
-
-    Without ``model_file`` the model is trained in memory (`train_sentencepiece`'s options,
-    about a second on the 465 KB embedded corpus), deterministically, so a resumed run
-    trains the same model again; the run directory keeps a copy (``tokenizer.model``).
-
-    Args:
-      vocab_size: pieces of a trained model (ignored with ``model_file``).
-      paths: text to train on; None for the embedded default corpus.
-      model_file: an existing model; no training.
-      model_type: ``'unigram'`` or ``'bpe'`` for a trained model.
-
-    Raises:
-      FileNotFoundError, ValueError: as `SentencePieceTokenizer` and `train_sentencepiece`.
-    """
-    if model_file is not None:
-        return SentencePieceTokenizer(model_file)
-    serialized = _train_serialized(read_corpus(paths), vocab_size, model_type)
-    where = "the embedded corpus" if not paths else "the given files"
-    return SentencePieceTokenizer.from_serialized(
-        serialized, f"<trained on {where}, vocab_size={vocab_size}>")
 
 
 def check_tokenizer(tokenizer: Tokenizer | None, binding: str) -> Tokenizer:

@@ -103,3 +103,15 @@ def test_text_files_with_sentencepiece_keep_the_byte_split(sp_model):
 def test_text_files_refuse_something_that_is_not_a_tokenizer():
     with pytest.raises(TypeError, match=r"^TextFiles.tokenizer='bytes' is not a tokenizer"):
         TextFiles(tokenizer="bytes", process_index=0, process_count=1)
+
+
+def test_text_files_with_a_subword_tokenizer_refuse_text_that_is_not_utf8(sp_model,
+                                                                           tmp_path):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café naïve\n".encode("latin-1") * 20)
+    common = dict(paths=[latin1], sequence_length=4, batch_size=4, process_index=0,
+                  process_count=1)
+    with pytest.raises(ValueError, match=rf"^text file '{latin1}' is not UTF-8: byte offset "
+                                         rf"3 \(line 1\) holds 0xe9"):
+        TextFiles(tokenizer=SentencePieceTokenizer(sp_model), **common)
+    assert TextFiles(**common).train_bytes[3] == 0xE9  # Bytes are tokens: any bytes do.
