@@ -6,11 +6,14 @@ of a global batch; language-model data is already shifted (`inputs = w[:-1]`,
 
 - `inputs`: the stream contract, `Batch` and `Inputs`;
 - `batching`: global batches, per-process slices and language-model windows;
-- `corpus`: the text of the language-model streams (local files or the embedded default);
+- `corpus`: the text of the language-model streams (local files or the embedded default)
+  and the one UTF-8 check of text files;
 - `text`: the language-model stream over local text (`TextFiles`);
 - `tfds`: streams from TensorFlow Datasets (the optional ``tfds`` extra);
 - `synthetic`: the copy task and uniform random tokens;
-- `tokenizers`: text to token ids and back (bytes, SentencePiece).
+- `tokenizers`: text to token ids and back (bytes, SentencePiece);
+- `sentencepiece_training`: training a SentencePiece model, with one check of its options
+  for every route (Python, gin, `revtrain-tokenizer`).
 """
 
 from revtrain.data.batching import ProcessSlice, lm_batch

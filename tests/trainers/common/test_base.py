@@ -219,7 +219,8 @@ def test_restore_recovers_a_trainer_after_a_step_failed_on_the_device():
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    from tests.subprocesses import ROOT as root
     out = subprocess.run([sys.executable, "-c", _FAILED_STEP_SCRIPT], cwd=root,
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, JAX_PLATFORMS="cpu")).stdout
