@@ -59,9 +59,9 @@ def common_flags(output_dir_help: str) -> flags.FlagValues:
     flags.DEFINE_string("coordinator_address", None, "host:port of the JAX distributed "
                         "coordinator (process 0) for multi-host runs.", flag_values=fv)
     flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-host run.",
-                         flag_values=fv)
+                         flag_values=fv, lower_bound=1)
     flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run.",
-                         flag_values=fv)
+                         flag_values=fv, lower_bound=0)
     add_tool_flags(fv)
     return fv
 
