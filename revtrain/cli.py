@@ -205,6 +205,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 def _decode(fv: flags.FlagValues) -> int:
     from revtrain.data import ByteTokenizer
     from revtrain.training.decode_program import (
+        decode_length,
         decode_to_file,
         default_length_note,
         load_decoder,
@@ -216,9 +217,10 @@ def _decode(fv: flags.FlagValues) -> int:
         raise UsageError("give --prompt or --prompts_file, not both")
     prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [_prompt(fv.prompt)]
     output_dir, configs, _ = read_run(fv)
-    decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
-                                 fv.cache)
     tokenizer = read_run_tokenizer(output_dir) or ByteTokenizer()
+    # The cache holds what this decode needs, not the model's max_len (maybe 2**40).
+    decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
+                                 fv.cache, decode_length(prompts, fv.max_new_bytes, tokenizer))
     try:  # Every prompt's length, checked before any is decoded: a flag the user fixes.
         lengths = new_bytes_per_prompt(decoder, prompts, fv.max_new_bytes, tokenizer)
     except ValueError as e:

@@ -164,13 +164,18 @@ class CachedDecoder(_Sampling):
         whose attention caches ``max_len`` positions; initialised here for one sequence.
       weights: its weights (those of the train/eval model: the trees are the same).
       max_len: the cache length: prompt plus continuation must fit.
+      model_max_len: the model's own ``max_len`` when the cache was built shorter (what
+        one decode needs, `revtrain.training.decode_program.load_decoder`); default
+        ``max_len``.
 
     Per token: one ``[1, 1]`` forward pass, ``O(d_model^2 + d_model * d_ff + max_len *
     d_model)`` per layer (see the module docstring).
     """
 
-    def __init__(self, model: Layer, weights: Any, max_len: int):
+    def __init__(self, model: Layer, weights: Any, max_len: int,
+                 model_max_len: int | None = None):
         self.max_len = int(max_len)
+        self.model_max_len = int(model_max_len or max_len)
         _, self._initial_state = model.init(jax.ShapeDtypeStruct((1, 1), jnp.int32))
         self._weights = weights
 

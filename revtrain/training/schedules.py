@@ -53,8 +53,8 @@ def check_schedule(schedule: optax.Schedule, binding: str = "RunConfig.schedule"
     Raises:
       ValueError: naming ``binding``, the step and the rate.
     """
-    with jax.default_device(jax.devices("cpu")[0]):
-        rates = [float(np.float32(schedule(step))) for step in FIRST_STEPS]
+    with jax.default_device(jax.devices("cpu")[0]), np.errstate(over="ignore"):
+        rates = [float(np.float32(schedule(step))) for step in FIRST_STEPS]  # inf if > f32
     for step, rate in zip(FIRST_STEPS, rates, strict=True):
         if not (math.isfinite(rate) and rate >= 0):
             raise ValueError(f"{binding} gives the learning rate {rate:.6g} at step {step}; a "

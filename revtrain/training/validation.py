@@ -92,7 +92,7 @@ def check_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None
               f"is more than the {jax.local_device_count()} local devices")
     rate = arguments.get("schedule")
     if prefix == "RunConfig" and isinstance(rate, (int, float)) and not (
-            math.isfinite(rate) and rate > 0):
+            math.isfinite(rate) and 0 < rate <= float(np.finfo(np.float32).max)):  # f32 rates
         _fail(f"{prefix}.schedule", rate, "must be a finite number > 0")
     if prefix == "RunConfig" and callable(rate):  # Its first rates, before anything runs.
         check_schedule(rate, f"{prefix}.schedule")

@@ -52,6 +52,7 @@ def test_bad_arguments(call, match):
     (lambda step: 1e-3 / jnp.float32(abs(step - 1)), "gives the learning rate inf at step 1"),
     (lambda step: step * float("nan"), "gives the learning rate nan at step 0"),
     (lambda step: -1e-3, "gives the learning rate -0.001 at step 0"),
+    (lambda step: 1e39, "gives the learning rate inf at step 0"),  # Rates are float32.
     (lambda step: 0.0, r"gives the learning rate 0 at steps \[0, 1, 2, 3\]"),
 ])
 def test_a_schedule_is_evaluated_at_its_first_steps_when_the_run_is_configured(schedule,
