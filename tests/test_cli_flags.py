@@ -67,3 +67,17 @@ def test_define_real_keeps_its_interval_and_default():
                            r"\(0, 1\]"):
             fv(["prog", f"--rate={bad}"])
     assert "(a finite number in (0, 1])" in fv.get_help()
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("JAX_NUM_PROCESSES", "0", "environment variable JAX_NUM_PROCESSES='0' must be >= 1"),
+    ("JAX_PROCESS_ID", "-1", "environment variable JAX_PROCESS_ID='-1' must be >= 0"),
+])
+def test_the_environment_variables_of_the_process_flags_have_their_bounds(
+        tmp_path, capsys, monkeypatch, name, value, message):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
+    for each in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.setenv(each, value if each == name else "1" if "NUM" in each else "0")
+    argv = ["revtrain-train", f"--output_dir={tmp_path / 'run'}", "--config_file=copy_task.gin"]
+    assert cli.train_main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"revtrain-train: error: {message}"]
