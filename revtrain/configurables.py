@@ -130,7 +130,9 @@ def check_integer_bindings() -> None:
     value on unchanged: ``CopyTask.batch_size=4.5`` was truncated to 4 while ``config.gin``
     recorded 4.5, and ``'8'`` failed deep inside the model. A bool is not an integer here.
     Literal values and macros are checked; references (``@X``, ``@X()``) are not
-    evaluated; scoped bindings (``scope/X.y``) are not checked.
+    evaluated; scoped bindings (``scope/X.y``) are not checked. The entries of
+    ``RunConfig.trainer_kwargs`` are checked against ``RunConfig.trainer_class``'s
+    parameters of the same names.
 
     Raises:
       ValueError: in one line naming the first binding, its value, what it must be and
@@ -143,13 +145,33 @@ def check_integer_bindings() -> None:
             continue
         hints = {p.name: p.annotation for p in _parameters(constructor)}
         for parameter, value in bound.items():
-            value = _literal(value)
-            hint = hints.get(parameter)
-            if value is _REFERENCE or hint is None or _fits(hint, value) in (True, None):
-                continue
-            binding = f"{name}.{parameter}"
-            raise ValueError(f"{binding}={value!r} must be {_describe(hint)}; change the "
-                             f"gin binding {binding}")
+            _check_value(f"{name}.{parameter}", hints.get(parameter), _literal(value))
+    _check_trainer_kwargs()
+
+
+def _check_value(binding: str, hint: Any, value: Any, where: str = "") -> None:
+    """Raises the one-line ValueError of `check_integer_bindings` when ``value`` does not
+    fit an integer ``hint`` (``where``: what else the message names)."""
+    if value is _REFERENCE or hint is None or _fits(hint, value) in (True, None):
+        return
+    gin_binding = binding.split("[")[0]
+    raise ValueError(f"{binding}={value!r} must be {_describe(hint)}{where}; change the gin "
+                     f"binding {gin_binding}")
+
+
+def _check_trainer_kwargs() -> None:
+    """``RunConfig.trainer_kwargs`` entries against the bound trainer class's hints."""
+    run = gin.get_bindings("revtrain.training.RunConfig", resolve_references=False)
+    kwargs, trainer = _literal(run.get("trainer_kwargs")), run.get("trainer_class")
+    if not isinstance(kwargs, dict):
+        return
+    name = (trainer.configurable.name if isinstance(trainer, gin.config.ConfigurableReference)
+            else "Trainer")
+    constructor = next((c for (_, n), c in _CONFIGURABLES.items() if n == name), None)
+    hints = {p.name: p.annotation for p in _parameters(constructor)} if constructor else {}
+    for key, value in kwargs.items():
+        _check_value(f"RunConfig.trainer_kwargs[{key!r}]", hints.get(key), value,
+                     f" ({name}.{key})")
 
 
 # Every gin-configurable constructor by (gin module, name): `check_integer_bindings` reads

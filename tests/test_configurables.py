@@ -53,6 +53,12 @@ def test_every_integer_parameter_of_every_configurable_refuses_a_float_naming_it
      "RunConfig.mesh_shape={'data': 2.0} must be a mapping to integers or None"),
     (["CheckpointConfig.max_to_keep = 1.0"],
      "CheckpointConfig.max_to_keep=1.0 must be an integer or None"),
+    (["RunConfig.trainer_class = @ReversibleSerialTrainer",
+      "RunConfig.trainer_kwargs = {'keep_every': 2.5}"],
+     r"RunConfig.trainer_kwargs\['keep_every'\]=2.5 must be an integer or None "
+     r"\(ReversibleSerialTrainer.keep_every\); change the gin binding RunConfig.trainer_kwargs"),
+    (["RunConfig.trainer_kwargs = {'n_devices': '2'}"],
+     r"RunConfig.trainer_kwargs\['n_devices'\]='2' must be an integer or None \(Trainer"),
 ])
 def test_a_binding_that_is_not_an_integer_is_one_line_naming_it(bindings, message):
     gin.parse_config(bindings)
@@ -69,6 +75,7 @@ def test_integers_none_macros_and_references_pass():
         "LSHCausalAttention.n_buckets = [2, 4]", "LogConfig.profile_steps = (1, 2)",
         "RunConfig.mesh_shape = {'data': 2}", "RunConfig.schedule = @warmup_rsqrt_decay()",
         "RunConfig.model = @ReversibleTransformerLM", "warmup_rsqrt_decay.peak_value = 1e-3",
-        "optimizer_fn.b2 = 0.98",
+        "optimizer_fn.b2 = 0.98", "RunConfig.trainer_class = @MemoryEfficientTrainer",
+        "RunConfig.trainer_kwargs = {'n_async_layers': 2, 'free_accelerators_on_step': True}",
     ])
     configurables.check_integer_bindings()
