@@ -42,7 +42,6 @@ Each ``*_main(argv)`` builds its own flag set, so the tools can be called in-pro
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
@@ -64,6 +63,7 @@ from revtrain.cli_common import (  # noqa: F401  (logging_through_absl, parse_gi
     run,
     use_run_tokenizer,
 )
+from revtrain.cli_flags import MAX_SEED, define_real
 from revtrain.cli_saved_run import read_run
 from revtrain.cli_tokenizer import tokenizer_main
 from revtrain.training.run_directory import (
@@ -189,11 +189,10 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     flags.DEFINE_boolean("wait", False, "Keep polling for new checkpoints (and, first, for "
                          "the run's config.gin); exit after the run's final step "
                          "(train.steps) is evaluated.", flag_values=fv)
-    flags.DEFINE_float("poll_seconds", 10.0, "Seconds between looks for new checkpoints "
-                       "with --wait, in (0, 600].", flag_values=fv, lower_bound=0.001,
-                       upper_bound=600.0)
+    define_real("poll_seconds", 10.0, "Seconds between looks for new checkpoints with "
+                "--wait.", fv, lower=0.0, upper=600.0, lower_open=True)
     flags.DEFINE_integer("step", None, "Evaluate only the checkpoint of this step.",
-                         flag_values=fv)
+                         flag_values=fv, lower_bound=0)
     flags.DEFINE_string("split", None, "Evaluate only this eval split (default: all).",
                         flag_values=fv)
     flags.DEFINE_integer("eval_steps", None, "Eval batches per split (default: the run's "
@@ -206,6 +205,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 def _decode(fv: flags.FlagValues) -> int:
     from revtrain.data import ByteTokenizer
     from revtrain.training.decode_program import (
+        decode_length,
         decode_to_file,
         default_length_note,
         load_decoder,
@@ -213,16 +213,14 @@ def _decode(fv: flags.FlagValues) -> int:
     )
     from revtrain.training.run_tokenizer import read_run_tokenizer
 
-    if ((fv.max_new_bytes is not None and fv.max_new_bytes < 0)
-            or not math.isfinite(fv.temperature) or fv.temperature < 0):
-        raise UsageError("--max_new_bytes must be >= 0 and --temperature >= 0")
     if fv.prompts_file and fv["prompt"].present:
         raise UsageError("give --prompt or --prompts_file, not both")
-    prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [fv.prompt]
+    prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [_prompt(fv.prompt)]
     output_dir, configs, _ = read_run(fv)
-    decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
-                                 fv.cache)
     tokenizer = read_run_tokenizer(output_dir) or ByteTokenizer()
+    # The cache holds what this decode needs, not the model's max_len (maybe 2**40).
+    decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
+                                 fv.cache, decode_length(prompts, fv.max_new_bytes, tokenizer))
     try:  # Every prompt's length, checked before any is decoded: a flag the user fixes.
         lengths = new_bytes_per_prompt(decoder, prompts, fv.max_new_bytes, tokenizer)
     except ValueError as e:
@@ -237,6 +235,23 @@ def _decode(fv: flags.FlagValues) -> int:
             print(record["prompt"] + record["continuation"], flush=True)
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _prompt(prompt: str) -> str:
+    """``--prompt``, refused in one line when it is empty or not UTF-8 (argv bytes that
+    are not UTF-8 arrive as surrogates), before anything is loaded."""
+    if not prompt:
+        raise UsageError("--prompt is empty; give text to continue (--prompt='def '), or "
+                         "leave the flag out to continue a newline")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = os.fsencode(prompt)
+        offset = len(os.fsencode(prompt[:e.start]))
+        raise UsageError(f"--prompt is not UTF-8 text (byte 0x{raw[offset]:02x} at offset "
+                         f"{offset}); pass UTF-8 text, or the prompts in a UTF-8 file with "
+                         f"--prompts_file") from e
+    return prompt
 
 
 def _read_prompts(path: str) -> list[str]:
@@ -267,17 +282,17 @@ def decode_main(argv: Sequence[str] | None = None) -> int:
     flags.DEFINE_integer("max_new_bytes", None, "Bytes to generate, tokens for a run with "
                          "a subword tokenizer (default: as many as the model's key/value "
                          "cache holds after the prompt, at most 200; a note on stderr says "
-                         "how many).", flag_values=fv)
-    flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding, else the sampling "
-                       "temperature.", flag_values=fv)
+                         "how many).", flag_values=fv, lower_bound=0)
+    define_real("temperature", 0.0, "0 for greedy decoding, else the sampling "
+                "temperature.", fv, lower=0.0)
     flags.DEFINE_integer("top_k", None, "Sample among the k most likely bytes.",
                          flag_values=fv, lower_bound=1)
-    flags.DEFINE_float("top_p", None, "Nucleus sampling: the most likely bytes of this total "
-                       "probability.", flag_values=fv, lower_bound=0.0, upper_bound=1.0)
+    define_real("top_p", None, "Nucleus sampling: the most likely bytes of this total "
+                "probability.", fv, lower=0.0, upper=1.0, lower_open=True)
     flags.DEFINE_integer("seed", 0, "Seed for sampling (prompt i uses seed + i).",
-                         flag_values=fv)
+                         flag_values=fv, lower_bound=0, upper_bound=MAX_SEED)
     flags.DEFINE_integer("step", None, "Decode with this checkpoint (default: the newest).",
-                         flag_values=fv)
+                         flag_values=fv, lower_bound=0)
     flags.DEFINE_boolean("allow_random_init", False, "Decode with random weights when the "
                          "run has no checkpoint.", flag_values=fv)
     flags.DEFINE_boolean("cache", True, "Use the key/value cache (--nocache recomputes "

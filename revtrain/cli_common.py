@@ -59,9 +59,9 @@ def common_flags(output_dir_help: str) -> flags.FlagValues:
     flags.DEFINE_string("coordinator_address", None, "host:port of the JAX distributed "
                         "coordinator (process 0) for multi-host runs.", flag_values=fv)
     flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-host run.",
-                         flag_values=fv)
+                         flag_values=fv, lower_bound=1)
     flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run.",
-                         flag_values=fv)
+                         flag_values=fv, lower_bound=0)
     add_tool_flags(fv)
     return fv
 
@@ -144,8 +144,9 @@ def logging_through_absl(prog: str, fv: flags.FlagValues) -> Iterator[None]:
 def initialize_distributed(fv: flags.FlagValues) -> None:
     """Calls ``jax.distributed.initialize`` when flags or environment ask for it."""
     address = fv.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = fv.num_processes or _env_int("JAX_NUM_PROCESSES")
-    process_id = fv.process_id if fv.process_id is not None else _env_int("JAX_PROCESS_ID")
+    num_processes = fv.num_processes or _env_int("JAX_NUM_PROCESSES", 1)
+    process_id = (fv.process_id if fv.process_id is not None else
+                  _env_int("JAX_PROCESS_ID", 0))
     if not address and num_processes is None:
         return
     if not address or num_processes is None or process_id is None:
@@ -158,14 +159,19 @@ def initialize_distributed(fv: flags.FlagValues) -> None:
                                process_id=process_id)
 
 
-def _env_int(name: str) -> int | None:
+def _env_int(name: str, low: int) -> int | None:
+    """The integer environment variable ``name`` (None when unset), at least ``low``, as
+    the flag it stands for."""
     value = os.environ.get(name)
     if value is None:
         return None
     try:
-        return int(value)
+        number = int(value)
     except ValueError as e:
         raise UsageError(f"environment variable {name}={value!r} is not an integer") from e
+    if number < low:
+        raise UsageError(f"environment variable {name}={value!r} must be >= {low}")
+    return number
 
 
 def resolve_config_file(path: str) -> str:

@@ -49,7 +49,8 @@ def tokenizer_main(argv: Sequence[str] | None = None) -> int:
     flags.DEFINE_string("model_prefix", None, "Output path without '.model'.",
                         flag_values=fv)
     flags.DEFINE_integer("vocab_size", 8000, "Number of pieces (at least 259: 256 byte "
-                         "pieces and <unk>, <s>, </s>).", flag_values=fv)
+                         "pieces and <unk>, <s>, </s>).", flag_values=fv,
+                         lower_bound=259)
     flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "SentencePiece's model "
                       "type.", flag_values=fv)
     add_tool_flags(fv)

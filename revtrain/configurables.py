@@ -28,6 +28,14 @@ had before are errors naming their new binding.
 
 from __future__ import annotations
 
+import collections.abc
+import inspect
+import numbers
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
 import gin
 import jax.numpy as jnp
 
@@ -113,17 +121,133 @@ def check_bindings() -> None:
                                  f"one of them")
 
 
+def check_integer_bindings() -> None:
+    """Checks every value bound to an integer parameter of a registered constructor.
+
+    The integer parameters are read from the constructors' type hints (``int``, ``int |
+    None``, ``Sequence[int]``, ``tuple[int, int]``, ``Mapping[str, int]`` and unions of
+    them), so each new configurable is covered without a list to keep. Gin passes a bound
+    value on unchanged: ``CopyTask.batch_size=4.5`` was truncated to 4 while ``config.gin``
+    recorded 4.5, and ``'8'`` failed deep inside the model. A bool is not an integer here.
+    Literal values and macros are checked; references (``@X``, ``@X()``) are not
+    evaluated; scoped bindings (``scope/X.y``) are not checked. The entries of
+    ``RunConfig.trainer_kwargs`` are checked against ``RunConfig.trainer_class``'s
+    parameters of the same names.
+
+    Raises:
+      ValueError: in one line naming the first binding, its value, what it must be and
+        the binding to change, e.g. ``CopyTask.batch_size=4.5 must be an integer; change
+        the gin binding CopyTask.batch_size``.
+    """
+    for (module, name), constructor in _CONFIGURABLES.items():
+        bound = gin.get_bindings(f"{module}.{name}", resolve_references=False)
+        if not bound:
+            continue
+        hints = {p.name: p.annotation for p in _parameters(constructor)}
+        for parameter, value in bound.items():
+            _check_value(f"{name}.{parameter}", hints.get(parameter), _literal(value))
+    _check_trainer_kwargs()
+
+
+def _check_value(binding: str, hint: Any, value: Any, where: str = "") -> None:
+    """Raises the one-line ValueError of `check_integer_bindings` when ``value`` does not
+    fit an integer ``hint`` (``where``: what else the message names)."""
+    if value is _REFERENCE or hint is None or _fits(hint, value) in (True, None):
+        return
+    gin_binding = binding.split("[")[0]
+    raise ValueError(f"{binding}={value!r} must be {_describe(hint)}{where}; change the gin "
+                     f"binding {gin_binding}")
+
+
+def _check_trainer_kwargs() -> None:
+    """``RunConfig.trainer_kwargs`` entries against the bound trainer class's hints."""
+    run = gin.get_bindings("revtrain.training.RunConfig", resolve_references=False)
+    kwargs, trainer = _literal(run.get("trainer_kwargs")), run.get("trainer_class")
+    if not isinstance(kwargs, dict):
+        return
+    name = (trainer.configurable.name if isinstance(trainer, gin.config.ConfigurableReference)
+            else "Trainer")
+    constructor = next((c for (_, n), c in _CONFIGURABLES.items() if n == name), None)
+    hints = {p.name: p.annotation for p in _parameters(constructor)} if constructor else {}
+    for key, value in kwargs.items():
+        _check_value(f"RunConfig.trainer_kwargs[{key!r}]", hints.get(key), value,
+                     f" ({name}.{key})")
+
+
+# Every gin-configurable constructor by (gin module, name): `check_integer_bindings` reads
+# these.
+_CONFIGURABLES: dict[tuple[str, str], Callable] = {
+    **{(module, c.__name__): c for module, constructors in REGISTRY for c in constructors},
+    ("revtrain.training", "train"): train_lib.train}
+_REFERENCE = object()  # A binding to ``@X`` or ``@X()``: not a literal value.
+
+
+def _parameters(constructor: Callable) -> list[inspect.Parameter]:
+    return list(inspect.signature(constructor, eval_str=True).parameters.values())
+
+
+def _literal(value: Any) -> Any:
+    """A bound value with macros (``%NAME``) replaced by theirs; `_REFERENCE` for ``@X``."""
+    while isinstance(value, gin.config.ConfigurableReference):
+        if value.configurable.name != "macro":
+            return _REFERENCE
+        value = gin.query_parameter("%" + value.scoped_selector.rsplit("/", 1)[0])
+    return value
+
+
+def _fits(hint: Any, value: Any) -> bool | None:
+    """Whether ``value`` fits an integer type hint; None for a hint not built of
+    integers (``float``, ``str``, a callable...): not checked here."""
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        fits = [_fits(arg, value) for arg in args]
+        return None if None in fits else any(fits)
+    if origin in (collections.abc.Sequence, tuple, list):
+        items = {arg for arg in args if arg is not Ellipsis}
+        if len(items) != 1 or _fits(next(iter(items)), 0) is None:
+            return None
+        return isinstance(value, (tuple, list)) and all(_fits(*items, v) for v in value)
+    if origin in (collections.abc.Mapping, dict) and len(args) == 2:
+        if _fits(args[1], 0) is None:
+            return None
+        return isinstance(value, dict) and all(_fits(args[1], v) for v in value.values())
+    return None
+
+
+def _describe(hint: Any) -> str:
+    """``int | None`` -> ``an integer or None``; ``Sequence[int]`` -> ``a sequence of
+    integers``."""
+    if hint is int:
+        return "an integer"
+    if hint is type(None):
+        return "None"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin in (collections.abc.Mapping, dict):
+        return "a mapping to integers"
+    return f"a {'tuple' if origin is tuple else 'sequence'} of integers"
+
+
 def run_configs() -> dict[str, object]:
     """``{'run', 'eval_config', 'checkpoint', 'log'}`` built through gin (bindings applied).
 
-    Keyword arguments of `train` and of `revtrain.training.builder.build_loop`.
+    Keyword arguments of `train` and of `revtrain.training.builder.build_loop`. Every
+    integer binding is checked first (`check_integer_bindings`).
 
     Raises:
-      ValueError: for a field out of range (one line naming the binding).
+      ValueError: for a binding that is not an integer where one is expected, or a field
+        out of range (one line naming the binding).
     """
+    check_integer_bindings()
     names = ("run", "eval_config", "checkpoint", "log")
     return {name: _REGISTERED[cls]() for name, cls in zip(names, _CONFIG_CLASSES,
                                                            strict=True)}
 
 
-__all__ = ["ATTENTION_LAYERS", "CONSTANTS", "REGISTRY", "check_bindings", "run_configs", "train"]
+__all__ = ["ATTENTION_LAYERS", "CONSTANTS", "REGISTRY", "check_bindings",
+           "check_integer_bindings", "run_configs", "train"]

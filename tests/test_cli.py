@@ -114,6 +114,18 @@ def test_help_prints_flags(capsys):
     assert "--gin_bindings" in out and "--gin_file" in out and "--verbosity" in out
 
 
+def test_decode_of_a_model_of_huge_max_len_sizes_its_cache_to_the_decode(tmp_path, capsys):
+    out = str(tmp_path)
+    assert _train(out, "ReversibleTransformerLM.vocab_size=256", "RunConfig.inputs=@TextFiles",
+                  "TextFiles.sequence_length=8", "TextFiles.batch_size=4", "train.steps=1",
+                  "ReversibleTransformerLM.max_len=1099511627776") == 0  # 2**40
+    capsys.readouterr()
+    assert cli.decode_main(["revtrain-decode", f"--output_dir={out}", "--prompt=def ",
+                            "--max_new_bytes=3"]) == 0  # Not a MemoryError of 8 TiB.
+    with open(os.path.join(out, "decoder_out", "step_1.jsonl")) as f:
+        assert len(json.loads(f.read())["tokens"]) == 3
+
+
 def test_eval_and_decode_use_the_latest_checkpoint(tmp_path, capsys):
     out = str(tmp_path)
     lm = ["ReversibleTransformerLM.vocab_size=256", "RunConfig.inputs=@TextFiles",

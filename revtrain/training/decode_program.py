@@ -32,10 +32,27 @@ from revtrain.training.run_tokenizer import check_run_tokenizer, tokenizer_bindi
 from revtrain.training.write_failures import reporting_write_failures
 
 
+def decode_length(prompts: Sequence[str], max_new_bytes: int | None,
+                  tokenizer: Tokenizer | None = None) -> int:
+    """The tokens the longest of ``prompts`` plus its continuation take: the ``length`` to
+    size a decoder to (`load_decoder`). ``max_new_bytes=None`` counts `DEFAULT_NEW_BYTES`,
+    the most a default continuation takes (`new_bytes_for`)."""
+    tokenizer = tokenizer or ByteTokenizer()
+    longest = max(len(tokenizer.encode(prompt)) for prompt in prompts)
+    return longest + (DEFAULT_NEW_BYTES if max_new_bytes is None else max_new_bytes)
+
+
 def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
                  allow_random_init: bool = False, cache: bool = True,
-                 ) -> tuple[CachedDecoder | Decoder, int]:
+                 length: int | None = None) -> tuple[CachedDecoder | Decoder, int]:
     """The decoder of a run's checkpoint (default: the newest); returns it and the step.
+
+    The key/value cache (or the window) holds ``min(length, max_len)`` positions, not the
+    model's ``max_len``: decoding memory follows what is decoded. A model may accept
+    sequences far longer than any decode (``max_len=2**40`` trains, as its positions are
+    computed, not stored), whose full cache would not fit any memory. The predict-mode model
+    is then built with ``max_len=`` that length (a model that declares ``max_len`` takes it
+    as an argument, as the LMs of `revtrain.models` do; its weights do not depend on it).
 
     Args:
       run: the run's configuration (its model must be an LM on text data).
@@ -46,6 +63,8 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
         instead of failing.
       cache: decode with the key/value cache (`CachedDecoder`); False recomputes a
         sliding window (`Decoder`).
+      length: the longest prompt plus continuation to decode, in tokens
+        (`decode_length`); None for the model's ``max_len``.
 
     Raises:
       ValueError: the data is not text (has no tokenizer), its tokenizer is not the one
@@ -75,11 +94,16 @@ def load_decoder(run: RunConfig, output_dir: str, step: int | None = None,
     finally:
         checkpointer.close()
     weights, state = built.nest(values["weights"]), built.nest(values["state"])
-    # The model's max_len (else the training length) for both, so they see the same context.
-    max_len = getattr(built.model, "max_len", None) or built.batch_signature[0].shape[-1]
-    if cache:
-        return CachedDecoder(run.model(mode="predict"), weights, max_len), step or 0
-    return Decoder(run.model(mode="eval"), weights, state, max_len), step or 0
+    # The model's max_len (else the training length) for both, so they see the same context,
+    # cut to what this decode needs.
+    model_max_len = getattr(built.model, "max_len", None)
+    max_len = model_max_len or built.batch_signature[0].shape[-1]
+    size = max_len if length is None else max(1, min(length, max_len))
+    if not cache:
+        return Decoder(run.model(mode="eval"), weights, state, size), step or 0
+    sized = {"max_len": size} if model_max_len and size < model_max_len else {}
+    return (CachedDecoder(run.model(mode="predict", **sized), weights, size, max_len),
+            step or 0)
 
 
 def new_bytes_per_prompt(decoder: CachedDecoder | Decoder, prompts: Sequence[str],
@@ -114,9 +138,9 @@ def default_length_note(decoder: CachedDecoder | Decoder, lengths: Sequence[int]
                 f"{decoder.length} positions for every byte; --max_new_bytes sets another "
                 f"length")
     if high == DEFAULT_NEW_BYTES and low == high:
-        return (f"continuing {what} by {count} (the default; the model's key/value cache of "
-                f"{decoder.max_len} positions holds more); --max_new_bytes sets another "
-                f"length")
+        return (f"continuing {what} by {count} (the default; the model's max_len of "
+                f"{decoder.model_max_len} positions holds more); --max_new_bytes sets "
+                f"another length")
     return (f"continuing {what} by {count}: as far as the model's key/value cache of "
             f"{decoder.max_len} positions allows after the prompt (at most "
             f"{DEFAULT_NEW_BYTES}); --max_new_bytes sets a shorter length, --nocache "

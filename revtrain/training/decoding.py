@@ -21,6 +21,7 @@ decoding and Trax's ``autoregressive_sample`` offer.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,10 +66,11 @@ def sample_token(log_probs: jax.Array, rng: jax.Array, temperature: float = 0.0,
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raises a one-line ValueError for a negative temperature, top_k < 1 or top_p outside
-    (0, 1]."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
+    """Raises a one-line ValueError for a temperature that is negative, nan or inf, top_k < 1
+    or top_p outside (0, 1]."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 is "
+                         f"greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1 or None")
     if top_p is not None and not 0 < top_p <= 1:
@@ -162,13 +164,18 @@ class CachedDecoder(_Sampling):
         whose attention caches ``max_len`` positions; initialised here for one sequence.
       weights: its weights (those of the train/eval model: the trees are the same).
       max_len: the cache length: prompt plus continuation must fit.
+      model_max_len: the model's own ``max_len`` when the cache was built shorter (what
+        one decode needs, `revtrain.training.decode_program.load_decoder`); default
+        ``max_len``.
 
     Per token: one ``[1, 1]`` forward pass, ``O(d_model^2 + d_model * d_ff + max_len *
     d_model)`` per layer (see the module docstring).
     """
 
-    def __init__(self, model: Layer, weights: Any, max_len: int):
+    def __init__(self, model: Layer, weights: Any, max_len: int,
+                 model_max_len: int | None = None):
         self.max_len = int(max_len)
+        self.model_max_len = int(model_max_len or max_len)
         _, self._initial_state = model.init(jax.ShapeDtypeStruct((1, 1), jnp.int32))
         self._weights = weights
 

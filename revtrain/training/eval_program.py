@@ -7,7 +7,9 @@ each complete checkpoint that has no eval record yet, in step order, writing
 writes its own evaluations. Following a training job (`follow`), it polls for new
 checkpoints at a bounded interval; orbax's temporary directories of saves in progress are
 not listed, and a checkpoint that retention deletes between listing and reading is
-skipped. Re-running evaluates nothing twice: the records are the memory.
+skipped (`revtrain.training.checkpoints.readable`: the vanished checkpoint of every
+program that reads a directory being saved into). Re-running evaluates nothing twice: the
+records are the memory.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from revtrain.training.builder import (
     eval_splits,
     resolve_inputs,
 )
-from revtrain.training.checkpoints.checkpointer import (
-    Checkpointer,
+from revtrain.training.checkpoints.checkpointer import Checkpointer, short_reason
+from revtrain.training.checkpoints.readable import (
     CheckpointUnreadableError,
-    short_reason,
+    CheckpointVanishedError,
 )
 from revtrain.training.checkpoints.trees import CheckpointMismatchError
 from revtrain.training.config import EvalConfig, RunConfig
@@ -109,9 +111,7 @@ class CheckpointEvaluator:
             values = self.checkpointer.restore_values(self.built.initial_values(), step)
         except CheckpointMismatchError:
             raise
-        except FileNotFoundError as e:
-            if os.path.isdir(where):  # Present but incomplete: damaged.
-                self.unreadable_steps.add(step)
+        except CheckpointVanishedError as e:  # Deleted by retention: the next list is newer.
             logger.warning("skipping the checkpoint %s: %s", where, short_reason(e))
             return None
         except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.

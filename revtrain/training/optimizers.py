@@ -8,9 +8,13 @@ itself is that factory: ``RunConfig.optimizer = @optimizer_fn`` with ``optimizer
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 from typing import Any
 
 import optax
+
+from revtrain.training.schedules import check_rate
 
 _NOT_OPTIMIZERS = frozenset({"chain", "identity", "inject_hyperparams", "named_chain"})
 
@@ -34,6 +38,19 @@ def _with_clipping(factory: Any, max_norm: float) -> Any:
     clipped.__signature__ = inspect.signature(factory)
     clipped.__name__ = f"clipped_{factory.__name__}"
     return clipped
+
+
+def _check_numbers(learning_rate: Any, clip_gradient_norm: float | None,
+                   hyperparams: dict[str, Any]) -> None:
+    """The numbers a step would turn into nan: each named as its gin binding."""
+    if isinstance(learning_rate, numbers.Real):
+        check_rate("optimizer_fn.learning_rate", learning_rate)
+    if clip_gradient_norm is not None:
+        check_rate("optimizer_fn.clip_gradient_norm", clip_gradient_norm)
+    for key, value in hyperparams.items():
+        if isinstance(value, numbers.Real) and not math.isfinite(value):
+            raise ValueError(f"optimizer_fn.{key}={value!r} must be a finite number; "
+                             f"change the gin binding optimizer_fn.{key}")
 
 
 def optimizer_fn(name: str = "adam", learning_rate: float = 1e-3,
@@ -60,13 +77,14 @@ def optimizer_fn(name: str = "adam", learning_rate: float = 1e-3,
       An ``optax.GradientTransformation`` whose state is ``InjectHyperparamsState``.
 
     Raises:
-      ValueError: for an unknown optimizer name or non-positive ``clip_gradient_norm``.
+      ValueError: for an unknown optimizer name, a ``learning_rate`` or
+        ``clip_gradient_norm`` that is not finite and > 0, or a hyperparameter that is
+        nan or inf; naming the binding (``optimizer_fn.b2``).
       TypeError: for a hyperparameter the optax function does not take.
     """
     factory = _factory(name)
+    _check_numbers(learning_rate, clip_gradient_norm, hyperparams)
     if clip_gradient_norm is not None:
-        if clip_gradient_norm <= 0:
-            raise ValueError(f"clip_gradient_norm={clip_gradient_norm} must be > 0 or None")
         factory = _with_clipping(factory, clip_gradient_norm)
     try:
         inspect.signature(factory).bind(learning_rate=learning_rate, **hyperparams)

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from revtrain.batch_checks import check_divisible
+from revtrain.training.schedules import check_schedule
 
 # Numeric and switch arguments by gin name: (kind, smallest allowed value, None allowed);
 # a "bool" is True or False (a 0 or 1 is refused: it is a typo for another field's value).
@@ -56,7 +57,9 @@ def check_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None
 
     ``prefix`` is a gin name: ``train`` (``steps >= 1``), ``RunConfig`` (``seed >= 0``,
     ``n_devices >= 1`` or None and at most the local device count, a float ``schedule``
-    finite and > 0), ``EvalConfig`` (``every >= 0``, ``steps >= 0`` or None),
+    finite and > 0, a schedule function finite and >= 0 at its first steps and not all
+    0 there: `revtrain.training.schedules.check_schedule`), ``EvalConfig`` (``every >=
+    0``, ``steps >= 0`` or None),
     ``CheckpointConfig`` (``every >= 0``; ``max_to_keep``, ``keep_period >= 1`` or None;
     ``keep_time_interval > 0`` seconds or None) or ``LogConfig`` (``every >= 1`` or None).
     Their switches (``RunConfig.fsdp``, ``EvalConfig.eval_train``,
@@ -89,8 +92,10 @@ def check_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None
               f"is more than the {jax.local_device_count()} local devices")
     rate = arguments.get("schedule")
     if prefix == "RunConfig" and isinstance(rate, (int, float)) and not (
-            math.isfinite(rate) and rate > 0):
+            math.isfinite(rate) and 0 < rate <= float(np.finfo(np.float32).max)):  # f32 rates
         _fail(f"{prefix}.schedule", rate, "must be a finite number > 0")
+    if prefix == "RunConfig" and callable(rate):  # Its first rates, before anything runs.
+        check_schedule(rate, f"{prefix}.schedule")
 
 
 def _name(data: Any) -> str:

@@ -12,6 +12,7 @@ from revtrain.data import TextFiles
 from revtrain.models import ReversibleTransformerLM
 from revtrain.training import CheckpointConfig, EvalConfig, LogConfig, RunConfig, build_loop
 from revtrain.training.decode_program import (
+    decode_length,
     decode_to_file,
     default_length_note,
     load_decoder,
@@ -23,11 +24,11 @@ from tests.full_disk import fill_disk
 from tests.tree_utils import assert_trees_close
 
 
-def _run(tmp_path):
+def _run(tmp_path, max_len=32):
     path = tmp_path / "corpus.txt"
     path.write_text("def f(x):\n    return x + 1\n" * 20)
     model = functools.partial(ReversibleTransformerLM, vocab_size=256, d_model=8, d_ff=16,
-                              n_layers=1, n_heads=2, max_len=32, dropout=0.0)
+                              n_layers=1, n_heads=2, max_len=max_len, dropout=0.0)
     return RunConfig(model=model, inputs=TextFiles(paths=[str(path)], sequence_length=8,
                                                    batch_size=4), schedule=1e-3)
 
@@ -77,6 +78,30 @@ def test_a_damaged_newest_checkpoint_is_skipped_named_and_the_previous_one_decod
     assert len(warnings) == 1 and warnings[0].startswith(
         f"skipping the checkpoint {newest}: it cannot be read (FileNotFoundError: "), warnings
     assert warnings[0].endswith("; trying the previous one")  # Not orbax's own warning.
+
+
+def test_a_model_of_huge_max_len_decodes_with_a_cache_of_what_the_decode_needs(tmp_path):
+    """max_len=2**40 trains (positions are computed); its full cache would be TiBs."""
+    huge, out = _run(tmp_path, max_len=2**40), str(tmp_path / "run")
+    with build_loop(huge, EvalConfig(steps=0), CheckpointConfig(), LogConfig(progress=False),
+                    out) as loop:
+        loop.run(1)
+    prompts = ["def ", "x = "]
+    length = decode_length(prompts, 6)
+    assert length == 10
+    decoded = {}
+    for name, run in (("huge", huge), ("small", _run(tmp_path, max_len=32))):
+        for cache in (True, False):
+            decoder, _ = load_decoder(run, out, cache=cache, length=length)
+            assert (decoder.max_len if cache else decoder.length) == length
+            path = str(tmp_path / name / "decoder_out" / f"step_{cache}.jsonl")
+            decoded[name, cache] = decode_to_file(decoder, prompts, path, 6, temperature=0.8)
+    assert decoded["huge", True] == decoded["small", True] == decoded["huge", False]
+    assert decoder.length == 10
+    cached, _ = load_decoder(huge, out, length=decode_length(["def "], None))
+    assert cached.max_len == 204 and default_length_note(cached, [200]).startswith(
+        "continuing the prompt by 200 bytes (the default; the model's max_len of "
+        "1099511627776 positions holds more)")
 
 
 def test_a_checkpoints_decoder_builds_the_model_from_shapes_only(tmp_path, monkeypatch):

@@ -73,8 +73,9 @@ def test_uncached_decoder_slides_its_window_and_checks_arguments():
     assert decode_text(decoder, "a", 3) == ("bcd", [98, 99, 100])
     with pytest.raises(ValueError, match="prompt is empty"):
         decoder.decode([], 3)
-    with pytest.raises(ValueError, match="temperature=-1"):
-        decoder.decode([1], 3, temperature=-1)
+    for temperature in (-1, float("inf"), float("nan")):  # inf would sample uniformly.
+        with pytest.raises(ValueError, match=f"temperature={temperature} must be a finite "):
+            decoder.decode([1], 3, temperature=temperature)
     with pytest.raises(ValueError, match="top_p=0"):
         decoder.decode([1], 3, temperature=1, top_p=0)
 

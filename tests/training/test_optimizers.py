@@ -46,3 +46,17 @@ def test_unknown_hyperparameter_names_the_optimizer():
 def test_bad_clip_norm():
     with pytest.raises(ValueError, match="clip_gradient_norm=0"):
         optimizer_fn("adam", clip_gradient_norm=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(clip_gradient_norm=float("nan")), "optimizer_fn.clip_gradient_norm=nan must be"),
+    (dict(learning_rate=float("inf")), "optimizer_fn.learning_rate=inf must be a finite"),
+    (dict(learning_rate=-1e-3), "optimizer_fn.learning_rate=-0.001 must be a finite"),
+    (dict(b2=float("inf")), "optimizer_fn.b2=inf must be a finite number; change the gin "
+                            "binding optimizer_fn.b2"),
+    (dict(eps=float("nan")), "optimizer_fn.eps=nan must be a finite number"),
+])
+def test_numbers_that_a_step_would_turn_into_nan_are_refused_naming_the_binding(kwargs,
+                                                                                match):
+    with pytest.raises(ValueError, match=match):
+        optimizer_fn("adam", **kwargs)

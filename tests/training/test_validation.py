@@ -61,6 +61,7 @@ def test_fitting_batches_pass_for_lm_and_classifier():
     ("RunConfig", {"n_devices": 0}, "RunConfig.n_devices=0 must be >= 1 or None"),
     ("RunConfig", {"schedule": float("nan")}, "RunConfig.schedule=nan must be a finite "
                                               "number > 0"),
+    ("RunConfig", {"schedule": 1e39}, r"RunConfig.schedule=1e\+39 must be a finite number > 0"),
 ])
 def test_out_of_range_arguments_are_one_line_errors(prefix, arguments, message):
     with pytest.raises(ValueError, match="^" + message.replace(".", r"\.")):

@@ -1,6 +1,7 @@
 """revtrain.training.checkpoints: saving, retaining and restoring a run's checkpoints.
 
 - `checkpointer`: `Checkpointer`, flat checkpoints through orbax with Paxml-style retention;
+- `readable`: which checkpoint can be read (damaged ones skipped, vanished ones listed again);
 - `trees`: the flat form (path strings to arrays) and its checks;
 - `restore_templates`: what a checkpoint is read into, built from shapes;
 - `retention`: keeping the retention promises of earlier runs of a directory;

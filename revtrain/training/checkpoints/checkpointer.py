@@ -34,9 +34,14 @@ from revtrain.training.checkpoints.orbax_workarounds import (
     drop_closed_event_loop_reports,
     drop_step_metadata_reports,
 )
+from revtrain.training.checkpoints.readable import (  # noqa: F401  (re-exported)
+    CheckpointUnreadableError,
+    CheckpointVanishedError,
+    newest_readable,
+    reading_step,
+)
 from revtrain.training.checkpoints.trees import (
     SEPARATOR,
-    CheckpointMismatchError,
     check_matches,
     flatten_tree,
     signatures,
@@ -52,10 +57,6 @@ from revtrain.training.write_failures import (  # noqa: F401  (short_reason: re-
 
 logger = logging.getLogger(__name__)
 
-
-
-class CheckpointUnreadableError(OSError):
-    """No checkpoint of a directory can be read; the message names the first failure."""
 
 
 class CheckpointSaveError(RunWriteError):
@@ -220,39 +221,17 @@ class Checkpointer:
         return self._newest_readable(lambda each: self._restore_step(template, each))
 
     def _newest_readable(self, read: Callable[[int], Any]) -> Any:
-        """``read(step)`` of the newest checkpoint it succeeds on, newest first.
+        """``read(step)`` of the newest checkpoint it succeeds on (`newest_readable`): the
+        one fallback of `restore` and `restore_values` without a step. Damaged steps are
+        skipped with a warning and listed in `unreadable_steps`; a step deleted while it
+        was read makes the directory listed again. The step read is `restored_step`."""
+        def list_steps() -> list[int]:
+            self._manager.reload()
+            return list(self._manager.all_steps())
 
-        The one fallback of every program that reads "the newest checkpoint" (`restore`
-        and `restore_values` without a step): a checkpoint that cannot be read is skipped
-        with a warning naming it and the reason, and listed in `unreadable_steps`; the
-        step read is `restored_step`.
-
-        Raises:
-          FileNotFoundError: there is no checkpoint.
-          CheckpointUnreadableError: none can be read; names the newest one's failure.
-          CheckpointMismatchError: from ``read`` (another model: no older step helps).
-        """
-        steps = sorted(self._manager.all_steps(), reverse=True)
-        if not steps:
-            raise FileNotFoundError(f"{self.directory} holds no checkpoint")
-        failures = []
-        for step in steps:
-            try:
-                tree = read(step)
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # noqa: BLE001  Damage shows as any orbax/tensorstore error.
-                where = os.path.join(self.directory, str(step))
-                failures.append(f"{where}, fails with {short_reason(e)}")
-                logger.warning("skipping the checkpoint %s: it cannot be read (%s); trying "
-                               "the previous one", where, short_reason(e))
-                continue
-            self.unreadable_steps = steps[:len(failures)]
-            self.restored_step = step
-            return tree
-        raise CheckpointUnreadableError(
-            f"none of the {len(steps)} checkpoints in {self.directory} can be read; the "
-            f"newest, {failures[0]}")
+        step, tree, self.unreadable_steps = newest_readable(self.directory, list_steps, read)
+        self.restored_step = step
+        return tree
 
     def _set_aside_unreadable(self) -> None:
         """Moves the checkpoints `restore` skipped out of the way of new saves."""
@@ -274,8 +253,9 @@ class Checkpointer:
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
         expected = flatten_tree(template)
-        self._check_step(step, expected)
-        flat = self._manager.restore(step, args=ocp.args.StandardRestore(expected))
+        with reading_step(self.directory, step):
+            self._check_step(step, expected)
+            flat = self._manager.restore(step, args=ocp.args.StandardRestore(expected))
         return unflatten_tree(flat, template)
 
     def _check_step(self, step: int, expected: Mapping[str, Any],
@@ -335,19 +315,12 @@ class Checkpointer:
     def _restore_values(self, template: Mapping[str, Any], step: int) -> dict[str, Any]:
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no checkpoint of step {step}")
-        where = os.path.join(self.directory, str(step))
         expected = flatten_tree(template)
-        try:
+        with reading_step(self.directory, step):  # A step deleted meanwhile: vanished.
             self._check_step(step, expected, roots=tuple(template))
             flat = self._manager.restore(step, args=ocp.args.PyTreeRestore(
                 item=expected, partial_restore=True,
                 restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray) for k in expected}))
-        except CheckpointMismatchError:
-            raise
-        except Exception as e:  # noqa: BLE001  A step deleted meanwhile fails in many ways.
-            if not os.path.isdir(where):
-                raise FileNotFoundError(f"{where} was deleted while it was read") from e
-            raise
         return unflatten_tree(flat, template)
 
     def wait_until_finished(self) -> None:
