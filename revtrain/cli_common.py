@@ -274,6 +274,11 @@ def run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
     try:
         if not _parse_flags(fv, argv):
             return 0
+        from revtrain.training.run_directory import broken_link_error
+
+        broken = fv.log_dir and broken_link_error("--log_dir", fv.log_dir)
+        if broken:  # Before logging opens its files there.
+            raise UsageError(broken)
     except (flags.Error, UsageError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2

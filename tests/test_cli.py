@@ -373,6 +373,35 @@ def test_a_warm_start_without_a_checkpoint_is_one_line_and_creates_nothing(tmp_p
     assert not new.exists()  # Not even an empty checkpoints/.
 
 
+def test_a_warm_start_from_a_broken_link_names_the_link_and_its_target(tmp_path, capsys):
+    source = tmp_path / "link"
+    source.symlink_to(tmp_path / "moved")
+    new = tmp_path / "new"
+    assert _train(str(new), f"CheckpointConfig.init_checkpoint_dir='{source}'") == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"revtrain-train: error: FileNotFoundError: CheckpointConfig."
+                           f"init_checkpoint_dir={source} is a symbolic link to "
+                           f"{tmp_path}/moved, which does not exist; create "
+                           f"{tmp_path}/moved, or give a"), line
+    assert not new.exists()
+
+
+@pytest.mark.parametrize("tool, flag", [("eval", "--output_dir"), ("decode", "--output_dir"),
+                                        ("train", "--log_dir")])
+def test_a_directory_flag_that_is_a_broken_link_is_one_line(tmp_path, capsys, tool, flag):
+    link = tmp_path / "link"
+    link.symlink_to("missing")
+    argv = [f"revtrain-{tool}", f"{flag}={link}"]
+    if flag == "--log_dir":
+        argv += [f"--config_file={COPY_TASK}", f"--output_dir={tmp_path / 'run'}"]
+    assert getattr(cli, f"{tool}_main")(argv) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"revtrain-{tool}: error: {flag}={link} is a symbolic link to "
+                    f"{tmp_path}/missing, which does not exist; create {tmp_path}/missing, "
+                    f"or give a {flag} that is not a broken link"), line
+    assert sorted(os.listdir(tmp_path)) == ["link"]
+
+
 _KEEP = ("CheckpointConfig.every=2", "CheckpointConfig.keep_period=2", "EvalConfig.steps=0")
 
 

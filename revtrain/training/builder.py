@@ -37,7 +37,7 @@ from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, Ru
 from revtrain.training.evaluation import Evaluator
 from revtrain.training.loop import Loop
 from revtrain.training.metrics_writer import MetricsWriter
-from revtrain.training.run_directory import CHECKPOINT_DIR
+from revtrain.training.run_directory import CHECKPOINT_DIR, broken_link_error
 from revtrain.training.run_tokenizer import (
     check_run_tokenizer,
     tokenizer_binding,
@@ -279,8 +279,11 @@ def checkpoint_directory(path: str) -> str:
 
     Raises:
       FileNotFoundError: naming ``CheckpointConfig.init_checkpoint_dir`` when ``path`` is
-        not a directory.
+        not a directory (a symbolic link to a missing target: naming both).
     """
+    broken = broken_link_error("CheckpointConfig.init_checkpoint_dir", path)
+    if broken:
+        raise FileNotFoundError(broken)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir={path!r} is not a "
                                 f"directory; give the output_dir of another run")
