@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 
 from revtrain.training.barriers import barrier
 from revtrain.training.checkpoints import retention
+from revtrain.training.checkpoints.access import check_checkpoint_access
 from revtrain.training.checkpoints.orbax_workarounds import (
     DEFAULT_ITEM,
     NO_TREE_METADATA,
@@ -46,6 +47,7 @@ from revtrain.training.run_directory import UNREADABLE_SUFFIX
 from revtrain.training.write_failures import (  # noqa: F401  (short_reason: re-exported)
     RunWriteError,
     checkpoint_steps,
+    reporting_write_failures,
     short_reason,
     write_failure,
 )
@@ -96,6 +98,8 @@ class Checkpointer:
 
     Raises:
       ValueError: for ``max_to_keep < 1``, ``keep_period < 1`` or a non-positive interval.
+      CheckpointPermissionError: (unless ``read_only``) this user may not read or change
+        ``directory`` or one of its step directories (`check_checkpoint_access`).
     """
 
     def __init__(self, directory: str, max_to_keep: int | None = 3,
@@ -114,7 +118,8 @@ class Checkpointer:
             # Not orbax's read_only, which warns on every use: it never saves, so nothing
             # is deleted either; create=False keeps a missing directory missing.
             options = ocp.CheckpointManagerOptions(create=False)
-        else:
+        else:  # Before anything is trained: what cannot be read or replaced stops here.
+            check_checkpoint_access(self.directory)
             existing = checkpoint_steps(self.directory)
             self._promises = retention.read_promises(self.directory, existing)
             kept = retention.promised_steps(self._promises, existing)
@@ -260,11 +265,13 @@ class Checkpointer:
             return
         aside = self.directory + UNREADABLE_SUFFIX
         for step in self.unreadable_steps if jax.process_index() == 0 else ():
-            os.makedirs(aside, exist_ok=True)
             target = os.path.join(aside, str(step))
             while os.path.exists(target):
                 target += "_"
-            os.rename(os.path.join(self.directory, str(step)), target)
+            with reporting_write_failures(f"move the unreadable checkpoint {self.directory}/"
+                                          f"{step} to {target}", self.directory):
+                os.makedirs(aside, exist_ok=True)
+                os.rename(os.path.join(self.directory, str(step)), target)
             logger.warning("moved the unreadable checkpoint of step %d to %s", step, target)
         self.unreadable_steps = []
         barrier("revtrain_checkpoint_set_aside")
@@ -289,6 +296,7 @@ class Checkpointer:
         and an empty step directory read first would make it misread every later step.
 
         Raises:
+          CheckpointPermissionError: this user may not read the step directory.
           FileNotFoundError: the step's layout or metadata is missing or unreadable.
           CheckpointMismatchError: as `check_matches`.
         """
