@@ -402,6 +402,18 @@ def test_a_directory_flag_that_is_a_broken_link_is_one_line(tmp_path, capsys, to
     assert sorted(os.listdir(tmp_path)) == ["link"]
 
 
+def test_a_log_dir_that_cannot_be_created_is_one_line(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    log_dir = tmp_path / "a_file" / "logs"
+    assert cli.train_main(["revtrain-train", f"--log_dir={log_dir}",
+                           f"--config_file={COPY_TASK}",
+                           f"--output_dir={tmp_path / 'run'}"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"revtrain-train: error: cannot create --log_dir={log_dir}: Not a "
+                    f"directory; choose a writable directory"), line
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
 _KEEP = ("CheckpointConfig.every=2", "CheckpointConfig.keep_period=2", "EvalConfig.steps=0")
 
 

@@ -238,18 +238,20 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     init = (None if checkpoint.init_checkpoint_dir is None else
             init_checkpointer(checkpoint.init_checkpoint_dir))
     # The training run holds the run lock, so temporary directories are a crashed save's.
+    checkpointer = None
     try:
         checkpointer = None if output_dir is None else Checkpointer(
             os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=checkpoint.max_to_keep,
             keep_period=checkpoint.keep_period,
             keep_time_interval=checkpoint.keep_time_interval,
             async_save=checkpoint.async_save, cleanup_tmp=True)
-    except BaseException:
-        if init is not None:
-            init.close()
+        if output_dir is not None and jax.process_index() == 0:
+            write_run_tokenizer(output_dir, inputs.tokenizer)
+    except BaseException:  # Closing removes a checkpoints/ that was created empty.
+        for opened in (init, checkpointer):
+            if opened is not None:
+                opened.close()
         raise
-    if output_dir is not None and jax.process_index() == 0:
-        write_run_tokenizer(output_dir, inputs.tokenizer)
     writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
     return Loop(trainer, inputs, built, build_evaluator(run, built, inputs, placement), splits,
                 checkpointer=checkpointer, init_checkpointer=init, writer=writer,

@@ -26,6 +26,7 @@ from revtrain.training.run_directory import (
     TOKENIZER_MODEL_FILE,
 )
 from revtrain.training.run_files import UnreadableFileError, read_json, write_atomic
+from revtrain.training.write_failures import reporting_write_failures
 
 _TYPES = {"ByteTokenizer": ByteTokenizer, "SentencePieceTokenizer": SentencePieceTokenizer}
 
@@ -117,14 +118,22 @@ def check_run_tokenizer(output_dir: str | None, tokenizer: Tokenizer | None,
 def write_run_tokenizer(output_dir: str, tokenizer: Tokenizer | None) -> None:
     """Writes ``tokenizer.json`` (and ``tokenizer.model`` for SentencePiece), each whole
     or not at all; nothing for data without a tokenizer. The model copy is written
-    first, so a record never names a missing copy."""
+    first, so a record never names a missing copy.
+
+    Raises:
+      RunWriteError: a file could not be written (e.g. a full disk); one line, as every
+        file of a run (`revtrain.training.write_failures`).
+    """
     if tokenizer is None:
         return
+    checkpoints = os.path.join(output_dir, CHECKPOINT_DIR)
     if isinstance(tokenizer, SentencePieceTokenizer):
-        write_atomic(os.path.join(output_dir, TOKENIZER_MODEL_FILE),
-                     tokenizer.serialized_model)
-    write_atomic(os.path.join(output_dir, TOKENIZER_FILE),
-                 json.dumps(tokenizer_record(tokenizer), indent=1) + "\n")
+        path = os.path.join(output_dir, TOKENIZER_MODEL_FILE)
+        with reporting_write_failures(f"write {path}", checkpoints):
+            write_atomic(path, tokenizer.serialized_model)
+    path = os.path.join(output_dir, TOKENIZER_FILE)
+    with reporting_write_failures(f"write {path}", checkpoints):
+        write_atomic(path, json.dumps(tokenizer_record(tokenizer), indent=1) + "\n")
 
 
 def tokenizer_binding(inputs: Any) -> str:

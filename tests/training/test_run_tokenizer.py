@@ -138,3 +138,21 @@ def test_revtrain_tokenizer_trains_a_model_and_reports_errors_in_one_line(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("revtrain-tokenizer: error: --input=") and "no such file" in err[0]
     assert "vocab_size=100 is smaller than 259" in err[1] and len(err) == 2
+
+
+@pytest.mark.parametrize("full", ["tokenizer.model", "tokenizer.json"])
+def test_a_full_disk_under_the_tokenizer_record_is_the_one_write_failure_line(
+        tmp_path, capsys, monkeypatch, sp_model, full):
+    from tests.full_disk import fill_disk
+
+    out = tmp_path / "run"
+    fill_disk(monkeypatch, full)
+    assert _train(out, "train.steps=2", *_sp(sp_model)) == 1
+    monkeypatch.undo()
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"revtrain-train: error: RunWriteError: could not write {out}/{full}: "
+                    f"the disk is full (No space left on device); no checkpoint is saved yet;"
+                    f" free space and run the same command to resume (rerun with --traceback "
+                    f"for details)"), line
+    assert not (out / "checkpoints").exists()  # Not left behind empty.
+    assert not (out / "tokenizer.json").exists()
