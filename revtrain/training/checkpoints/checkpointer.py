@@ -55,7 +55,6 @@ from revtrain.training.write_failures import (  # noqa: F401  (short_reason: re-
 logger = logging.getLogger(__name__)
 
 
-
 class CheckpointUnreadableError(OSError):
     """No checkpoint of a directory can be read; the message names the first failure."""
 
@@ -300,15 +299,20 @@ class Checkpointer:
           FileNotFoundError: the step's layout or metadata is missing or unreadable.
           CheckpointMismatchError: as `check_matches`.
         """
+        found = {k: v for k, v in self.saved_signatures(step).items()
+                 if roots is None or k.split(SEPARATOR)[0] in roots}
+        check_matches(signatures(expected), found,
+                      f"checkpoint {os.path.join(self.directory, str(step))}")
+
+    def saved_signatures(self, step: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{flat path: (shape, dtype)}`` of the checkpoint of ``step``, from its
+        metadata (no array is read); raises as `_check_step` (a mismatch aside)."""
         check_step_layout(os.path.join(self.directory, str(step)))
         metadata = self._manager.metadata(step).item_metadata
         tree = None if metadata is None else getattr(metadata, "tree", None)
         if tree is None:
             raise FileNotFoundError(NO_TREE_METADATA)
-        found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()
-                 if roots is None or k.split(SEPARATOR)[0] in roots}
-        check_matches(signatures(expected), found,
-                      f"checkpoint {os.path.join(self.directory, str(step))}")
+        return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()}
 
     def reload(self) -> None:
         """Re-reads the directory: sees checkpoints other processes saved or deleted since."""
