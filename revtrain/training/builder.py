@@ -32,12 +32,22 @@ from revtrain.layers import (
 from revtrain.layers.sequence_parallel import SequenceSplitError, trace_split
 from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
+from revtrain.training.checkpoints.access import check_run_access
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.evaluation import Evaluator
 from revtrain.training.loop import Loop
 from revtrain.training.metrics_writer import MetricsWriter
-from revtrain.training.run_directory import CHECKPOINT_DIR, broken_link_error
+from revtrain.training.run_directory import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    HISTORY_DIR,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    TOKENIZER_FILE,
+    TOKENIZER_MODEL_FILE,
+    broken_link_error,
+)
 from revtrain.training.run_tokenizer import (
     check_run_tokenizer,
     tokenizer_binding,
@@ -223,6 +233,8 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
       ValueError: as `build_model` and `check_sequence_split`, for a tokenizer other than
         the one the run in ``output_dir`` was trained with, or a checkpoint that does not
         match the model.
+      CheckpointPermissionError: this user may not write ``output_dir``, its files, or
+        its checkpoints (`revtrain.training.checkpoints.access`); before any step.
     """
     eval_config = eval_config or EvalConfig()
     inputs = resolve_inputs(run.inputs)
@@ -237,6 +249,9 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     check_run_tokenizer(output_dir, inputs.tokenizer, tokenizer_binding(inputs))
     init = (None if checkpoint.init_checkpoint_dir is None else
             init_checkpointer(checkpoint.init_checkpoint_dir))
+    if output_dir is not None and jax.process_index() == 0:  # Before a step is trained.
+        check_run_access(output_dir, (METRICS_FILE, TENSORBOARD_DIR, HISTORY_DIR, CONFIG_FILE,
+                                      TOKENIZER_FILE, TOKENIZER_MODEL_FILE))
     # The training run holds the run lock, so temporary directories are a crashed save's.
     checkpointer = None
     try:

@@ -112,3 +112,24 @@ def test_a_reader_skips_an_unreadable_step_naming_the_permission_problem(
             f"Error: permission denied: this user needs read and search rights (r-x) on "
             f"{directory}/2 (mode d---------") in caplog.text
     assert "empty or partly deleted" not in caplog.text
+
+
+@pytest.mark.parametrize("entry", ["tensorboard/train", "metrics.jsonl"])
+def test_a_run_file_this_user_may_not_write_stops_training_before_a_step(
+        run_to_4, monkeypatch, capsys, entry):
+    metrics = (run_to_4 / "metrics.jsonl").read_text()
+    restore = _deny(monkeypatch, run_to_4 / entry)
+    capsys.readouterr()
+    try:
+        assert _train(run_to_4, "train.steps=8", "CheckpointConfig.every=2") == 1
+    finally:
+        restore()
+        monkeypatch.undo()
+    [line] = capsys.readouterr().err.strip().splitlines()
+    rights = "read, write and search rights (rwx)" if "/" in entry else \
+        "read and write rights (rw-)"
+    assert line.startswith(f"revtrain-train: error: CheckpointPermissionError: the run "
+                           f"directory {run_to_4} cannot be written: permission denied: this "
+                           f"user needs {rights} on {run_to_4}/{entry} (mode "), line
+    assert (run_to_4 / "metrics.jsonl").read_text() == metrics
+    assert _steps(run_to_4) == [2, 4]
