@@ -249,12 +249,12 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     check_run_tokenizer(output_dir, inputs.tokenizer, tokenizer_binding(inputs))
     init = (None if checkpoint.init_checkpoint_dir is None else
             init_checkpointer(checkpoint.init_checkpoint_dir))
-    if output_dir is not None and jax.process_index() == 0:  # Before a step is trained.
-        check_run_access(output_dir, (METRICS_FILE, TENSORBOARD_DIR, HISTORY_DIR, CONFIG_FILE,
-                                      TOKENIZER_FILE, TOKENIZER_MODEL_FILE))
     # The training run holds the run lock, so temporary directories are a crashed save's.
     checkpointer = None
     try:
+        if output_dir is not None and jax.process_index() == 0:  # Before a step is trained.
+            check_run_access(output_dir, (METRICS_FILE, TENSORBOARD_DIR, HISTORY_DIR,
+                                          CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_MODEL_FILE))
         checkpointer = None if output_dir is None else Checkpointer(
             os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=checkpoint.max_to_keep,
             keep_period=checkpoint.keep_period,
