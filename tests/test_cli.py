@@ -254,6 +254,18 @@ def test_sigterm_twice_saves_once_and_the_run_resumes_bit_exact(tmp_path):
     _assert_same_checkpoints(out, straight, step + 2)
 
 
+def test_sighup_of_a_closed_terminal_saves_and_stops_like_sigterm(tmp_path):
+    import signal
+
+    out = str(tmp_path / "run")
+    code, err = _start_and_signal(out, [signal.SIGHUP], "CheckpointConfig.every=0")
+    assert code == 128 + signal.SIGHUP, err
+    assert "stopped by SIGHUP after step" in err and "Traceback" not in err
+    [step] = _steps(out)
+    assert f"saved the checkpoint of step {step}" in err and step >= 2
+    assert not os.path.exists(os.path.join(out, "run.lock"))
+
+
 def test_second_ctrl_c_forces_an_exit_keeping_the_last_checkpoint_and_no_lock(tmp_path):
     import signal
 
