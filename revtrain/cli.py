@@ -6,8 +6,10 @@
 files and bindings (later ones win), calls the gin-configured `train` (see
 `revtrain.training.train_lib`), writes the operative config to ``output_dir/config.gin``
 once the run is set up, and prints the final eval metrics. Running it again on the same
-``output_dir`` resumes from the newest checkpoint. The first Ctrl-C or SIGTERM saves a
-checkpoint after the current step and exits with status ``128 + signal``.
+``output_dir`` resumes from the newest checkpoint. The first Ctrl-C (SIGINT), SIGTERM or
+SIGHUP (a closed terminal or ssh session) saves a checkpoint after the current step and
+exits with status ``128 + signal``; SIGKILL cannot be caught, so the steps after the newest
+checkpoint are lost (`revtrain.training.interrupts`).
 
 ``revtrain-eval --output_dir=... [--wait]`` rebuilds the run from ``output_dir/config.gin``
 and evaluates every checkpoint without eval records (following the run with ``--wait``);
@@ -41,6 +43,7 @@ Each ``*_main(argv)`` builds its own flag set, so the tools can be called in-pro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -125,9 +128,11 @@ def _train(fv: flags.FlagValues) -> int:
                                **configurables.run_configs())
     if loop.interrupted_by is not None:
         name = signal.Signals(loop.interrupted_by).name
-        if is_chief():
-            print(f"stopped by {name} after step {loop.step}; the checkpoint is saved in "
-                  f"{output_dir}; run the same command to resume", file=sys.stderr)
+        # After SIGHUP the terminal may be gone (EIO): the save is done, the status stands.
+        with contextlib.suppress(OSError):
+            if is_chief():
+                print(f"stopped by {name} after step {loop.step}; the checkpoint is saved "
+                      f"in {output_dir}; run the same command to resume", file=sys.stderr)
         return 128 + loop.interrupted_by
     if loop.last_eval_metrics:
         print_metrics(f"final eval at step {loop.step}", loop.last_eval_metrics)

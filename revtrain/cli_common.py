@@ -273,6 +273,20 @@ def _without_thread_reports(traceback: bool) -> Iterator[None]:
         absl.removeFilter(_orbax_thread_report)
 
 
+def _make_log_dir(log_dir: str | None) -> None:
+    """Creates ``--log_dir`` (absl only writes into an existing one).
+
+    Raises:
+      UsageError: it cannot be created (a full disk, no permission), in one line.
+    """
+    try:
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create --log_dir={log_dir}: {e.strerror or e}; choose a "
+                         f"writable directory") from e
+
+
 def run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
          body: Callable[[flags.FlagValues], int]) -> int:
     """Parses flags and runs ``body``, turning errors into one line and an exit status."""
@@ -280,6 +294,12 @@ def run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
     try:
         if not _parse_flags(fv, argv):
             return 0
+        from revtrain.training.run_directory import broken_link_error
+
+        broken = fv.log_dir and broken_link_error("--log_dir", fv.log_dir)
+        if broken:  # Before logging opens its files there.
+            raise UsageError(broken)
+        _make_log_dir(fv.log_dir)
     except (flags.Error, UsageError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -22,19 +22,23 @@ from revtrain.cli_common import (
     parse_gin,
     use_run_tokenizer,
 )
-from revtrain.training.run_directory import CONFIG_FILE, HISTORY_DIR
+from revtrain.training.run_directory import CONFIG_FILE, HISTORY_DIR, broken_link_error
 
 
 def read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
     """``(output_dir, run configs, train.steps)`` from the run's config.gin (plus flags).
 
     Raises:
-      UsageError: in one line, for a missing ``--output_dir`` or ``config.gin``, and for a
+      UsageError: in one line, for a missing ``--output_dir`` or ``config.gin``, an
+        ``--output_dir`` that is a symbolic link to a missing target, and for a
         ``config.gin`` that is empty, does not parse or binds no ``RunConfig.model`` /
         ``RunConfig.inputs``.
     """
     if not fv.output_dir:
         raise UsageError("--output_dir is required (the directory revtrain-train wrote)")
+    broken = broken_link_error("--output_dir", fv.output_dir)
+    if broken:
+        raise UsageError(broken)
     output_dir = os.path.abspath(fv.output_dir)
     config = os.path.join(output_dir, CONFIG_FILE)
     if getattr(fv, "wait", False):  # revtrain-eval --wait may start before the training.

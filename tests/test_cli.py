@@ -274,6 +274,18 @@ def test_sigterm_twice_saves_once_and_the_run_resumes_bit_exact(tmp_path):
     _assert_same_checkpoints(out, straight, step + 2)
 
 
+def test_sighup_of_a_closed_terminal_saves_and_stops_like_sigterm(tmp_path):
+    import signal
+
+    out = str(tmp_path / "run")
+    code, err = _start_and_signal(out, [signal.SIGHUP], "CheckpointConfig.every=0")
+    assert code == 128 + signal.SIGHUP, err
+    assert "stopped by SIGHUP after step" in err and "Traceback" not in err
+    [step] = _steps(out)
+    assert f"saved the checkpoint of step {step}" in err and step >= 2
+    assert not os.path.exists(os.path.join(out, "run.lock"))
+
+
 def test_second_ctrl_c_forces_an_exit_keeping_the_last_checkpoint_and_no_lock(tmp_path):
     import signal
 
@@ -391,6 +403,47 @@ def test_a_warm_start_without_a_checkpoint_is_one_line_and_creates_nothing(tmp_p
     assert line.startswith(f"revtrain-train: error: FileNotFoundError: CheckpointConfig."
                            f"init_checkpoint_dir='{source}' {reason}"), line
     assert not new.exists()  # Not even an empty checkpoints/.
+
+
+def test_a_warm_start_from_a_broken_link_names_the_link_and_its_target(tmp_path, capsys):
+    source = tmp_path / "link"
+    source.symlink_to(tmp_path / "moved")
+    new = tmp_path / "new"
+    assert _train(str(new), f"CheckpointConfig.init_checkpoint_dir='{source}'") == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"revtrain-train: error: FileNotFoundError: CheckpointConfig."
+                           f"init_checkpoint_dir={source} is a symbolic link to "
+                           f"{tmp_path}/moved, which does not exist; create "
+                           f"{tmp_path}/moved, or give a"), line
+    assert not new.exists()
+
+
+@pytest.mark.parametrize("tool, flag", [("eval", "--output_dir"), ("decode", "--output_dir"),
+                                        ("train", "--log_dir")])
+def test_a_directory_flag_that_is_a_broken_link_is_one_line(tmp_path, capsys, tool, flag):
+    link = tmp_path / "link"
+    link.symlink_to("missing")
+    argv = [f"revtrain-{tool}", f"{flag}={link}"]
+    if flag == "--log_dir":
+        argv += [f"--config_file={COPY_TASK}", f"--output_dir={tmp_path / 'run'}"]
+    assert getattr(cli, f"{tool}_main")(argv) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"revtrain-{tool}: error: {flag}={link} is a symbolic link to "
+                    f"{tmp_path}/missing, which does not exist; create {tmp_path}/missing, "
+                    f"or give a {flag} that is not a broken link"), line
+    assert sorted(os.listdir(tmp_path)) == ["link"]
+
+
+def test_a_log_dir_that_cannot_be_created_is_one_line(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    log_dir = tmp_path / "a_file" / "logs"
+    assert cli.train_main(["revtrain-train", f"--log_dir={log_dir}",
+                           f"--config_file={COPY_TASK}",
+                           f"--output_dir={tmp_path / 'run'}"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"revtrain-train: error: cannot create --log_dir={log_dir}: Not a "
+                    f"directory; choose a writable directory"), line
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
 _KEEP = ("CheckpointConfig.every=2", "CheckpointConfig.keep_period=2", "EvalConfig.steps=0")

@@ -18,6 +18,7 @@ from tests.text_files import fill_in, make_text_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 A_FILE = "<a file>"
+A_LINK, TARGET = "<a broken link>", "<its missing target>"
 
 
 def _rows(section: str = "## Bad arguments") -> list[tuple[str, str]]:
@@ -42,6 +43,10 @@ def test_bad_input_fails_first_in_one_line_and_writes_nothing(tmp_path, capsys, 
     if given == f"--output_dir={A_FILE}":
         (tmp_path / "run").write_text("not a directory")
         message = message.replace(A_FILE, output_dir)
+        bindings = []
+    elif given == f"--output_dir={A_LINK}":
+        (tmp_path / "run").symlink_to(tmp_path / "moved")
+        message = message.replace(A_LINK, output_dir).replace(TARGET, str(tmp_path / "moved"))
         bindings = []
     else:
         bindings = re.findall(r"--gin_bindings='([^']*)'", given)

@@ -32,12 +32,22 @@ from revtrain.layers import (
 from revtrain.layers.sequence_parallel import SequenceSplitError, trace_split
 from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
+from revtrain.training.checkpoints.access import check_run_access
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.evaluation import Evaluator
 from revtrain.training.loop import Loop
 from revtrain.training.metrics_writer import MetricsWriter
-from revtrain.training.run_directory import CHECKPOINT_DIR
+from revtrain.training.run_directory import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    HISTORY_DIR,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    TOKENIZER_FILE,
+    TOKENIZER_MODEL_FILE,
+    broken_link_error,
+)
 from revtrain.training.run_tokenizer import (
     check_run_tokenizer,
     tokenizer_binding,
@@ -223,6 +233,8 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
       ValueError: as `build_model` and `check_sequence_split`, for a tokenizer other than
         the one the run in ``output_dir`` was trained with, or a checkpoint that does not
         match the model.
+      CheckpointPermissionError: this user may not write ``output_dir``, its files, or
+        its checkpoints (`revtrain.training.checkpoints.access`); before any step.
     """
     eval_config = eval_config or EvalConfig()
     inputs = resolve_inputs(run.inputs)
@@ -238,18 +250,23 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     init = (None if checkpoint.init_checkpoint_dir is None else
             init_checkpointer(checkpoint.init_checkpoint_dir))
     # The training run holds the run lock, so temporary directories are a crashed save's.
+    checkpointer = None
     try:
+        if output_dir is not None and jax.process_index() == 0:  # Before a step is trained.
+            check_run_access(output_dir, (METRICS_FILE, TENSORBOARD_DIR, HISTORY_DIR,
+                                          CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_MODEL_FILE))
         checkpointer = None if output_dir is None else Checkpointer(
             os.path.join(output_dir, CHECKPOINT_DIR), max_to_keep=checkpoint.max_to_keep,
             keep_period=checkpoint.keep_period,
             keep_time_interval=checkpoint.keep_time_interval,
             async_save=checkpoint.async_save, cleanup_tmp=True)
-    except BaseException:
-        if init is not None:
-            init.close()
+        if output_dir is not None and jax.process_index() == 0:
+            write_run_tokenizer(output_dir, inputs.tokenizer)
+    except BaseException:  # Closing removes a checkpoints/ that was created empty.
+        for opened in (init, checkpointer):
+            if opened is not None:
+                opened.close()
         raise
-    if output_dir is not None and jax.process_index() == 0:
-        write_run_tokenizer(output_dir, inputs.tokenizer)
     writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
     return Loop(trainer, inputs, built, build_evaluator(run, built, inputs, placement), splits,
                 checkpointer=checkpointer, init_checkpointer=init, writer=writer,
@@ -279,8 +296,11 @@ def checkpoint_directory(path: str) -> str:
 
     Raises:
       FileNotFoundError: naming ``CheckpointConfig.init_checkpoint_dir`` when ``path`` is
-        not a directory.
+        not a directory (a symbolic link to a missing target: naming both).
     """
+    broken = broken_link_error("CheckpointConfig.init_checkpoint_dir", path)
+    if broken:
+        raise FileNotFoundError(broken)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir={path!r} is not a "
                                 f"directory; give the output_dir of another run")

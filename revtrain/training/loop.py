@@ -14,7 +14,7 @@ One step of the loop, at global step ``k`` (the number of steps already taken):
 The schedule is optional: without one (``RunConfig.schedule = None``) the trainer keeps
 the optimizer's own learning rate.
 
-At the end (and when SIGINT/SIGTERM asked to stop) it saves a checkpoint, evaluates if the
+At the end (and when SIGINT/SIGTERM/SIGHUP asked to stop) it saves a checkpoint, evaluates if the
 last step was not evaluated yet, and returns the last eval metrics. On construction it
 restores the newest checkpoint of ``output_dir`` -- weights, optimizer slots, layer state,
 step and rng -- so ``run(20)`` then ``run(30)`` (even in a new process) ends with the same
@@ -185,7 +185,7 @@ class Loop:
     def run(self, steps: int) -> dict[str, float]:
         """Trains until ``steps`` steps in total have been taken; returns eval metrics.
 
-        Stops early, after saving a checkpoint, when SIGINT or SIGTERM arrives (then
+        Stops early, after saving a checkpoint, when SIGINT, SIGTERM or SIGHUP arrives (then
         `interrupted_by` is set). The signal handlers stay installed until the final save
         has committed (an asynchronous one is waited for): a SIGTERM during the save, or
         a repeated one, is absorbed and the save completes (`StopOnSignals`); a signal that

@@ -33,7 +33,7 @@ import uuid
 
 import psutil
 
-from revtrain.training.run_directory import CHECKPOINT_DIR, LOCK_FILE
+from revtrain.training.run_directory import CHECKPOINT_DIR, LOCK_FILE, broken_link_error
 from revtrain.training.run_files import write_atomic
 from revtrain.training.write_failures import reporting_write_failures
 
@@ -83,7 +83,9 @@ class RunLock:
       output_dir: the run directory; created (with parents) if missing.
 
     Raises (from `acquire` / ``__enter__``):
-      RunLockError: when ``output_dir`` is a file, cannot be created, or is locked by a
+      RunLockError: when ``output_dir`` is a file, a symbolic link to a missing target
+        (`revtrain.training.run_directory.broken_link_error`), cannot be created, or is
+        locked by a
         running process (on this host) or by a process on another host.
       RunWriteError: the lock file cannot be written (a full disk, a read-only
         directory); one line, as every file of a run (`revtrain.training.write_failures`).
@@ -151,6 +153,9 @@ class RunLock:
         self.release()
 
     def _make_dir(self) -> None:
+        broken = broken_link_error("--output_dir", self.output_dir)
+        if broken:
+            raise RunLockError(broken)
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise RunLockError(f"--output_dir={self.output_dir} is a file, not a directory; "
                                f"choose a directory (it is created if missing)")

@@ -1,8 +1,9 @@
 """One line for a file of a run that could not be written, whichever writer failed.
 
 A run writes checkpoints (orbax), ``metrics.jsonl`` and TensorBoard event files,
-``config.gin`` and ``config_history/``, ``checkpoints/retention.json``, ``run.lock`` and
-``decoder_out/``. When one of them cannot be written -- most often because the disk is
+``config.gin`` and ``config_history/``, ``checkpoints/retention.json``, ``run.lock``,
+``tokenizer.json`` and ``tokenizer.model``, ``decoder_out/``, and moves unreadable steps to
+``checkpoints_unreadable/``. When one of them cannot be written -- most often because the disk is
 full -- the command ends with one line that says what could not be written, why, which
 checkpoint is intact, and what to do::
 

@@ -47,6 +47,24 @@ def test_a_repeated_sigterm_is_absorbed_with_a_warning(caplog):
         in caplog.text
 
 
+def test_sighup_is_a_stop_request_like_sigterm(caplog):
+    """A closed terminal or ssh session sends SIGHUP: recorded as a stop request (not
+    Python's default, which ends the process unsaved), repeats absorbed with the same
+    warning as SIGTERM's, and the handler restored."""
+    import logging
+
+    before = signal.getsignal(signal.SIGHUP)
+    with caplog.at_level(logging.WARNING), StopOnSignals() as stop:
+        assert signal.getsignal(signal.SIGHUP) == stop._handle
+        signal.raise_signal(signal.SIGHUP)
+        assert stop.requested() and stop.signum == signal.SIGHUP
+        signal.raise_signal(signal.SIGHUP)
+    assert stop.signum == signal.SIGHUP
+    assert ("received SIGHUP again: ignored; the run stops once its checkpoint is saved "
+            "(a second Ctrl-C forces an exit)") in caplog.text
+    assert signal.getsignal(signal.SIGHUP) is before
+
+
 # ------------------------------------------------------------------------------------------
 # Signals during a Loop's saves: the save completes, and the run resumes bit-exact.
 
@@ -93,16 +111,28 @@ def outer_sigterm():
     signal.signal(signal.SIGTERM, previous)
 
 
-def _signal_inside(monkeypatch, owner, name, times=2, when=lambda *args: True):
-    """Makes ``owner.name`` raise SIGTERM ``times`` times (each call ``when`` allows) first."""
+@pytest.fixture
+def outer_sighup():
+    """SIGHUPs that reach the handler outside the loop's (Python's default one would end
+    the test process)."""
+    reached = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: reached.append(signum))
+    yield reached
+    signal.signal(signal.SIGHUP, previous)
+
+
+def _signal_inside(monkeypatch, owner, name, times=2, when=lambda *args: True,
+                   signum=signal.SIGTERM):
+    """Makes ``owner.name`` raise ``signum`` ``times`` times (each call ``when`` allows)
+    first."""
     real = getattr(owner, name)
     raised = []
 
     def wrapper(*args, **kwargs):
         if len(raised) < times and when(*args):
             for _ in range(times):
-                raised.append(signal.SIGTERM)
-                signal.raise_signal(signal.SIGTERM)
+                raised.append(signum)
+                signal.raise_signal(signum)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, wrapper)
@@ -150,3 +180,28 @@ def test_sigterm_during_an_async_save_lets_it_commit(tmp_path, monkeypatch, oute
     assert loop.interrupted_by == signal.SIGTERM
     assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [4, 6, 7]
     _resume_to_8(out, straight_8, 7)
+
+
+def test_sighup_mid_run_saves_then_stops_and_the_run_resumes_bit_exact(
+        tmp_path, monkeypatch, outer_sighup, straight_8):
+    """SIGHUP (the terminal closed) during step 3 is handled as SIGTERM: the run finishes
+    the step, saves it and stops; nothing reaches the handler outside the loop."""
+    from revtrain.training import Checkpointer
+
+    out = str(tmp_path)
+    loop = _loop(out, every=4)
+    real = loop.trainer.one_step
+
+    def one_step(batch, rng, step=0, learning_rate=None):
+        if step == 2:  # The third step: the loop's step counter is 2 while it runs.
+            signal.raise_signal(signal.SIGHUP)
+        return real(batch, rng, step=step, learning_rate=learning_rate)
+
+    monkeypatch.setattr(loop.trainer, "one_step", one_step)
+    with loop:
+        loop.run(7)
+    monkeypatch.undo()
+    assert outer_sighup == []
+    assert loop.interrupted_by == signal.SIGHUP and loop.step == 3
+    assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [3]
+    _resume_to_8(out, straight_8, 3)

@@ -64,6 +64,21 @@ def test_output_dir_that_is_a_file_is_refused_without_writing(tmp_path):
     assert os.listdir(tmp_path) == ["a_file"]
 
 
+@pytest.mark.parametrize("under", [False, True], ids=["the_link", "under_the_link"])
+def test_output_dir_that_is_a_broken_link_names_the_link_and_its_target(tmp_path, under):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone" / "run")
+    output_dir = link / "sub" if under else link
+    where = f" ({link} in it)" if under else ""
+    with pytest.raises(RunLockError) as e:
+        RunLock(str(output_dir)).acquire()
+    assert str(e.value) == (f"--output_dir={output_dir}{where} is a symbolic link to "
+                            f"{tmp_path}/gone/run, which does not exist; create "
+                            f"{tmp_path}/gone/run, or give a --output_dir that is not a "
+                            f"broken link")
+    assert os.listdir(tmp_path) == ["link"]
+
+
 def test_directory_created_for_the_lock_is_removed_when_left_empty(tmp_path):
     new = tmp_path / "new" / "run"
     with RunLock(str(new)):

@@ -138,3 +138,149 @@ def test_revtrain_tokenizer_trains_a_model_and_reports_errors_in_one_line(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("revtrain-tokenizer: error: --input=") and "no such file" in err[0]
     assert "vocab_size=100 is smaller than 259" in err[1] and len(err) == 2
+
+
+@pytest.mark.parametrize("full", ["tokenizer.model", "tokenizer.json"])
+def test_a_full_disk_under_the_tokenizer_record_is_the_one_write_failure_line(
+        tmp_path, capsys, monkeypatch, sp_model, full):
+    from tests.full_disk import fill_disk
+
+    out = tmp_path / "run"
+    fill_disk(monkeypatch, full)
+    assert _train(out, "train.steps=2", *_sp(sp_model)) == 1
+    monkeypatch.undo()
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"revtrain-train: error: RunWriteError: could not write {out}/{full}: "
+                    f"the disk is full (No space left on device); no checkpoint is saved yet;"
+                    f" free space and run the same command to resume (rerun with --traceback "
+                    f"for details)"), line
+    assert not (out / "checkpoints").exists()  # Not left behind empty.
+    assert not (out / "tokenizer.json").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# A damaged record: rebuilt from what the run still has, or refused with the truth.
+
+@pytest.fixture
+def run_copy(sp_run, tmp_path):
+    """A copy of the SentencePiece run, free to damage."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(sp_run, out)
+    return out
+
+
+def _one_error(capsys):
+    """The one error line on stderr (the rebuild's warning may come before it)."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in lines if ": error: " in line] == lines[-1:], lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "not_a_record"])
+def test_a_lost_record_is_rebuilt_from_the_model_copy_never_taken_for_bytes(
+        run_copy, sp_model, caplog, capsys, damage):
+    record_file = run_copy / "tokenizer.json"
+    original = record_file.read_text()
+    {"deleted": record_file.unlink,
+     "truncated": lambda: record_file.write_text(original[:20]),
+     "not_a_record": lambda: record_file.write_text('{"type": "WordTokenizer"}')}[damage]()
+    with caplog.at_level("WARNING"):
+        tokenizer = read_run_tokenizer(str(run_copy))
+    assert tokenizer.fingerprint() == json.loads(original)["fingerprint"]
+    reason = {"deleted": f"{record_file} is missing",
+              "truncated": f"{record_file} is not JSON",
+              "not_a_record": f"{record_file} is not a tokenizer record"}[damage]
+    assert reason in caplog.text
+    assert (f"it is rebuilt from {run_copy}/tokenizer.model: SentencePieceTokenizer ({VOCAB} "
+            f"ids, ") in caplog.text
+    assert f"whose ids fit the checkpoint's embedding ({VOCAB} rows)" in caplog.text
+    assert json.loads(record_file.read_text()) == json.loads(original)  # Rewritten.
+    # The advice the byte assumption gave (train on with bytes) is refused, not followed.
+    record_file.unlink()
+    capsys.readouterr()
+    assert _train(run_copy, "train.steps=4", f"ReversibleTransformerLM.vocab_size={VOCAB}"
+                  ) == 1
+    line = _one_error(capsys)
+    assert ("TextFiles.tokenizer is ByteTokenizer (256 ids, 4739391d), but the run in "
+            f"{run_copy} was trained with SentencePieceTokenizer ({VOCAB} ids, ") in line, line
+
+
+def test_without_record_or_copy_a_sentencepiece_run_is_refused_with_the_truth(
+        run_copy, sp_model, capsys):
+    (run_copy / "tokenizer.json").unlink()
+    (run_copy / "tokenizer.model").unlink()
+    message = (f"{run_copy}/tokenizer.json is missing and so is {run_copy}/tokenizer.model, "
+               f"but the run in {run_copy} was trained with a SentencePiece tokenizer (its "
+               f"config.gin binds one), not bytes; copy {sp_model} (the model file its "
+               f"config.gin names) if it is unchanged since the run to "
+               f"{run_copy}/tokenizer.model (the record is rebuilt from it), or train in a "
+               f"new output_dir")
+    with pytest.raises(ValueError) as e:
+        read_run_tokenizer(str(run_copy))
+    assert str(e.value) == message
+    before = _snapshot(run_copy)
+    for main, argv in [(cli.eval_main, ["--one_pass", "--split=eval"]),
+                       (cli.decode_main, ["--prompt=def ", "--max_new_bytes=2"])]:
+        assert main(["revtrain", f"--output_dir={run_copy}", *argv]) == 1
+        assert _one_error(capsys).endswith(f"UnreadableFileError: {message} (rerun with "
+                                           f"--traceback for details)")
+    assert _train(run_copy, "train.steps=4", f"ReversibleTransformerLM.vocab_size={VOCAB}"
+                  ) == 1
+    assert message in _one_error(capsys)
+    assert _snapshot(run_copy) == before
+
+
+def test_a_model_copy_that_does_not_fit_the_embedding_is_refused(run_copy, tmp_path):
+    bigger = train_sentencepiece(None, tmp_path / "big", vocab_size=VOCAB + 100)
+    (run_copy / "tokenizer.json").unlink()
+    (run_copy / "tokenizer.model").write_bytes(open(bigger, "rb").read())
+    with pytest.raises(ValueError, match=rf"tokenizer.json is missing, and {run_copy}/"
+                                         rf"tokenizer.model cannot be the run's tokenizer: "
+                                         rf"its {VOCAB + 100} ids do not fit the {VOCAB} rows"
+                                         rf" of the checkpoint's embedding; copy the "):
+        read_run_tokenizer(str(run_copy))
+    assert not (run_copy / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_lost_model_copy_is_restored_from_the_configs_model_file(run_copy, sp_model,
+                                                                   caplog, damage):
+    copy = run_copy / "tokenizer.model"
+    if damage == "deleted":
+        copy.unlink()
+    else:
+        copy.write_bytes(copy.read_bytes()[:100])
+    with caplog.at_level("WARNING"):
+        tokenizer = read_run_tokenizer(str(run_copy))
+    assert copy.read_bytes() == open(sp_model, "rb").read()
+    assert tokenizer.fingerprint() == json.loads((run_copy / "tokenizer.json").read_text())[
+        "fingerprint"]
+    assert f"it is restored from {sp_model} (the model file config.gin names)" in caplog.text
+
+
+def test_a_lost_model_copy_without_its_model_says_which_model_to_copy_where(
+        run_copy, sp_model, tmp_path, capsys):
+    (run_copy / "tokenizer.model").unlink()
+    other = train_sentencepiece(None, tmp_path / "other", vocab_size=VOCAB + 1)
+    config = run_copy / "config.gin"
+    config.write_text(config.read_text().replace(str(sp_model), str(other)))
+    fingerprint = json.loads((run_copy / "tokenizer.json").read_text())["fingerprint"][:8]
+    assert cli.decode_main(["revtrain-decode", f"--output_dir={run_copy}", "--prompt=def ",
+                            "--max_new_bytes=2"]) == 1
+    assert _one_error(capsys).endswith(
+        f"the run's tokenizer copy {run_copy}/tokenizer.model is missing; copy the "
+        f"SentencePiece model the run was trained with ({VOCAB} ids, fingerprint "
+        f"{fingerprint}) to {run_copy}/tokenizer.model ({other}, which config.gin names, is "
+        f"another model) (rerun with --traceback for details)")
+
+
+def test_a_damaged_record_of_a_byte_run_is_rebuilt_as_bytes(tmp_path, caplog):
+    (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+    (tmp_path / "tokenizer.json").write_text('{"type": "Byte')
+    with caplog.at_level("WARNING"):
+        assert read_run_tokenizer(str(tmp_path)) == ByteTokenizer()
+    assert (f"{tmp_path}/tokenizer.json is not JSON" in caplog.text
+            and "it is rebuilt from bytes (no " in caplog.text)
+    assert json.loads((tmp_path / "tokenizer.json").read_text())["type"] == "ByteTokenizer"

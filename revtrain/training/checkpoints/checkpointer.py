@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 
 from revtrain.training.barriers import barrier
 from revtrain.training.checkpoints import retention
+from revtrain.training.checkpoints.access import check_checkpoint_access
 from revtrain.training.checkpoints.orbax_workarounds import (
     DEFAULT_ITEM,
     NO_TREE_METADATA,
@@ -51,12 +52,12 @@ from revtrain.training.run_directory import UNREADABLE_SUFFIX
 from revtrain.training.write_failures import (  # noqa: F401  (short_reason: re-exported)
     RunWriteError,
     checkpoint_steps,
+    reporting_write_failures,
     short_reason,
     write_failure,
 )
 
 logger = logging.getLogger(__name__)
-
 
 
 class CheckpointSaveError(RunWriteError):
@@ -97,6 +98,8 @@ class Checkpointer:
 
     Raises:
       ValueError: for ``max_to_keep < 1``, ``keep_period < 1`` or a non-positive interval.
+      CheckpointPermissionError: (unless ``read_only``) this user may not read or change
+        ``directory`` or one of its step directories (`check_checkpoint_access`).
     """
 
     def __init__(self, directory: str, max_to_keep: int | None = 3,
@@ -115,7 +118,8 @@ class Checkpointer:
             # Not orbax's read_only, which warns on every use: it never saves, so nothing
             # is deleted either; create=False keeps a missing directory missing.
             options = ocp.CheckpointManagerOptions(create=False)
-        else:
+        else:  # Before anything is trained: what cannot be read or replaced stops here.
+            check_checkpoint_access(self.directory)
             existing = checkpoint_steps(self.directory)
             self._promises = retention.read_promises(self.directory, existing)
             kept = retention.promised_steps(self._promises, existing)
@@ -239,11 +243,13 @@ class Checkpointer:
             return
         aside = self.directory + UNREADABLE_SUFFIX
         for step in self.unreadable_steps if jax.process_index() == 0 else ():
-            os.makedirs(aside, exist_ok=True)
             target = os.path.join(aside, str(step))
             while os.path.exists(target):
                 target += "_"
-            os.rename(os.path.join(self.directory, str(step)), target)
+            with reporting_write_failures(f"move the unreadable checkpoint {self.directory}/"
+                                          f"{step} to {target}", self.directory):
+                os.makedirs(aside, exist_ok=True)
+                os.rename(os.path.join(self.directory, str(step)), target)
             logger.warning("moved the unreadable checkpoint of step %d to %s", step, target)
         self.unreadable_steps = []
         barrier("revtrain_checkpoint_set_aside")
@@ -269,18 +275,24 @@ class Checkpointer:
         and an empty step directory read first would make it misread every later step.
 
         Raises:
+          CheckpointPermissionError: this user may not read the step directory.
           FileNotFoundError: the step's layout or metadata is missing or unreadable.
           CheckpointMismatchError: as `check_matches`.
         """
+        found = {k: v for k, v in self.saved_signatures(step).items()
+                 if roots is None or k.split(SEPARATOR)[0] in roots}
+        check_matches(signatures(expected), found,
+                      f"checkpoint {os.path.join(self.directory, str(step))}")
+
+    def saved_signatures(self, step: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{flat path: (shape, dtype)}`` of the checkpoint of ``step``, from its
+        metadata (no array is read); raises as `_check_step` (a mismatch aside)."""
         check_step_layout(os.path.join(self.directory, str(step)))
         metadata = self._manager.metadata(step).item_metadata
         tree = None if metadata is None else getattr(metadata, "tree", None)
         if tree is None:
             raise FileNotFoundError(NO_TREE_METADATA)
-        found = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()
-                 if roots is None or k.split(SEPARATOR)[0] in roots}
-        check_matches(signatures(expected), found,
-                      f"checkpoint {os.path.join(self.directory, str(step))}")
+        return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in tree.items()}
 
     def reload(self) -> None:
         """Re-reads the directory: sees checkpoints other processes saved or deleted since."""

@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any
 
+from revtrain.training.checkpoints.access import CheckpointPermissionError, access_problem
+
 DEFAULT_ITEM = "default"  # orbax's directory name for a manager's single item.
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's per-step metadata file.
 _TREE_METADATA = "_METADATA"  # orbax's metadata of the item's tree (paths, shapes, dtypes).
@@ -93,7 +95,11 @@ def check_step_layout(step_dir: str) -> None:
     """Raises FileNotFoundError (the reason, one line) unless ``step_dir`` has orbax's
     step metadata (``_CHECKPOINT_METADATA``, a JSON object) and its ``default`` item with
     the item's tree metadata (``default/_METADATA``; orbax, asked about an item without
-    it, logs a warning of its own before failing)."""
+    it, logs a warning of its own before failing); a `CheckpointPermissionError` when this
+    user may not read it (such a directory looks empty)."""
+    problem = access_problem(step_dir)
+    if problem:
+        raise CheckpointPermissionError(problem)
     if not os.path.isdir(os.path.join(step_dir, DEFAULT_ITEM)):
         raise FileNotFoundError(f"it has no {DEFAULT_ITEM}/ item (an empty or partly "
                                 f"deleted step directory)")
