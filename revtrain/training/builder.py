@@ -84,12 +84,15 @@ class BuiltModel:
       flat_layers: ``blocks_to_layers(*extract_reversible_blocks([model, loss]))``: the
         order of the per-layer values in a `TrainState` and in checkpoints.
       batch_signature: ``ShapeDtype`` of a train batch ``(inputs, targets, weights)``.
+      seconds: wall time of the set-up, ``{'build': constructing the layer objects,
+        'init': initialising their weights (or shapes), ready on the devices}``.
     """
 
     model: Layer
     loss: Layer
     flat_layers: Sequence[Layer]
     batch_signature: Any
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def initial_values(self) -> dict[str, tuple]:
         """``{'weights', 'state'}``: one initial value per flat layer (a restore template)."""
@@ -137,7 +140,7 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
     run.check_complete()
     start = time.perf_counter()
     model, loss = run.model(mode="train"), _loss(run)
-    built_in = time.perf_counter() - start
+    seconds = {"build": time.perf_counter() - start}
     check_vocab_size(model, inputs)
     batch = next(iter(inputs.train_stream(start_step=0)))
     check_first_batch(batch, model, inputs)
@@ -148,7 +151,6 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
         run.mesh()  # Its size against the devices, before anything is built.
         check_mesh_divides(signature, run.mesh_shape, inputs)
     init_rng, _ = jax.random.split(jax.random.key(run.seed))
-    logger.info("built the model in %.2f s", built_in)  # Once the batch is checked.
     start = time.perf_counter()
     if abstract:
         # A fresh model is traced, so no layer object of ``model`` ever holds a tracer.
@@ -159,10 +161,9 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
         model.init(signature[0], rng=init_rng)
     loss.init((model.output_signature(signature[0]), signature[1], signature[2]))
     jax.block_until_ready((model.weights, model.state, loss.weights, loss.state))
-    logger.info("initialised the model's %s in %.2f s",
-                "shapes" if abstract else "weights", time.perf_counter() - start)
+    seconds["init"] = time.perf_counter() - start
     flat = blocks_to_layers(*extract_reversible_blocks([model, loss]))
-    return BuiltModel(model, loss, flat, signature)
+    return BuiltModel(model, loss, flat, signature, seconds)
 
 
 def check_sequence_split(run: RunConfig, built: BuiltModel) -> None:
@@ -253,8 +254,7 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     start = time.perf_counter()
     trainer = build_trainer(run.trainer_class, built.model, built.loss, run.optimizer,
                             placement=placement, **run.trainer_arguments())
-    logger.info("built the trainer and its optimizer slots in %.2f s",
-                time.perf_counter() - start)
+    trainer_seconds = time.perf_counter() - start
     splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
     # Validated before anything is created in output_dir.
@@ -275,6 +275,11 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     if output_dir is not None and jax.process_index() == 0:
         write_run_tokenizer(output_dir, inputs.tokenizer)
     writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
+    # Once everything is checked: a bad input stays a one-line error. The restore is
+    # timed by the Loop.
+    logger.info("built the model in %.2f s", built.seconds["build"])
+    logger.info("initialised the model's weights in %.2f s", built.seconds["init"])
+    logger.info("built the trainer and its optimizer slots in %.2f s", trainer_seconds)
     return Loop(trainer, inputs, built, build_evaluator(run, built, inputs, placement), splits,
                 checkpointer=checkpointer, init_checkpointer=init, writer=writer,
                 schedule=_schedule(run), eval_config=eval_config, checkpoint=checkpoint,

@@ -125,12 +125,14 @@ def use_compilation_cache(config: CompilationCacheConfig | None = None,
 
     Returns:
       The cache directory in use, or None when the cache is off. An unwritable directory
-      is logged as one warning and the run goes on without the persistent cache.
+      is logged as one warning and the run goes on without the persistent cache; the
+      directory chosen is logged at DEBUG level (``--verbosity=1``), so a bad input
+      after it is still the command's only line.
     """
     config = config or CompilationCacheConfig()
     if not config.enabled:
         if _update(None, enabled=False):
-            logger.info("compilation cache: off")
+            logger.debug("compilation cache: off")
         return None
     if config.directory is not None:
         directory = os.path.abspath(os.path.expanduser(config.directory))
@@ -146,7 +148,7 @@ def use_compilation_cache(config: CompilationCacheConfig | None = None,
         _update(None, enabled=False)
         return None
     if _update(directory, enabled=True):
-        logger.info("compilation cache: %s", directory)
+        logger.debug("compilation cache: %s", directory)
     if jax.config.jax_persistent_cache_min_compile_time_secs == _JAX_DEFAULT_MIN_COMPILE_SECS:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
