@@ -11,7 +11,7 @@ import pytest
 
 from revtrain.cli_common import common_flags, parse_gin, run
 from revtrain.cli_compile_cache import define_cache_flags, use_flagged_cache
-from revtrain.training import compile_cache
+from revtrain.training import RunConfig, builder, compile_cache
 from revtrain.training.compile_cache import CompilationCacheConfig, use_compilation_cache
 from tests.cli_helpers import COPY_TASK, TINY, _train
 from tests.subprocesses import ROOT, child_env
@@ -71,6 +71,24 @@ def test_a_configured_directory_or_off_wins_over_jax_setting(jax_settings, tmp_p
     assert jax.config.jax_compilation_cache_dir == str(tmp_path)
     assert use_compilation_cache(CompilationCacheConfig(enabled=False)) is None
     assert not jax.config.jax_enable_compilation_cache
+
+
+@pytest.mark.parametrize("config, expected", [(None, "default"),
+                                              (CompilationCacheConfig(enabled=False), None)])
+def test_build_loop_turns_the_cache_on_before_it_builds_anything(
+        jax_settings, tmp_path, monkeypatch, config, expected):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _unset_jax_cache()
+
+    def stop(inputs):  # The first thing build_loop builds.
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(builder, "resolve_inputs", stop)
+    with pytest.raises(RuntimeError, match="stop"):
+        builder.build_loop(RunConfig(), compilation_cache=config)
+    on = jax.config.jax_enable_compilation_cache
+    assert (jax.config.jax_compilation_cache_dir if on else None) == (
+        expected and str(tmp_path / "revtrain" / "jax"))
 
 
 @pytest.mark.parametrize("config", [{"directory": ""}, {"directory": 3},
