@@ -22,6 +22,11 @@ with a SentencePiece model is evaluated and decoded with that model, no flag nee
 trains a SentencePiece model on local text (the embedded corpus without ``--input``) and
 writes ``out/sp.model`` (`revtrain.data.train_sentencepiece`).
 
+Compiled programs are kept in JAX's persistent compilation cache, so a restarted run, an
+eval and a second decode compile nothing again: ``--compilation_cache_dir=DIR`` moves it and
+``--nocompilation_cache`` turns it off (`revtrain.cli_compile_cache`,
+`revtrain.training.compile_cache`).
+
 Multi-host: ``--coordinator_address=host:port --num_processes=N --process_id=i`` (or the
 environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
 ``JAX_PROCESS_ID``) call ``jax.distributed.initialize`` before anything else (on CPU, JAX
@@ -66,6 +71,7 @@ from revtrain.cli_common import (  # noqa: F401  (logging_through_absl, parse_gi
     run,
     use_run_tokenizer,
 )
+from revtrain.cli_compile_cache import define_cache_flags, use_flagged_cache
 from revtrain.cli_flags import MAX_SEED, define_real
 from revtrain.cli_saved_run import read_run
 from revtrain.cli_tokenizer import tokenizer_main
@@ -122,6 +128,7 @@ def _train(fv: flags.FlagValues) -> int:
     if removed:  # A usage error, before anything is built.
         raise UsageError(str(legacy_binding_error(removed)))
     output_dir = os.path.abspath(fv.output_dir)
+    use_flagged_cache(fv)
     loop = configurables.train(output_dir=output_dir,
                                callbacks=[_write_operative_config(output_dir),
                                           _print_summary],
@@ -143,6 +150,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     """``revtrain-train``; returns the exit status (``argv[0]`` is the program name)."""
     fv = common_flags("Directory for checkpoints, metrics.jsonl, TensorBoard files and "
                        "config.gin; an existing run there is resumed.")
+    define_cache_flags(fv)
     return run("revtrain-train", fv, argv, _train)
 
 
@@ -156,6 +164,7 @@ def _eval(fv: flags.FlagValues) -> int:
     from revtrain.training.eval_program import CheckpointEvaluator
 
     output_dir, configs, final_step = read_run(fv)
+    use_flagged_cache(fv)
     eval_config = configs["eval_config"]
     if fv.one_pass or fv.eval_steps is not None:
         steps = None if fv.one_pass else fv.eval_steps
@@ -191,6 +200,7 @@ def _eval(fv: flags.FlagValues) -> int:
 def eval_main(argv: Sequence[str] | None = None) -> int:
     """``revtrain-eval``: evaluates the checkpoints of ``--output_dir`` without eval records."""
     fv = common_flags("The output_dir of a revtrain-train run.")
+    define_cache_flags(fv)
     flags.DEFINE_boolean("wait", False, "Keep polling for new checkpoints (and, first, for "
                          "the run's config.gin); exit after the run's final step "
                          "(train.steps) is evaluated.", flag_values=fv)
@@ -222,6 +232,7 @@ def _decode(fv: flags.FlagValues) -> int:
         raise UsageError("give --prompt or --prompts_file, not both")
     prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [_prompt(fv.prompt)]
     output_dir, configs, _ = read_run(fv)
+    use_flagged_cache(fv)
     tokenizer = read_run_tokenizer(output_dir) or ByteTokenizer()
     # The cache holds what this decode needs, not the model's max_len (maybe 2**40).
     decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,
@@ -281,6 +292,7 @@ def _read_prompts(path: str) -> list[str]:
 def decode_main(argv: Sequence[str] | None = None) -> int:
     """``revtrain-decode``: continues prompts with a text LM; writes decoder_out/step_N.jsonl."""
     fv = common_flags("The output_dir of a revtrain-train run of a language model.")
+    define_cache_flags(fv)
     flags.DEFINE_string("prompt", "\n", "Text to continue.", flag_values=fv)
     flags.DEFINE_string("prompts_file", None, "A UTF-8 file of prompts, one per line.",
                         flag_values=fv)

@@ -303,7 +303,10 @@ def run(prog: str, fv: flags.FlagValues, argv: Sequence[str] | None,
     except (flags.Error, UsageError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    with logging_through_absl(prog, fv), _without_thread_reports(fv.traceback):
+    from revtrain.training.compile_cache import restoring_jax_settings
+
+    with (logging_through_absl(prog, fv), _without_thread_reports(fv.traceback),
+          restoring_jax_settings()):
         try:
             return body(fv)
         except UsageError as e:

@@ -11,7 +11,8 @@ Library code is never decorated; importing this module makes the names below usa
 * trainers: ``Trainer``, ``ReversibleSerialTrainer``, ``MemoryEfficientTrainer``;
 * training: ``train`` (the entry point; only ``train.steps`` is bound on it), the run
   configuration ``RunConfig``, ``EvalConfig``, ``CheckpointConfig``, ``LogConfig``
-  (`revtrain.training.config`), ``optimizer_fn``, ``warmup_rsqrt_decay``,
+  (`revtrain.training.config`), ``CompilationCacheConfig``
+  (`revtrain.training.compile_cache`), ``optimizer_fn``, ``warmup_rsqrt_decay``,
   ``warmup_cosine_decay``, ``constant``;
 * layers: the losses/metrics ``CrossEntropyLoss``, ``WeightedCategoryCrossEntropy``,
   ``ProjectedCrossEntropy``, ``Accuracy`` (each with ``n_chunks``), the activations
@@ -40,7 +41,7 @@ import gin
 import jax.numpy as jnp
 
 from revtrain import data, layers, models, trainers
-from revtrain.training import config, schedules, train_lib
+from revtrain.training import compile_cache, config, schedules, train_lib
 from revtrain.training.optimizers import optimizer_fn
 
 # (gin module, public constructors) registered below; docs/make_gin_reference.py documents
@@ -53,7 +54,8 @@ REGISTRY = (
     ("revtrain.trainers", (trainers.Trainer, trainers.ReversibleSerialTrainer,
                            trainers.MemoryEfficientTrainer)),
     ("revtrain.training", (config.RunConfig, config.EvalConfig, config.CheckpointConfig,
-                           config.LogConfig, optimizer_fn, schedules.warmup_rsqrt_decay,
+                           config.LogConfig, compile_cache.CompilationCacheConfig,
+                           optimizer_fn, schedules.warmup_rsqrt_decay,
                            schedules.warmup_cosine_decay, schedules.constant)),
     ("revtrain.layers", (layers.CrossEntropyLoss, layers.WeightedCategoryCrossEntropy,
                          layers.ProjectedCrossEntropy, layers.Accuracy, layers.Relu,
@@ -249,5 +251,17 @@ def run_configs() -> dict[str, object]:
                                                            strict=True)}
 
 
+def compilation_cache_config() -> compile_cache.CompilationCacheConfig:
+    """The `CompilationCacheConfig` built through gin (``CompilationCacheConfig.*``
+    bindings applied); the command-line tools pass it, after their flags, to
+    `revtrain.training.compile_cache.use_compilation_cache`.
+
+    Raises:
+      ValueError: for a field of the wrong type (one line naming the binding).
+    """
+    return _REGISTERED[compile_cache.CompilationCacheConfig]()
+
+
 __all__ = ["ATTENTION_LAYERS", "CONSTANTS", "REGISTRY", "check_bindings",
-           "check_integer_bindings", "run_configs", "train"]
+           "check_integer_bindings", "compilation_cache_config", "run_configs",
+           "train"]

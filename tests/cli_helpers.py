@@ -17,9 +17,9 @@ TINY = [  # Shrinks configs/copy_task.gin to seconds on CPU; batch 4 fits 1, 2 o
 TRAINERS = ["Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer"]
 
 
-def _train(output_dir, *bindings, config=COPY_TASK):
+def _train(output_dir, *bindings, config=COPY_TASK, extra_flags=()):
     argv = ["revtrain-train", f"--config_file={config}", f"--output_dir={output_dir}"]
-    argv += [f"--gin_bindings={b}" for b in TINY + list(bindings)]
+    argv += [f"--gin_bindings={b}" for b in TINY + list(bindings)] + list(extra_flags)
     return cli.train_main(argv)
 
 

@@ -5,13 +5,20 @@ Four CPU devices are forced before JAX starts its backend, so the multi-device c
 
 JAX's persistent compilation cache is on (in the system temp folder, shared by xdist
 workers): the tests build many trainers whose per-layer functions compile to the same
-executables, and compiling dominates their run time on CPU.
+executables, and compiling dominates their run time on CPU. It is set in the environment
+(``JAX_COMPILATION_CACHE_DIR``) before JAX is imported, so every child process a test
+starts shares it too, and the tools' default cache in the user's home
+(`revtrain.training.compile_cache`) is never written: a JAX setting wins over it.
 """
 import os
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+TEST_CACHE = os.path.join(tempfile.gettempdir(), "revtrain-tests-jax-cache")
+os.environ.update(JAX_COMPILATION_CACHE_DIR=TEST_CACHE, JAX_ENABLE_COMPILATION_CACHE="true",
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 import jax  # noqa: E402
 
@@ -19,7 +26,8 @@ import revtrain  # noqa: E402, F401  (threads for CPU collectives, before the ba
 
 N_TEST_DEVICES = 4
 jax.config.update("jax_num_cpu_devices", N_TEST_DEVICES)
-jax.config.update("jax_compilation_cache_dir",
-                  os.path.join(tempfile.gettempdir(), "revtrain-tests-jax-cache"))
+# Also here, in case JAX was imported before this file (a plugin).
+jax.config.update("jax_compilation_cache_dir", TEST_CACHE)
+jax.config.update("jax_enable_compilation_cache", True)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

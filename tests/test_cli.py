@@ -2,6 +2,7 @@
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,13 @@ def test_train_checkpoints_and_resume(tmp_path, capsys, trainer):
     assert f"RunConfig.trainer_class = @{trainer}" in config and "train.steps = 4" in config
     assert _train(out, "train.steps=6", *common) == 0
     captured = capsys.readouterr()
-    assert "restored the checkpoint of step 4" in captured.err
+    # One line each for model construction, init, the trainer and the restore, timed.
+    timed = [line.split("] ")[-1] for line in captured.err.splitlines()
+             if re.search(r" in \d+\.\d\d s$", line)]
+    assert [re.sub(r"\d+\.\d\d s$", "T s", line) for line in timed] == [
+        "built the model in T s", "initialised the model's weights in T s",
+        "built the trainer and its optimizer slots in T s",
+        f"restored the checkpoint of step 4 from {out}/checkpoints in T s"], captured.err
     assert "final eval at step 6" in captured.out
     assert _steps(out) == [4, 6]  # max_to_keep = 2 in copy_task.gin.
     assert [r["step"] for r in read_metrics(out, "train")] == [2, 4, 6]

@@ -34,6 +34,7 @@ from revtrain.training.checkpoints.trees import (
     flatten_tree,
     unflatten_tree,
 )
+from revtrain.training.compile_cache import CompilationCacheConfig, use_compilation_cache
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.decoding import CachedDecoder, Decoder, decode_text
 from revtrain.training.eval_program import CheckpointEvaluator
@@ -50,10 +51,11 @@ from revtrain.training.write_failures import RunWriteError
 __all__ = [
     "BuiltModel", "CachedDecoder", "CheckpointConfig", "CheckpointEvaluator",
     "CheckpointMismatchError", "CheckpointSaveError", "CheckpointUnreadableError",
-    "Checkpointer", "Decoder",
+    "Checkpointer", "CompilationCacheConfig", "Decoder",
     "EvalConfig", "Evaluator", "LogConfig", "Loop", "MetricsWriter", "NonFiniteLossError",
     "RunConfig", "RunLock", "RunLockError", "RunWriteError", "StopOnSignals", "bits_per_byte",
     "build_evaluator", "build_loop", "build_model", "build_trainer", "constant",
     "decode_text", "flatten_tree", "optimizer_fn", "read_metrics", "train",
-    "unflatten_tree", "warmup_cosine_decay", "warmup_rsqrt_decay",
+    "unflatten_tree", "use_compilation_cache", "warmup_cosine_decay",
+    "warmup_rsqrt_decay",
 ]

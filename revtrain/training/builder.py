@@ -10,7 +10,9 @@ experiment the same way): `build_model` initialises the model from the first tra
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,7 @@ from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
 from revtrain.training.checkpoints.access import check_run_access
 from revtrain.training.checkpoints.checkpointer import Checkpointer
+from revtrain.training.compile_cache import CompilationCacheConfig, use_compilation_cache
 from revtrain.training.config import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.evaluation import Evaluator
 from revtrain.training.loop import Loop
@@ -59,6 +62,8 @@ from revtrain.training.validation import (
     check_mesh_divides,
     check_vocab_size,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def build_trainer(trainer_class: Callable[..., Any], model: Layer, loss_layer: Layer,
@@ -89,12 +94,15 @@ class BuiltModel:
       flat_layers: ``blocks_to_layers(*extract_reversible_blocks([model, loss]))``: the
         order of the per-layer values in a `TrainState` and in checkpoints.
       batch_signature: ``ShapeDtype`` of a train batch ``(inputs, targets, weights)``.
+      seconds: wall time of the set-up, ``{'build': constructing the layer objects,
+        'init': initialising their weights (or shapes), ready on the devices}``.
     """
 
     model: Layer
     loss: Layer
     flat_layers: Sequence[Layer]
     batch_signature: Any
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def initial_values(self) -> dict[str, tuple]:
         """``{'weights', 'state'}``: one initial value per flat layer (a restore template)."""
@@ -140,7 +148,9 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
         (`revtrain.training.validation`).
     """
     run.check_complete()
+    start = time.perf_counter()
     model, loss = run.model(mode="train"), _loss(run)
+    seconds = {"build": time.perf_counter() - start}
     check_vocab_size(model, inputs)
     batch = next(iter(inputs.train_stream(start_step=0)))
     check_first_batch(batch, model, inputs)
@@ -151,6 +161,7 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
         run.mesh()  # Its size against the devices, before anything is built.
         check_mesh_divides(signature, run.mesh_shape, inputs)
     init_rng, _ = jax.random.split(jax.random.key(run.seed))
+    start = time.perf_counter()
     if abstract:
         # A fresh model is traced, so no layer object of ``model`` ever holds a tracer.
         fresh = run.model
@@ -159,8 +170,10 @@ def build_model(run: RunConfig, inputs: Inputs, abstract: bool = False) -> Built
     else:
         model.init(signature[0], rng=init_rng)
     loss.init((model.output_signature(signature[0]), signature[1], signature[2]))
+    jax.block_until_ready((model.weights, model.state, loss.weights, loss.state))
+    seconds["init"] = time.perf_counter() - start
     flat = blocks_to_layers(*extract_reversible_blocks([model, loss]))
-    return BuiltModel(model, loss, flat, signature)
+    return BuiltModel(model, loss, flat, signature, seconds)
 
 
 def check_sequence_split(run: RunConfig, built: BuiltModel) -> None:
@@ -218,8 +231,12 @@ def _schedule(run: RunConfig) -> optax.Schedule | None:
 
 def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
                checkpoint: CheckpointConfig | None = None, log: LogConfig | None = None,
-               output_dir: str | None = None) -> Loop:
+               output_dir: str | None = None,
+               compilation_cache: CompilationCacheConfig | None = None) -> Loop:
     """Builds the training `Loop` of a run and restores ``output_dir``'s newest checkpoint.
+
+    JAX's persistent compilation cache is turned on first (`use_compilation_cache`), so a
+    restarted run loads its programs instead of compiling them.
 
     Args:
       run: the model, data and optimisation.
@@ -228,6 +245,10 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
       log: logging; default `LogConfig()`.
       output_dir: where checkpoints (``checkpoints/``), ``metrics.jsonl`` and TensorBoard
         files go; None keeps nothing.
+      compilation_cache: where JAX's persistent compilation cache goes; default
+        ``CompilationCacheConfig()``: the process's own JAX setting if it has one (an
+        earlier call, ``jax_compilation_cache_dir`` or ``JAX_COMPILATION_CACHE_DIR``),
+        else ``$XDG_CACHE_HOME/revtrain/jax`` (``~/.cache/revtrain/jax``).
 
     Raises:
       ValueError: as `build_model` and `check_sequence_split`, for a tokenizer other than
@@ -237,12 +258,15 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
         its checkpoints (`revtrain.training.checkpoints.access`); before any step.
     """
     eval_config = eval_config or EvalConfig()
+    use_compilation_cache(compilation_cache, source="build_loop(compilation_cache=...)")
     inputs = resolve_inputs(run.inputs)
     built = build_model(run, inputs)
     check_sequence_split(run, built)
     placement = run.placement()
+    start = time.perf_counter()
     trainer = build_trainer(run.trainer_class, built.model, built.loss, run.optimizer,
                             placement=placement, **run.trainer_arguments())
+    trainer_seconds = time.perf_counter() - start
     splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
     # Validated before anything is created in output_dir.
@@ -268,6 +292,11 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
                 opened.close()
         raise
     writer = MetricsWriter(output_dir, enabled=jax.process_index() == 0)
+    # Once everything is checked: a bad input stays a one-line error. The restore is
+    # timed by the Loop.
+    logger.info("built the model in %.2f s", built.seconds["build"])
+    logger.info("initialised the model's weights in %.2f s", built.seconds["init"])
+    logger.info("built the trainer and its optimizer slots in %.2f s", trainer_seconds)
     return Loop(trainer, inputs, built, build_evaluator(run, built, inputs, placement), splits,
                 checkpointer=checkpointer, init_checkpointer=init, writer=writer,
                 schedule=_schedule(run), eval_config=eval_config, checkpoint=checkpoint,

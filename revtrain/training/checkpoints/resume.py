@@ -12,6 +12,7 @@ state only (``init_weights_only``) or the full state. Templates are built from s
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,9 +71,11 @@ def resume(trainer: Any, checkpointer: Checkpointer | None,
         if init_checkpointer is None:
             return 0, rng, None
         return (*warm_start(trainer, init_checkpointer, config.init_weights_only, rng), None)
+    start = time.perf_counter()
     step, rng = _apply(trainer, checkpointer.restore(restore_template(trainer, rng),
                                                      config.restore_step))
-    logger.info("restored the checkpoint of step %d from %s", step, checkpointer.directory)
+    logger.info("restored the checkpoint of step %d from %s in %.2f s", step,
+                checkpointer.directory, time.perf_counter() - start)
     return step, rng, step
 
 
@@ -94,6 +97,7 @@ def warm_start(trainer: Any, source: Checkpointer, weights_only: bool,
         raise FileNotFoundError(f"CheckpointConfig.init_checkpoint_dir: {source.directory} "
                                 f"holds no checkpoint; point it at a run's checkpoints")
     # The newest readable checkpoint, an unreadable one skipped with a warning.
+    start = time.perf_counter()
     if weights_only:
         tree = source.restore_values({part: host_template(trainer, part)
                                       for part in ("weights", "state")})
@@ -102,7 +106,8 @@ def warm_start(trainer: Any, source: Checkpointer, weights_only: bool,
         run_position = 0, rng
     else:
         run_position = _apply(trainer, source.restore(restore_template(trainer, rng)))
-    logger.info("warm-started from the checkpoint of step %d in %s (%s)",
+    logger.info("warm-started from the checkpoint of step %d in %s (%s) in %.2f s",
                 source.restored_step, source.directory,
-                "weights and state" if weights_only else "full state")
+                "weights and state" if weights_only else "full state",
+                time.perf_counter() - start)
     return run_position
