@@ -98,8 +98,8 @@ def _check_long_context(attention_type: Any, ff_chunk_size: Any, pos_type: Any) 
         check_chunk_size(ff_chunk_size, "the LM's", "ff_chunk_size")
     if pos_type not in POS_TYPES:
         raise ValueError(f"pos_type={pos_type!r} is not one of {POS_TYPES}; use 'sinusoidal' "
-                         f"(an added table), 'rotary' (RoFormer rotations in attention) or 'trained' "
-                         f"(a trained table, Trax's default)")
+                         f"(an added table), 'rotary' (RoFormer rotations in attention) or "
+                         f"'trained' (a trained table, Trax's default)")
 
 
 def _attention(attention_type: Callable[..., Layer], d_model: int, n_heads: int,
