@@ -168,3 +168,40 @@ def test_trax_from_the_same_initial_weights_tracks_revtrain(tmp_path):
     assert ours["n_params"] == theirs["n_params"]
     for a, b in zip(ours["curve"], theirs["curve"], strict=True):
         assert abs(a["bits_per_byte"] - b["bits_per_byte"]) < 0.01
+
+
+def _fake_run(curve_values):
+    def run_one(args, config, tmp):
+        curve = [{"step": (i + 1) * args.eval_every, "bits_per_byte": v, "train_s": 1.0 + i,
+                  "loss": v} for i, v in enumerate(curve_values)]
+        return config | {"curve": curve, "bits_per_byte": curve[-1]["bits_per_byte"],
+                         "train_s": 3.0, "n_params": 5, "peak_bytes": 1,
+                         "peak_rss_bytes": 1, "load_avg": [0.5, 0.7], "measured": "now",
+                         "host": "cpu"}
+    return run_one
+
+
+def test_the_pilot_writes_the_step_count_at_which_the_plain_curve_flattened(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setattr(quality, "run_one", _fake_run([4.0, 3.0, 2.5, 2.45, 2.44, 2.44,
+                                                       2.435, 2.43]))
+    pilot = quality.main(["--quick", "--pilot", "--out_dir", str(tmp_path)])
+    saved = json.loads((tmp_path / quality.PILOT).read_text())
+    assert saved["steps"] == pilot["steps"] == 10  # eval_every 2: flat from the 5th point.
+    assert quality.parse_flags(["--quick", "--out_dir", str(tmp_path)]).steps == 10
+
+
+def test_update_runs_merge_into_one_file_and_a_converged_run_judges_its_targets(
+        tmp_path, monkeypatch):
+    flat = [4.0, 3.0, 2.5, 2.45, 2.44]
+    monkeypatch.setattr(quality, "run_one", _fake_run(flat))
+    common = ["--quick", "--steps", "10", "--seeds", "2", "--out_dir", str(tmp_path)]
+    quality.main([*common, "--configurations", "plain,plain_params"])
+    payload = quality.main([*common, "--update", "--configurations", "rev_reversible"])
+    assert sorted({r["variant"] for r in payload["results"]}) == [
+        "plain", "plain_params", "rev_reversible"]
+    assert len(payload["runs"]) == 2 and payload["convergence"]["converged"]
+    text = (tmp_path / "quality.md").read_text()
+    assert "Converged: the last 20% of the steps" in text
+    assert "| Reversible + ReversibleSerialTrainer within 0.01 bpb of the plain Transformer " \
+           "at equal parameters | +0.0000" in text and qr.NOT_CONVERGED not in text
