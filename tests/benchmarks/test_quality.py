@@ -60,7 +60,7 @@ def test_targets_compare_means_and_report_the_seed_spread():
     assert checks["LSH-8 within 0.02 bpb of exact attention"]["met"]
     assert not checks["LSH-2 within 0.05 bpb of exact attention"]["met"]
     assert not checks["revtrain, trained positions within 0.02 bpb of Trax ReformerLM "
-                      "full (matched)"]["met"]
+                      "full (matched but the random draws)"]["met"]
     assert "LSH-4 gap to exact attention (reported)" not in checks  # No rows: no check.
 
 
@@ -155,9 +155,10 @@ def test_the_first_results_file_renders_as_not_converged():
 @pytest.mark.slow
 @pytest.mark.skipif(not TRAX_PYTHON, reason="set REVTRAIN_TRAX_PYTHON to a Python with Trax")
 def test_trax_from_the_same_initial_weights_tracks_revtrain(tmp_path):
-    """Same batches, same initial weights, same optimizer: after a few steps the two
-    frameworks' held-out bits per byte agree closely. Before the worker dropped
-    ReformerLM's ShiftRight, Trax predicted the byte after next and this failed."""
+    """Same batches, same initial weights, same optimizer: the two frameworks' train
+    losses and held-out bits per byte agree to float32 rounding (about 5e-6 at the quick
+    size). Before the worker dropped ReformerLM's ShiftRight, Trax predicted the byte
+    after next on the same batches, and its losses differed."""
     payload = quality.main(["--quick", "--seeds", "1", "--steps", "6", "--eval_every", "3",
                             "--configurations", "abl_init_trax,trax_full",
                             "--trax_python", TRAX_PYTHON, "--out_dir", str(tmp_path)])
@@ -167,7 +168,9 @@ def test_trax_from_the_same_initial_weights_tracks_revtrain(tmp_path):
     ours, theirs = rows["abl_init_trax"], rows["trax_full"]
     assert ours["n_params"] == theirs["n_params"]
     for a, b in zip(ours["curve"], theirs["curve"], strict=True):
-        assert abs(a["bits_per_byte"] - b["bits_per_byte"]) < 0.01
+        assert abs(a["bits_per_byte"] - b["bits_per_byte"]) < 1e-3
+    for a, b in zip(ours["train_losses"], theirs["train_losses"], strict=True):
+        assert abs(a - b) < 1e-3
 
 
 def _fake_run(curve_values):

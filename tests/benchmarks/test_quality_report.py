@@ -161,7 +161,7 @@ def test_every_ablation_factor_and_match_names_known_configurations():
     for _, ours, ref, trax, trax_ref, _ in qv.FACTORS:
         assert {ours, ref} <= set(qv.VARIANTS) and _both_or_neither(trax, trax_ref)
         assert qv.VARIANTS[trax].framework == "trax" if trax else True
-    for trax, (ours, _) in qv.TRAX_MATCH.items():
+    for trax, ours, _ in qv.TRAX_MATCH:
         assert qv.VARIANTS[trax].framework == "trax" and ours in qv.VARIANTS
     grouped = [v for names in qv.GROUPS.values() for v in names]
     assert sorted(grouped) == sorted(qv.VARIANTS) and len(grouped) == len(set(grouped))
