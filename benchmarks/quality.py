@@ -7,11 +7,13 @@ is recorded beside every row's wall time. From the repository root, after ``pip 
 
     # 1. The pilot: the plain Transformer alone until its held-out curve has flattened
     #    (the last 20% of the steps improve it by < 0.02 bits/byte); writes
-    #    quality_pilot.json, whose step count the runs below take (about 1 h on 2 cores).
+    #    quality_pilot.json, whose step count the runs below take (an estimated 10-20
+    #    minutes on 2 idle cores for up to 8,000 steps).
     python benchmarks/quality.py --pilot
     # 2. The runs, one invocation per group (3 seeds, the pilot's steps; a group is a
     #    list of configurations, `benchmarks.quality_variants.GROUPS`), merged by
-    #    --update into one quality.json; each about 1-3 h on 2 cores (see docs).
+    #    --update into one quality.json; an estimated 1 h per group on 2 idle cores at
+    #    3,000 steps, 2-3 h for the LSH groups (docs/benchmarks.md, "Quality").
     #    TRAX_PY is a Python with Trax 1.4.1, e.g. /tmp/traxenv/bin/python.
     python benchmarks/quality.py --group=main           # the first one creates the file
     python benchmarks/quality.py --update --group=lsh
