@@ -394,8 +394,7 @@ def sequence_mesh() -> str:
 def quality() -> str:
     """Held-out bits per byte per configuration, mean ± std over seeds, and the targets."""
     payload = load("quality")
-    table = (quality_runs.readme_table(payload) + "\n\n"
-             + report.targets_table(quality_runs.targets(payload["results"])))
+    table = quality_runs.tables(payload) + "\n"
     return _with_sources(table, _source("quality", payload, quality_runs.settings(payload)))
 
 

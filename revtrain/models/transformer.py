@@ -39,7 +39,8 @@ from revtrain.layers import (
 )
 from revtrain.layers.attention.causal import CausalAttention
 from revtrain.layers.chunk import Chunk, check_chunk_size
-from revtrain.layers.core import sinusoidal_encoding
+from revtrain.layers.core import check_rate, sinusoidal_encoding
+from revtrain.layers.core import dropout as drop_rows
 from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, MASK_BITS, is_mask_bits
 from revtrain.layers.normalization import LayerNorm
 from revtrain.layers.sequence_parallel import check_not_split
@@ -83,7 +84,7 @@ def _check_arguments(n_layers: int, compute_dtype: Any, mask_bits: Any) -> None:
                          f"jnp.bfloat16")
 
 
-POS_TYPES = ("sinusoidal", "rotary")
+POS_TYPES = ("sinusoidal", "rotary", "trained")
 
 
 def _check_long_context(attention_type: Any, ff_chunk_size: Any, pos_type: Any) -> None:
@@ -97,7 +98,8 @@ def _check_long_context(attention_type: Any, ff_chunk_size: Any, pos_type: Any) 
         check_chunk_size(ff_chunk_size, "the LM's", "ff_chunk_size")
     if pos_type not in POS_TYPES:
         raise ValueError(f"pos_type={pos_type!r} is not one of {POS_TYPES}; use 'sinusoidal' "
-                         f"(an added table) or 'rotary' (RoFormer rotations in attention)")
+                         f"(an added table), 'rotary' (RoFormer rotations in attention) or "
+                         f"'trained' (a trained table, Trax's default)")
 
 
 def _attention(attention_type: Callable[..., Layer], d_model: int, n_heads: int,
@@ -146,6 +148,39 @@ class _PositionalEncodingAt(Layer):
         return (), jnp.zeros((), jnp.int32)
 
 
+class _TrainedPositionalEncoding(Layer):
+    """Adds a trained ``[max_len, d_feature]`` table, initialised with the sinusoids of
+    `PositionalEncoding` (Trax's ``PositionalEncoding``, whose table is a weight).
+
+    Dropout (``'train'`` mode) applies to the added rows, as in `PositionalEncoding`; in
+    ``'predict'`` mode the state is the next position, so decoding adds the rows of the
+    positions decoded. A sequence split is refused (the table is not split by position).
+    """
+
+    def __init__(self, max_len: int, dropout: float, mode: str, mask_bits: int):
+        super().__init__(n_in=1, n_out=1, name="TrainedPositionalEncoding")
+        self._max_len, self._dropout = max_len, check_rate(dropout, "PositionalEncoding")
+        self._mode, self._mask_bits = mode, mask_bits
+
+    def forward_with_state(self, x, weights, state, rng):
+        check_not_split("pos_type='trained'", "use pos_type='sinusoidal' or 'rotary' with a "
+                        "sequence split", why="adds rows of one table")
+        start = state if self._mode == "predict" else 0
+        if self._mode != "predict" and x.shape[1] > self._max_len:
+            raise ValueError(f"input length {x.shape[1]} exceeds max_len={self._max_len}; "
+                             f"build the model with max_len >= {x.shape[1]}")
+        rows = jax.lax.dynamic_slice_in_dim(weights, start, x.shape[1]).astype(x.dtype)
+        if self._mode == "train" and self._dropout:
+            rows = drop_rows(rows, self._dropout, rng, mask_bits=self._mask_bits)
+        new_state = state + x.shape[1] if self._mode == "predict" else state
+        return x + rows[None], new_state
+
+    def init_weights_and_state(self, input_signature, rng):
+        table = jnp.asarray(sinusoidal_encoding(self._max_len, input_signature.shape[-1]))
+        state = jnp.zeros((), jnp.int32) if self._mode == "predict" else ()
+        return table, state
+
+
 def _feed_forward(d_model: int, d_ff: int, dropout: float,
                   ff_activation: Callable[[], Layer], mode: str,
                   compute_dtype: Any, mask_bits: int, ff_chunk_size: int | None) -> list[Layer]:
@@ -159,10 +194,13 @@ def _feed_forward(d_model: int, d_ff: int, dropout: float,
 
 def _embed(vocab_size: int, d_model: int, max_len: int, dropout: float,
            mode: str, mask_bits: int, pos_type: str) -> list[Layer]:
-    """Embedding and Dropout, then the sinusoidal table unless positions are rotary."""
+    """Embedding and Dropout, then the sinusoidal (or trained) table unless positions are
+    rotary."""
     layers = [Embedding(vocab_size, d_model), Dropout(dropout, mode=mode, mask_bits=mask_bits)]
     if pos_type == "rotary":
         return layers
+    if pos_type == "trained":
+        return layers + [_TrainedPositionalEncoding(max_len, dropout, mode, mask_bits)]
     position = (_PositionalEncodingAt(max_len) if mode == "predict" else
                 PositionalEncoding(max_len, dropout=dropout, mode=mode, mask_bits=mask_bits))
     return layers + [position]
@@ -250,8 +288,10 @@ def ReversibleTransformerLM(vocab_size: int = 256, d_model: int = 512, d_ff: int
         but attention's core: `revtrain.layers.position_chunks`); None runs them whole. Chunking
         adds a level to those weights trees, and with dropout the feed-forward masks
         depend on the chunk size.
-      pos_type: ``'sinusoidal'`` (the added table of `PositionalEncoding`) or
-        ``'rotary'`` (no table: queries and keys rotated by their positions, RoFormer).
+      pos_type: ``'sinusoidal'`` (the added table of `PositionalEncoding`),
+        ``'rotary'`` (no table: queries and keys rotated by their positions, RoFormer) or
+        ``'trained'`` (an added ``[max_len, d_model]`` weight initialised with the same
+        sinusoids, as Trax's ``PositionalEncoding``; refused under a sequence split).
       d_attention_key: per-head width of attention's queries and keys (Trax's
         ``ReformerLM`` name), passed to ``attention_type`` when set; None (default)
         leaves the layer's own default, ``d_model // n_heads``. Trax's ``ReformerLM``

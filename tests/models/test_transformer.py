@@ -283,6 +283,32 @@ def test_every_layer_has_a_structure_key_so_trainers_share_compiled_blocks(cls):
 # Edge cases.
 
 
+@pytest.mark.parametrize("cls", [ReversibleTransformerLM, TransformerLM])
+def test_trained_position_table_starts_sinusoidal_trains_and_decodes(cls):
+    """pos_type='trained' (Trax's default): a [max_len, d_model] weight that starts as the
+    fixed table (same outputs as 'sinusoidal'), gets a gradient, and decodes step by step."""
+    inputs, targets, weights = _batch()
+    fixed, trained = _lm(cls, dropout=0.0), _lm(cls, dropout=0.0, pos_type="trained")
+    fixed.init(_signature(inputs), rng=jax.random.key(0))
+    trained.init(_signature(inputs), rng=jax.random.key(0))
+    table = trained.weights[2]
+    assert table.shape == (LENGTH, D) and fixed.weights[2] == ()
+    np.testing.assert_allclose(trained(inputs), fixed(inputs), rtol=1e-5, atol=1e-6)
+    model = Serial(trained, CrossEntropyLoss())
+    model.init(_signature((inputs, targets, weights)), rng=jax.random.key(0))
+    grads = jax.grad(lambda w: model.pure_fn((inputs, targets, weights), w, model.state,
+                                             None)[0])(model.weights)
+    assert float(jnp.abs(grads[0][2]).max()) > 0
+    predict = _lm(cls, dropout=0.0, pos_type="trained", mode="predict")
+    predict.init(_signature(inputs[:, :1]), rng=jax.random.key(0))
+    state, steps = predict.state, []
+    for t in range(LENGTH):
+        y, state = predict.pure_fn(inputs[:, t:t + 1], trained.weights, state, None)
+        steps.append(y)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), trained(inputs), rtol=1e-4,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("make", [ReversibleTransformerLM, TransformerLM])
 @pytest.mark.parametrize("kwargs,message", [
     ({"n_layers": -1}, r"n_layers=-1 must be >= 0"),
@@ -392,7 +418,8 @@ def test_rotary_blockwise_model_decodes_the_tokens_of_the_full_forward(implement
 @pytest.mark.parametrize("kwargs,message", [
     ({"ff_chunk_size": 0}, r"ff_chunk_size=0 must be a positive int"),
     ({"ff_chunk_size": -8}, r"ff_chunk_size=-8 must be a positive int"),
-    ({"pos_type": "axial"}, r"pos_type='axial' is not one of \('sinusoidal', 'rotary'\)"),
+    ({"pos_type": "axial"}, r"pos_type='axial' is not one of \('sinusoidal', 'rotary', "
+                            r"'trained'\)"),
     ({"attention_type": "CausalAttention"}, r"attention_type='CausalAttention' is not "
                                             r"callable"),
     ({"attention_type": lambda d, **kw: 3}, r"gave 3, not a layer"),

@@ -1,0 +1,344 @@
+"""What `benchmarks/quality.py` reports: summaries over seeds, the convergence rule, the
+targets, the ablation, the tables, the plot, and the merge of ``--update`` runs.
+
+Reads results of either format: a row without ``load_avg`` or ``measured`` (the first,
+reduced run) shows "—" there, and a payload whose plain Transformer curve does not meet the
+convergence rule (or that has no such curve) is not converged, so its targets read
+"not converged (budget)" instead of a verdict.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+from benchmarks.quality_variants import FACTORS, TRAX_MATCH, VARIANTS
+
+FLAT_BITS = 0.02  # The last FLAT_FRACTION of the steps improve the plain model by less.
+FLAT_FRACTION = 0.2
+CONVERGENCE_VARIANT = "plain"
+NOT_CONVERGED = "not converged (budget)"
+REFORMER_NOTE = ("Equal parameters is the Reformer paper's comparison (Kitaev et al. 2020 "
+                 "compare a regular and a reversible Transformer with the same number of "
+                 "parameters); equal width keeps d_model and d_ff, and the reversible "
+                 "model's wider head (2 d_model) gives it more parameters.")
+
+
+def label(variant: str) -> str:
+    return VARIANTS[variant].label if variant in VARIANTS else variant
+
+
+def _ok(results: Sequence[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
+    return [r for r in results if r["variant"] == variant and "error" not in r]
+
+
+# ------------------------------------------------------------------------------------------
+# Curves and the convergence rule.
+
+def at_step(curve: Sequence[dict[str, Any]], step: float) -> float:
+    """Bits per byte of an eval curve at ``step`` (linear between its points; the first
+    point's value before it)."""
+    points = [(p["step"], p["bits_per_byte"]) for p in curve]
+    if step <= points[0][0]:
+        return points[0][1]
+    for (s0, b0), (s1, b1) in itertools.pairwise(points):
+        if s0 <= step <= s1:
+            return b0 + (b1 - b0) * (step - s0) / max(s1 - s0, 1e-12)
+    return points[-1][1]
+
+
+def mean_curve(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The seeds' curves averaged point by point (over the steps all of them have)."""
+    n = min(len(r["curve"]) for r in rows)
+    return [{"step": rows[0]["curve"][i]["step"],
+             "bits_per_byte": statistics.fmean(r["curve"][i]["bits_per_byte"] for r in rows),
+             "train_s": statistics.fmean(r["curve"][i]["train_s"] for r in rows)}
+            for i in range(n)]
+
+
+def late_improvement(curve: Sequence[dict[str, Any]], steps: float | None = None) -> float:
+    """How much the last `FLAT_FRACTION` of ``steps`` (default: the curve's last step)
+    lowered the curve, in bits per byte."""
+    steps = curve[-1]["step"] if steps is None else steps
+    return at_step(curve, (1 - FLAT_FRACTION) * steps) - at_step(curve, steps)
+
+
+def flattened(curve: Sequence[dict[str, Any]], steps: float | None = None) -> bool:
+    """The rule: the last 20% of the steps improve the curve by less than 0.02 bits/byte
+    (needs a point at or before 80% of the steps)."""
+    steps = curve[-1]["step"] if steps is None else steps
+    return (curve[0]["step"] <= (1 - FLAT_FRACTION) * steps
+            and late_improvement(curve, steps) < FLAT_BITS)
+
+
+def pilot_steps(curve: Sequence[dict[str, Any]]) -> int | None:
+    """The budget a pilot picks: the first eval step from which the rule holds at every
+    later eval step of the curve (a plateau that the curve later leaves does not count);
+    None when it does not hold at the curve's end."""
+    steps = [p["step"] for p in curve]
+    holds = [flattened(curve, s) for s in steps]
+    if not holds or not holds[-1]:
+        return None
+    first = len(holds) - 1
+    while first > 0 and holds[first - 1]:
+        first -= 1
+    return steps[first]
+
+
+def convergence(payload: dict[str, Any]) -> dict[str, Any]:
+    """Whether the run is converged: its plain Transformer's mean curve meets the rule at
+    the run's final step, and the run has at least the pilot's steps when a pilot set
+    them. ``{'converged', 'reason', 'late_improvement'}``."""
+    rows = _ok(payload["results"], CONVERGENCE_VARIANT)
+    if not rows:
+        return {"converged": False, "late_improvement": None,
+                "reason": f"no {label(CONVERGENCE_VARIANT)} rows to check the rule on"}
+    curve = mean_curve(rows)
+    gain = late_improvement(curve)
+    pilot = payload.get("pilot_steps")
+    if not flattened(curve):
+        reason = (f"the last {FLAT_FRACTION:.0%} of {curve[-1]['step']} steps still improved "
+                  f"{label(CONVERGENCE_VARIANT)} by {gain:.4f} bits/byte (rule: < "
+                  f"{FLAT_BITS})")
+        return {"converged": False, "late_improvement": gain, "reason": reason}
+    if pilot and payload["config"]["steps"] < pilot:
+        return {"converged": False, "late_improvement": gain,
+                "reason": f"{payload['config']['steps']} steps, fewer than the pilot's {pilot}"}
+    return {"converged": True, "late_improvement": gain,
+            "reason": f"the last {FLAT_FRACTION:.0%} of the steps improved "
+                      f"{label(CONVERGENCE_VARIANT)} by {gain:.4f} bits/byte"}
+
+
+# ------------------------------------------------------------------------------------------
+# Summaries and targets.
+
+def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per variant: mean and standard deviation over the seeds of the final bits per
+    byte, the training seconds, the load average, the peaks and the parameter count;
+    failed seeds are left out and counted."""
+    out = {}
+    for variant in dict.fromkeys(r["variant"] for r in results):
+        rows = _ok(results, variant)
+        failed = sum(1 for r in results if r["variant"] == variant and "error" in r)
+        if not rows:
+            out[variant] = {"n": 0, "failed": failed}
+            continue
+        bpb = [r["bits_per_byte"] for r in rows]
+        loads = [max(r["load_avg"]) for r in rows if r.get("load_avg")]
+        out[variant] = {
+            "n": len(rows), "failed": failed, "mean": statistics.fmean(bpb),
+            "std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
+            "train_s": statistics.fmean(r["train_s"] for r in rows),
+            "load_avg": max(loads) if loads else None,
+            "peak_bytes": max((r.get("peak_bytes") or 0) for r in rows) or None,
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rows),
+            "n_params": rows[0]["n_params"], "d_ff": rows[0].get("d_ff_used")}
+    return out
+
+
+def paired_gap(results: Sequence[dict[str, Any]], a: str, b: str
+               ) -> tuple[float, float, int] | None:
+    """``a - b`` per seed (both saw the seed's batches), as ``(mean, std, seeds)``."""
+    first = {r["seed"]: r["bits_per_byte"] for r in _ok(results, b)}
+    diffs = [r["bits_per_byte"] - first[r["seed"]] for r in _ok(results, a)
+             if r["seed"] in first]
+    if not diffs:
+        return None
+    return (statistics.fmean(diffs), statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+            len(diffs))
+
+
+def at_wall_time(curve: Sequence[dict[str, Any]], seconds: float) -> float:
+    """Bits per byte of an eval curve at ``seconds`` of training (linear between points;
+    the last point when the curve ends earlier, the first when it starts later)."""
+    points = [(p["train_s"], p["bits_per_byte"]) for p in curve]
+    if seconds <= points[0][0]:
+        return points[0][1]
+    for (t0, b0), (t1, b1) in itertools.pairwise(points):
+        if t0 <= seconds <= t1:
+            return b0 + (b1 - b0) * (seconds - t0) / max(t1 - t0, 1e-12)
+    return points[-1][1]
+
+
+def equal_wall_time(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """SentencePiece against bytes (``rev_reversible``) at the byte runs' training time,
+    per seed, then averaged: ``{'seconds', 'bytes', 'sentencepiece', 'difference',
+    'spread'}``."""
+    pairs = []
+    for seed in sorted({r["seed"] for r in results}):
+        found = {r["variant"]: r for r in results if r["seed"] == seed and "error" not in r}
+        if "rev_reversible" in found and "sentencepiece" in found:
+            byte_run, sp = found["rev_reversible"], found["sentencepiece"]
+            pairs.append((byte_run["train_s"], byte_run["bits_per_byte"],
+                          at_wall_time(sp["curve"], byte_run["train_s"])))
+    if not pairs:
+        return None
+    seconds, byte_bpb, sp_bpb = (statistics.fmean(p[i] for p in pairs) for i in range(3))
+    return {"seconds": seconds, "bytes": byte_bpb, "sentencepiece": sp_bpb,
+            "difference": sp_bpb - byte_bpb,
+            "spread": statistics.stdev([p[2] - p[1] for p in pairs]) if len(pairs) > 1
+            else 0.0}
+
+
+def targets(results: Sequence[dict[str, Any]], converged: bool = True
+            ) -> list[dict[str, Any]]:
+    """The issue's quality targets, for the configurations the run has. A target with a
+    limit gets ``met`` True/False on a converged run; on any other run its ``status`` is
+    `NOT_CONVERGED` (a budget-limited gap is not a finding). Reported rows are ``met``."""
+    s, checks = summarize(results), []
+
+    def add(target: str, value: float, text: str, limit: float | None,
+            absolute: bool = True) -> None:
+        check = {"target": target, "value": text, "met": True}
+        if limit is not None:
+            check["met"] = (abs(value) if absolute else value) <= limit
+            if not converged:
+                check["status"] = NOT_CONVERGED
+        checks.append(check)
+
+    def gap(target: str, a: str, b: str, limit: float | None, absolute: bool = True):
+        if not (s.get(a, {}).get("n") and s.get(b, {}).get("n")):
+            return
+        value = s[a]["mean"] - s[b]["mean"]
+        paired = paired_gap(results, a, b)
+        spread = f"; per seed {paired[0]:+.4f} ± {paired[1]:.4f}" if paired else ""
+        add(target, value, f"{value:+.4f} ({s[a]['mean']:.4f} ± {s[a]['std']:.4f} vs "
+                           f"{s[b]['mean']:.4f} ± {s[b]['std']:.4f}{spread})", limit, absolute)
+
+    for trainer in ("rev_trainer", "rev_reversible", "rev_memory_efficient"):
+        gap(f"{label(trainer)} within 0.01 bpb of the plain Transformer at equal "
+            f"parameters", trainer, "plain_params", 0.01)
+        gap(f"{label(trainer)} vs the plain Transformer at equal width (reported)", trainer,
+            "plain", None)
+    trainers = [t for t in ("rev_trainer", "rev_reversible", "rev_memory_efficient")
+                if s.get(t, {}).get("n")]
+    if len(trainers) > 1:
+        means = [s[t]["mean"] for t in trainers]
+        spread = max(means) - min(means)
+        add("the trainers agree to 0.002 bpb", spread, f"{spread:.4f} (largest difference "
+            f"of the means of {len(trainers)} trainers)", 0.002)
+    exact = "exact_long" if s.get("exact_long", {}).get("n") else "rev_reversible"
+    gap("LSH-8 within 0.02 bpb of exact attention", "lsh8", exact, 0.02, False)
+    gap("LSH-2 within 0.05 bpb of exact attention", "lsh2", exact, 0.05, False)
+    for n in (1, 4):
+        gap(f"LSH-{n} gap to exact attention (reported)", f"lsh{n}", exact, None)
+    for trax, ours, note in TRAX_MATCH:
+        gap(f"{label(ours)} within 0.02 bpb of {label(trax)} ({note})", ours, trax, 0.02)
+    wall = equal_wall_time(results)
+    if wall:
+        winner = "SentencePiece" if wall["difference"] < 0 else "bytes"
+        checks.append({"target": "SentencePiece vs bytes at equal wall time (reported)",
+                       "value": f"{winner} by {abs(wall['difference']):.4f} bpb at "
+                                f"{wall['seconds']:.0f} s ({wall['sentencepiece']:.4f} vs "
+                                f"{wall['bytes']:.4f}; seed spread {wall['spread']:.4f})",
+                       "met": True})
+    return checks
+
+
+def targets_table(checks: Sequence[dict[str, Any]]) -> str:
+    """`report.targets_table`, with a check's ``status`` in place of its verdict."""
+    return report.markdown_table(
+        ["target", "measured", "met"],
+        [[c["target"], c["value"], c.get("status") or ("yes" if c["met"] else "**no**")]
+         for c in checks])
+
+
+def ablation_table(results: Sequence[dict[str, Any]]) -> str | None:
+    """One row per factor: revtrain's change of bits/byte when it takes Trax's setting,
+    Trax's when it takes revtrain's (per seed, mean ± std), and what cannot be matched;
+    None when the run has no ablation rows."""
+    def cell(a, b):
+        if a is None:
+            return "cannot be set in Trax"
+        found = paired_gap(results, a, b)
+        return "—" if found is None else f"{found[0]:+.4f} ± {found[1]:.4f}"
+
+    rows = [[factor, cell(ours, ref), cell(trax, trax_ref), note or "—"]
+            for factor, ours, ref, trax, trax_ref, note in FACTORS
+            if paired_gap(results, ours, ref) or (trax and paired_gap(results, trax, trax_ref))]
+    if not rows:
+        return None
+    return report.markdown_table(["factor", "revtrain Δ bits/byte", "Trax Δ bits/byte",
+                                  "not matched"], rows)
+
+
+# ------------------------------------------------------------------------------------------
+# --update: separate invocations merge into one results file.
+
+MERGE_IGNORED = ("configurations",)
+
+
+def check_mergeable(old_config: dict[str, Any], new_config: dict[str, Any]) -> None:
+    """Raises ValueError naming the settings in which two runs differ (a merge would mix
+    budgets or sizes); checked before a ``--update`` run starts."""
+    differ = sorted(k for k in set(old_config) | set(new_config)
+                    if k not in MERGE_IGNORED and old_config.get(k) != new_config.get(k))
+    if differ:
+        raise ValueError(f"--update: the results file was run with other settings ("
+                         f"{', '.join(f'{k}={old_config.get(k)!r}' for k in differ)}); "
+                         f"rerun with those, or write to another --out_dir")
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s rows added to ``old``'s, replacing the rows of the same (variant, seed);
+    every invocation's ``machine`` kept in ``runs``.
+
+    Raises:
+      ValueError: when the two runs' settings differ (`check_mergeable`).
+    """
+    check_mergeable(old["config"], new["config"])
+    replaced = {(r["variant"], r["seed"]) for r in new["results"]}
+    kept = [r for r in old["results"] if (r["variant"], r["seed"]) not in replaced]
+    return new | {"results": kept + new["results"],
+                  "runs": old.get("runs", [old["machine"]]) + [new["machine"]],
+                  "pilot_steps": new.get("pilot_steps") or old.get("pilot_steps"),
+                  "wall_s": old.get("wall_s", 0.0) + new["wall_s"]}
+
+
+# ------------------------------------------------------------------------------------------
+# Tables and the plot.
+
+def readme_table(payload: dict[str, Any]) -> str:
+    """The documents' table (`benchmarks.render_tables`): one row per configuration."""
+    rows = []
+    for variant, v in summarize(payload["results"]).items():
+        if not v["n"]:
+            rows.append([label(variant), "failed", "", "", "", "", ""])
+            continue
+        peak = report.mib(v["peak_bytes"]) if v["peak_bytes"] else "—"
+        load = "—" if v["load_avg"] is None else f"{v['load_avg']:.1f}"
+        rows.append([label(variant), f"{v['mean']:.4f} ± {v['std']:.4f}", f"{v['n']}",
+                     f"{v['n_params']:,}", f"{v['train_s']:.0f}", load,
+                     f"{peak} / {report.mib(v['peak_rss_bytes'])}"])
+    return report.markdown_table(
+        ["configuration", "held-out bits/byte (mean ± std)", "seeds", "parameters",
+         "train s", "load avg", "peak device / RSS MiB"], rows)
+
+
+def plot(path: Path, results: Sequence[dict[str, Any]]) -> bool:
+    """Held-out bits per byte against step (mean over seeds) and against training time."""
+    plt = report.pyplot(path)
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for variant in dict.fromkeys(r["variant"] for r in results):
+        rows = _ok(results, variant)
+        if not rows:
+            continue
+        curve = mean_curve(rows)
+        style = "--" if label(variant).startswith("Trax") else "-"
+        for ax, x in zip(axes, ("step", "train_s"), strict=True):
+            ax.plot([p[x] for p in curve], [p["bits_per_byte"] for p in curve], style,
+                    marker=".", label=label(variant))
+    for ax, xlabel in zip(axes, ("step", "training wall time (s, eval excluded)"),
+                          strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out bits per byte (mean over seeds)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    report.save_figure(plt, fig, path)
+    return True

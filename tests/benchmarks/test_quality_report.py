@@ -1,0 +1,171 @@
+"""benchmarks/quality_report.py and quality_variants.py: the convergence rule, the targets
+(judged only on a converged run), the ablation table, the --update merge, and the optimizer
+and schedule that match Trax's. Made-up rows; no training."""
+import numpy as np
+import pytest
+
+from benchmarks import quality_report as qr
+from benchmarks import quality_variants as qv
+
+
+def _curve(values, every=100):
+    return [{"step": every * (i + 1), "bits_per_byte": v, "train_s": float(i + 1)}
+            for i, v in enumerate(values)]
+
+
+def _row(variant, seed, bpb, curve=None, **extra):
+    return {"variant": variant, "seed": seed, "bits_per_byte": bpb, "train_s": 10.0,
+            "peak_rss_bytes": 1, "peak_bytes": 1, "n_params": 10,
+            "curve": curve or [{"step": 1, "train_s": 10.0, "bits_per_byte": bpb}], **extra}
+
+
+def test_the_rule_needs_the_last_fifth_of_the_steps_to_improve_less_than_002():
+    flat = _curve([4.0, 3.0, 2.5, 2.40, 2.39, 2.385, 2.382, 2.380, 2.379, 2.378])
+    assert qr.late_improvement(flat) == pytest.approx(2.380 - 2.378)
+    assert qr.flattened(flat) and not qr.flattened(flat, steps=300)
+    # From 500 steps on, the last fifth gains < 0.02 at every later eval point.
+    assert qr.pilot_steps(flat) == 500
+    falling = _curve([4.0, 3.5, 3.0, 2.5, 2.0])
+    assert not qr.flattened(falling) and qr.pilot_steps(falling) is None
+
+
+def test_a_plateau_the_curve_later_leaves_is_not_the_pilots_budget():
+    # The unigram plateau at 100-400 steps, then the drop: the budget starts after it.
+    curve = _curve([4.5, 4.49, 4.49, 4.48, 4.0, 3.2, 2.7, 2.6, 2.58, 2.575, 2.57, 2.568])
+    steps = qr.pilot_steps(curve)
+    assert steps is not None and steps > 800
+    assert all(qr.flattened(curve, s) for s in range(steps, 1201, 100))
+
+
+def test_a_single_early_point_cannot_pass_the_rule():
+    assert not qr.flattened(_curve([3.0], every=100))  # No point at 80% of the steps.
+
+
+def _payload(plain_curve, steps, rows, pilot=None):
+    results = [_row("plain", 0, plain_curve[-1]["bits_per_byte"], plain_curve), *rows]
+    return {"config": {"steps": steps}, "results": results, "pilot_steps": pilot}
+
+
+def test_targets_read_not_converged_on_a_budget_limited_run_and_judge_a_converged_one():
+    rows = [_row("plain_params", 0, 2.40), _row("plain_params", 1, 2.42),
+            _row("rev_reversible", 0, 2.45), _row("rev_reversible", 1, 2.47)]
+    short = _payload(_curve([4.0, 3.0, 2.5]), 300, rows)
+    state = qr.convergence(short)
+    assert not state["converged"] and "0.3000 bits/byte" in state["reason"]
+    checks = qr.targets(short["results"], state["converged"])
+    [exact] = [c for c in checks if "equal parameters" in c["target"]]
+    assert exact["status"] == qr.NOT_CONVERGED
+    table = qr.targets_table(checks)
+    assert qr.NOT_CONVERGED in table and "**no**" not in table
+    long = _payload(_curve([4.0, 3.0, 2.5, 2.42, 2.41]), 500, rows)
+    assert qr.convergence(long)["converged"]
+    [exact] = [c for c in qr.targets(long["results"], True) if "equal parameters" in c["target"]]
+    assert exact["met"] is False and "status" not in exact
+    assert "**no**" in qr.targets_table([exact])
+    assert "per seed +0.0500 ± 0.0000" in exact["value"]
+
+
+def test_a_run_shorter_than_its_pilot_is_not_converged_even_if_flat():
+    payload = _payload(_curve([2.5, 2.5, 2.5, 2.5, 2.5]), 500, [], pilot=2000)
+    state = qr.convergence(payload)
+    assert not state["converged"] and "fewer than the pilot's 2000" in state["reason"]
+    assert not qr.convergence({"config": {"steps": 5}, "results": []})["converged"]
+
+
+def test_trainer_agreement_and_lsh_against_exact_attention_at_the_long_length():
+    results = [_row("rev_trainer", 0, 2.500), _row("rev_reversible", 0, 2.501),
+               _row("rev_memory_efficient", 0, 2.5035), _row("exact_long", 0, 2.30),
+               _row("rev_reversible", 1, 2.501), _row("lsh8", 0, 2.31), _row("lsh2", 0, 2.36)]
+    checks = {c["target"]: c for c in qr.targets(results)}
+    agree = checks["the trainers agree to 0.002 bpb"]
+    assert agree["value"].startswith("0.0035") and not agree["met"]
+    lsh8 = checks["LSH-8 within 0.02 bpb of exact attention"]
+    assert lsh8["value"].startswith("+0.0100") and lsh8["met"]  # Against exact_long.
+    assert not checks["LSH-2 within 0.05 bpb of exact attention"]["met"]
+
+
+def test_ablation_rows_give_per_seed_deltas_and_name_what_trax_cannot_set():
+    results = [_row("rev_reversible", s, 2.50 + s / 100) for s in (0, 1)]
+    results += [_row("abl_pos_trained", s, 2.53 + s / 100) for s in (0, 1)]
+    results += [_row("abl_eps", 0, 2.49), _row("trax_full", 0, 2.60), _row("trax_eps", 0, 2.62)]
+    table = qr.ablation_table(results)
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()}
+    assert "+0.0300 ± 0.0000 | cannot be set in Trax" in lines[
+        "positions: trained table (Trax) vs fixed sinusoids"]
+    assert "-0.0100 ± 0.0000 | +0.0200 ± 0.0000" in lines[
+        "Adam epsilon 1e-5 (Trax) vs 1e-8 (optax)"]
+    assert not any(line.startswith("| weight decay") for line in table.splitlines())
+    assert qr.ablation_table([_row("plain", 0, 2.5)]) is None
+
+
+def test_update_merges_rows_and_refuses_other_settings():
+    old = {"config": {"steps": 100, "d_model": 64}, "machine": {"date": "a"}, "wall_s": 5.0,
+           "results": [_row("plain", 0, 3.0), _row("lsh2", 0, 3.2)]}
+    new = {"config": {"steps": 100, "d_model": 64}, "machine": {"date": "b"}, "wall_s": 2.0,
+           "results": [_row("plain", 0, 2.9)], "pilot_steps": None}
+    merged = qr.merge(old, new)
+    assert [(r["variant"], r["bits_per_byte"]) for r in merged["results"]] == [
+        ("lsh2", 3.2), ("plain", 2.9)]
+    assert merged["runs"] == [{"date": "a"}, {"date": "b"}] and merged["wall_s"] == 7.0
+    with pytest.raises(ValueError, match=r"other settings \(steps=100\)"):
+        qr.merge(old, new | {"config": {"steps": 200, "d_model": 64}})
+
+
+def test_summaries_keep_the_worst_load_average_and_read_rows_without_one():
+    rows = [_row("plain", 0, 3.0, load_avg=[0.4, 1.2]), _row("plain", 1, 3.1, load_avg=[0.2, 0.3]),
+            _row("lsh2", 0, 3.2)]
+    s = qr.summarize(rows)
+    assert s["plain"]["load_avg"] == 1.2 and s["lsh2"]["load_avg"] is None
+
+
+def _trax_adam(w, grads, rate, eps, decay, scale=1.0):
+    """Trax 1.4.1's Adam update (trax/optimizers/adam.py), written out for two steps."""
+    m = v = np.zeros_like(w)
+    for step, g in enumerate(grads):
+        g = g * scale
+        m, v = 0.1 * g + 0.9 * m, 0.001 * g ** 2 + 0.999 * v
+        mhat, vhat = m / (1 - 0.9 ** (step + 1)), v / (1 - 0.999 ** (step + 1))
+        w = (1 - decay) * w - rate * mhat / (np.sqrt(vhat) + eps)
+    return w
+
+
+@pytest.mark.parametrize("variant", ["rev_reversible", "abl_eps", "abl_weight_decay",
+                                     "abl_loss_sequence", "abl_trax_defaults"])
+def test_revtrain_optimizer_takes_the_same_steps_as_trax_adam(variant):
+    import optax
+
+    spec = qv.VARIANTS[variant]
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=5).astype(np.float64)
+    grads = [rng.normal(size=5) * 1e-4 for _ in range(2)]  # Small: eps matters.
+    opt = qv.revtrain_optimizer(spec, 0.01, seq_len=8)
+    w, state = w0, opt.init(w0)
+    for g in grads:
+        updates, state = opt.update(g, state, w)
+        w = optax.apply_updates(w, updates)
+    scale = 8.0 if spec.loss == "sequence" else 1.0
+    np.testing.assert_allclose(w, _trax_adam(w0, grads, 0.01, spec.eps, spec.weight_decay,
+                                             scale), rtol=1e-5)
+
+
+def test_warmup_rsqrt_schedule_peaks_at_the_rate_after_warmup_then_decays():
+    rates = [qv.learning_rate("warmup_rsqrt", s, 1e-3, 4) for s in range(16)]
+    assert rates[0] == pytest.approx(2.5e-4) and rates[3] == pytest.approx(1e-3)
+    assert rates[15] == pytest.approx(1e-3 * (4 / 16) ** 0.5)
+    assert qv.learning_rate("constant", 99, 1e-3, 4) == 1e-3
+    with pytest.raises(ValueError, match="schedule='cosine'"):
+        qv.learning_rate("cosine", 0, 1e-3, 4)
+
+
+def test_every_ablation_factor_and_match_names_known_configurations():
+    for _, ours, ref, trax, trax_ref, _ in qv.FACTORS:
+        assert {ours, ref} <= set(qv.VARIANTS) and _both_or_neither(trax, trax_ref)
+        assert qv.VARIANTS[trax].framework == "trax" if trax else True
+    for trax, ours, _ in qv.TRAX_MATCH:
+        assert qv.VARIANTS[trax].framework == "trax" and ours in qv.VARIANTS
+    grouped = [v for names in qv.GROUPS.values() for v in names]
+    assert sorted(grouped) == sorted(qv.VARIANTS) and len(grouped) == len(set(grouped))
+
+
+def _both_or_neither(a, b):
+    return (a is None and b is None) or {a, b} <= set(qv.VARIANTS)
