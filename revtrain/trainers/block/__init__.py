@@ -1,8 +1,11 @@
 """revtrain.trainers.block: a block trainer's step, as a plan of ops run against a store.
 
 - `plan`: the ops of a step (`Op`, `OpKind`, `Run`), built once per trainer;
-- `ops`: what each op's program takes and gives, typed both ways, and the per-layer
-  bodies both program families share;
+- `contract`: what each op's program takes and gives, typed both ways, and what it
+  donates (`CONSUMED`);
+- `bodies`: the per-device bodies both program families share;
+- `finishers`: what a backward op does with its gradient (`UPDATE`, or `NORM` for
+  exact global-norm clipping's first pass), a value on the op;
 - `layer_programs`: one compiled program per layer and op;
 - `scan_programs`: one program each way for a run of equal layers (``lax.scan``);
 - `executor`: `run_step`, the one loop that runs a plan;

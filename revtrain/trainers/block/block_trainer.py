@@ -63,6 +63,30 @@ def _check_scan_window(scan_window: Any) -> None:
                          f"(a scan needs two) or None")
 
 
+def _checked_blocks(blocks: Sequence[Block], scan_layers: Any, scan_window: int | None,
+                    clip_global_norm: float | None) -> list[tuple[Layer, list[Layer]]]:
+    """``blocks`` as ``(standard layer, reversible layers)`` lists, after checking them and
+    the options that shape the plan.
+
+    Raises:
+      TypeError: for a non-bool ``scan_layers`` or a block member that is not reversible.
+      ValueError: for ``scan_window < 2`` or ``clip_global_norm <= 0``.
+    """
+    if not isinstance(scan_layers, bool):
+        raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
+    _check_scan_window(scan_window)
+    if clip_global_norm is not None and not clip_global_norm > 0:
+        raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
+    blocks = [(std, list(revs)) for std, revs in blocks]
+    for _std, revs in blocks:
+        for layer in revs:
+            if not isinstance(layer, ReversibleLayer):
+                raise TypeError(f"block member {layer.name} (created at {layer.caller}) "
+                                f"is not a ReversibleLayer; put it in the block's "
+                                f"standard layer")
+    return blocks
+
+
 class BlockTrainer(TrainerBase):
     """Trains ``blocks`` then ``loss_layer`` layer by layer, reversing reversible layers.
 
@@ -155,18 +179,7 @@ class BlockTrainer(TrainerBase):
                  clip_global_norm: float | None = None, mesh: jax.sharding.Mesh | None = None,
                  fsdp: bool = False, placement: Placement | None = None,
                  scan_layers: bool = True, scan_window: int | None = None):
-        if not isinstance(scan_layers, bool):
-            raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
-        _check_scan_window(scan_window)
-        if clip_global_norm is not None and not clip_global_norm > 0:
-            raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
-        blocks = [(std, list(revs)) for std, revs in blocks]
-        for _std, revs in blocks:
-            for layer in revs:
-                if not isinstance(layer, ReversibleLayer):
-                    raise TypeError(f"block member {layer.name} (created at {layer.caller}) "
-                                    f"is not a ReversibleLayer; put it in the block's "
-                                    f"standard layer")
+        blocks = _checked_blocks(blocks, scan_layers, scan_window, clip_global_norm)
         self.layers = blocks_to_layers(blocks, loss_layer)
         super().__init__(self.layers, optimizer_fn, n_devices, mesh=mesh, fsdp=fsdp,
                          placement=placement)

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from revtrain.trainers.block import ops
+from revtrain.trainers.block import contract
 from revtrain.trainers.block.executor import HANDLERS, BlockStep, StepInputs, run_step
+from revtrain.trainers.block.finishers import NORM
 from revtrain.trainers.block.plan import OpKind, build_plan, build_schedule
 
 
@@ -31,19 +32,19 @@ def _program(op, layer):
 
     def program(args, values, shared):
         if op.kind == OpKind.FORWARD:
-            return ops.ForwardOut((f"y{i}a", f"y{i}b"), f"state{i}'")
+            return contract.ForwardOut((f"y{i}a", f"y{i}b"), f"state{i}'")
         if op.kind == OpKind.LOSS:
             ct = tuple(f"ct_final{k}" for k in range(layer.n_in))
-            if op.norm_only:
-                return ops.NormOut(None, ct, f"sq{i}")
-            return ops.LossOut("loss", ct, ("new", values), f"state{i}'", f"stats{i}")
+            if op.finisher == NORM:
+                return contract.NormOut(None, ct, f"sq{i}")
+            return contract.LossOut("loss", ct, ("new", values), f"state{i}'", f"stats{i}")
         x = (f"x{i}a", f"x{i}b") if layer.n_in == 2 else f"x{i}"
         ct_x = tuple(f"ct_x{i}{s}" for s in "ab") if layer.n_in == 2 else f"ct_x{i}"
-        if op.norm_only:
-            return ops.NormOut(x if op.kind == OpKind.REVERSE else None, ct_x, f"sq{i}")
+        if op.finisher == NORM:
+            return contract.NormOut(x if op.kind == OpKind.REVERSE else None, ct_x, f"sq{i}")
         if op.kind == OpKind.REVERSE:
-            return ops.ReverseOut(x, ct_x, ("new", values), f"stats{i}")
-        return ops.FboOut(ct_x, ("new", values), f"stats{i}")
+            return contract.ReverseOut(x, ct_x, ("new", values), f"stats{i}")
+        return contract.FboOut(ct_x, ("new", values), f"stats{i}")
     return program
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from revtrain.trainers import structure
+from revtrain.trainers.common import structure
 
 
 def test_check_same_structure_names_the_first_mismatching_path():
