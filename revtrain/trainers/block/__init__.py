@@ -6,8 +6,9 @@
 - `bodies`: the per-device bodies both program families share;
 - `finishers`: what a backward op does with its gradient (`UPDATE`, or `NORM` for
   exact global-norm clipping's first pass), a value on the op;
-- `layer_programs`: one compiled program per layer and op;
-- `scan_programs`: one program each way for a run of equal layers (``lax.scan``);
+- `programs`: the one builder and cache of programs over runs (a lone layer is a run of
+  one repetition), with a lone layer's programs in `layer_programs` and a scanned run's,
+  one ``lax.scan`` each way, in `scan_programs`;
 - `executor`: `run_step`, the one loop that runs a plan;
 - `stores`: where a step's values live (`ParamStore`, `StepValues`), with `DeviceStore`
   (`device_store`), `HostStore` (`host_store`) and stacked runs (`stacked`);

@@ -37,7 +37,6 @@ from revtrain.trainers.block.executor import (
     run_step,
     summary_program,
 )
-from revtrain.trainers.block.layer_programs import ProgramCache
 from revtrain.trainers.block.plan import build_plan, build_schedule, runs_of, windows
 from revtrain.trainers.block.precompile import (
     AbstractStore,
@@ -47,7 +46,8 @@ from revtrain.trainers.block.precompile import (
     compile_all,
     timed,
 )
-from revtrain.trainers.block.scan_programs import ScanProgramCache, find_runs
+from revtrain.trainers.block.programs import ProgramCache, lone
+from revtrain.trainers.block.scan_programs import find_runs
 from revtrain.trainers.block.stores import ParamStore, StoreFactory
 from revtrain.trainers.common.base import OptimizerFn, TrainerBase
 from revtrain.trainers.common.protocols import DeviceFootprint, TrainState
@@ -202,7 +202,6 @@ class BlockTrainer(TrainerBase):
             jax.eval_shape(opt.init, w) for opt, w in zip(optimizers, weights, strict=True))))
         self._store: ParamStore = make_store(self.placement, initial, schedule)
         self._programs = ProgramCache(self.placement, optimizers[0])
-        self._scans = ScanProgramCache(self.placement, optimizers[0])
         replicated = self.placement.replicated
         summarize, counted = summary_program(squared=False)
         sqrt_of_sum, counted_squared = summary_program(squared=True)
@@ -221,9 +220,8 @@ class BlockTrainer(TrainerBase):
         self.compile_times: CompileTimes | None = None
 
     def _program(self, op: Any, layer: Layer) -> Any:
-        if op.run is None:
-            return self._programs.get(op, layer)
-        return self._scans.get(op, self.layers[op.run.start:op.run.start + op.run.period])
+        run = lone(op)
+        return self._programs.get(op, self.layers[run.start:run.start + run.period])
 
     # ----------------------------------------------------------------------------------
     # The training values.
@@ -255,7 +253,7 @@ class BlockTrainer(TrainerBase):
         self._store.block_until_ready()
 
     def trace_counts(self) -> dict[str, int]:
-        return {**self._programs.trace_counts(), **self._scans.trace_counts(),
+        return {**self._programs.trace_counts(),
                 **{name: eqx.debug.get_num_traces(counted)
                    for name, counted in self._norm_counters.items()}}
 

@@ -1,4 +1,4 @@
-"""The compiled per-layer programs of the block trainers: forward, fbo, reverse-and-fbo, loss.
+"""A lone layer's programs (a run of one repetition): forward, fbo, reverse-and-fbo, loss.
 
 An *fbo* (forward-backward-optimizer) program runs one layer's vjp, combines the weight
 gradients across devices, applies the layer's optimizer update and returns the new weights,
@@ -26,16 +26,15 @@ no information; they are passed as a float32 placeholder and replaced by ``float
 
 The optimizer update, clipping and the stats' norms run outside ``shard_map`` on global
 arrays, so every optax transformation gives the same update as with replicated weights.
-Programs are shared between layers of one structure (`ProgramCache`).
+A lone layer is a run of one repetition: `revtrain.trainers.block.programs` builds its
+programs here and caches them with the scanned runs' (`programs.ProgramCache`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
-import equinox as eqx
 import optax
 
 from revtrain.layers.base import Layer
@@ -46,7 +45,7 @@ from revtrain.trainers.block import bodies
 from revtrain.trainers.block.contract import FboOut, ForwardOut, LossOut, ReverseOut
 from revtrain.trainers.block.donation import Program
 from revtrain.trainers.block.finishers import UPDATE, Finisher
-from revtrain.trainers.block.plan import Op, OpKind
+from revtrain.trainers.block.plan import OpKind
 
 # Per kind: the per-device body and the shard_map out-specs of its typed outputs.
 _GRAD_BODIES = {
@@ -56,7 +55,7 @@ _GRAD_BODIES = {
 }
 
 
-def make_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransformation,
+def layer_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransformation,
                  placement: Placement,
                  finisher: Finisher = UPDATE) -> tuple[Callable, Callable]:
     """The jitted ``kind`` program of ``layer`` and its trace-counted body.
@@ -95,45 +94,4 @@ def make_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransforma
     return Program(program, donate_values=finisher.donates_values), counted
 
 
-class ProgramCache:
-    """Compiled per-layer programs, one per (kind, finisher, layer structure).
-
-    Two layers with equal, non-None `Layer.structure_key` compute the same function of
-    their arguments, so they share one jitted program (and one executable per input
-    shape). A layer whose key is None (its identity cannot be proven, e.g. a class defined
-    inside a function, or an ``Fn`` of a lambda) gets programs of its own: a cache key
-    must cover everything the cached function depends on, or the cache must not share.
-    The optimizer and the placement are the trainer's, fixed for the cache's life (one
-    cache per trainer, no module-level state); the cache keeps the layers it keyed by
-    identity alive, so their ids are never reused.
-    """
-
-    def __init__(self, placement: Placement, optimizer: optax.GradientTransformation):
-        self._placement = placement
-        self._optimizer = optimizer
-        self._programs: dict[Any, tuple[Callable, Callable, Layer]] = {}
-
-    def get(self, op: Op, layer: Layer) -> Callable:
-        """The program of ``op`` (its kind and finisher) for ``layer``, built once."""
-        key = layer.structure_key
-        key = (op.kind, op.finisher, ("object", id(layer)) if key is None else key)
-        if key not in self._programs:
-            program, counted = make_program(op.kind, layer, self._optimizer, self._placement,
-                                            finisher=op.finisher)
-            self._programs[key] = (program, counted, layer)
-        return self._programs[key][0]
-
-    @property
-    def n_built(self) -> int:
-        """How many distinct programs were built."""
-        return len(self._programs)
-
-    def trace_counts(self) -> dict[str, int]:
-        """``{'kind/layer_name#k': times traced}`` for every built program."""
-        return {f"{finisher.trace_prefix}{kind}/{layer.name}#{k}":
-                eqx.debug.get_num_traces(counted)
-                for k, ((kind, finisher, _), (_, counted, layer))
-                in enumerate(self._programs.items())}
-
-
-__all__ = ["ProgramCache", "make_program"]
+__all__ = ["layer_program"]

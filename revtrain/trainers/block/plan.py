@@ -23,7 +23,7 @@ clipping factor.
 
 `build_schedule` gives the ops alone (stores look ahead in them to prefetch:
 `revtrain.trainers.block.host_store.HostStore`); `build_plan` pairs each op with its layer, its
-compiled program (`revtrain.trainers.block.layer_programs.ProgramCache`) and the phase it
+compiled program (`revtrain.trainers.block.programs.ProgramCache`) and the phase it
 starts. The plan is built once per trainer; `revtrain.trainers.block.executor.run_step` runs it.
 """
 

@@ -73,7 +73,7 @@ from revtrain.trainers.block.contract import (
 )
 from revtrain.trainers.block.donation import Program
 from revtrain.trainers.block.finishers import UPDATE, Finisher
-from revtrain.trainers.block.plan import Op, OpKind, Run
+from revtrain.trainers.block.plan import OpKind, Run
 from revtrain.trainers.block.turns import in_turn, reverse_in_turn
 from revtrain.trainers.common.protocols import Params
 
@@ -292,7 +292,7 @@ class _ReverseScan:
             params, stacked.stacked_shardings(self.placement, params))
 
 
-def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
+def scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
                       optimizer: optax.GradientTransformation, placement: Placement,
                       finisher: Finisher = UPDATE) -> tuple[Callable, Callable]:
     """The jitted ``SCAN_FORWARD`` or ``SCAN_REVERSE`` program of ``run`` (whose group is
@@ -326,45 +326,10 @@ def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
                                               max_traces=None)
         return Program(counted, donate_values=False), counted
     if kind != OpKind.SCAN_REVERSE:
-        raise ValueError(f"kind={kind!r} is not a scan op; use make_program")
+        raise ValueError(f"kind={kind!r} is not a scan op; use layer_program")
     counted = eqx.debug.assert_max_traces(
         _ReverseScan(group, run, optimizer, placement, finisher), max_traces=None)
     return Program(counted, donate_values=finisher.donates_values), counted
 
 
-class ScanProgramCache:
-    """Compiled scan programs, one per (kind, finisher, group structure, repeats, kept
-    offsets): runs of equal groups, repetitions and copies share them (the run's first
-    layer is an argument, ``Shared.index``).
-
-    Args:
-      placement: the trainer's placement.
-      optimizer: the per-layer transformation (the first layer's: ``optimizer_fn`` must
-        return equivalent ones on every call, as for `ProgramCache`).
-    """
-
-    def __init__(self, placement: Placement, optimizer: optax.GradientTransformation):
-        self._placement, self._optimizer = placement, optimizer
-        self._programs: dict[Any, tuple[Callable, Callable, str, tuple]] = {}
-
-    def get(self, op: Op, group: Sequence[Layer]) -> Callable:
-        """The program of scan op ``op`` whose run's group is ``group``, built once."""
-        run = op.run
-        keys = tuple(("object", id(layer)) if layer.structure_key is None
-                     else layer.structure_key for layer in group)
-        key = (op.kind, op.finisher, keys, run.period, run.repeats, run.kept)
-        if key not in self._programs:
-            program, counted = make_scan_program(op.kind, group, run, self._optimizer,
-                                                 self._placement, finisher=op.finisher)
-            name = f"{op.finisher.trace_prefix}{op.kind}/{group[0].name}"
-            self._programs[key] = (program, counted, f"{name}x{run.period}x{run.repeats}",
-                                   tuple(group))
-        return self._programs[key][0]
-
-    def trace_counts(self) -> dict[str, int]:
-        """``{'kind/layer_name x period x repeats#k': times traced}`` for every program."""
-        return {f"{name}#{k}": eqx.debug.get_num_traces(counted)
-                for k, (_, counted, name, _) in enumerate(self._programs.values())}
-
-
-__all__ = ["ScanProgramCache", "find_runs", "make_scan_program"]
+__all__ = ["find_runs", "scan_program"]
