@@ -139,6 +139,23 @@ op's ``y``, an ``FBO`` op's ``x`` (its stash) the stack below it, so of those tw
 ``FBO`` op's ``ct_y`` is."""
 
 
+STACK: dict[type, str] = {
+    ForwardArgs: "x",
+    FboArgs: "x",
+    ReverseArgs: "y",
+    ScanReverseArgs: "y",
+    LossArgs: "x",
+}
+"""Per argument type, the field that holds the layer's stack (its input, or its output
+for a reverse op): the one whose length axis is the sequence's (`stack_of`)."""
+
+
+def stack_of(args: Any) -> Any:
+    """The stack items of typed ``args`` (`STACK`): what
+    `revtrain.parallel.collectives.gathering_shard_map` reads the sequence length from."""
+    return getattr(args, STACK[type(args)])
+
+
 class Shared(NamedTuple):
     """Replicated scalars of a program call.
 
@@ -231,5 +248,6 @@ class NormOut(NamedTuple):
     squared_norm: jax.Array
 
 
-__all__ = ["CONSUMED", "FboArgs", "FboOut", "ForwardArgs", "ForwardOut", "LayerStats", "LossArgs",
-           "LossOut", "NormOut", "ReverseArgs", "ReverseOut", "ScanReverseArgs", "Shared"]
+__all__ = ["CONSUMED", "STACK", "FboArgs", "FboOut", "ForwardArgs", "ForwardOut", "LayerStats",
+           "LossArgs", "LossOut", "NormOut", "ReverseArgs", "ReverseOut", "ScanReverseArgs",
+           "Shared", "stack_of"]

@@ -136,14 +136,18 @@ def _as_items(stack: Any) -> tuple:
 @dataclasses.dataclass
 class StepCarry:
     """What the ops of one step hand on to each other (host-side references to device
-    values; nothing here is read to the host).
+    values; nothing here is read to the host), and so what a program that donates some
+    of it must leave alone (`leave_alone`).
 
     Attributes:
+      batch: the step's batch, the caller's arrays (never donated).
       stack: the stack between ops: the batch, then activations, then -- going down --
         the reconstructed (or unstashed) inputs of each layer.
       ct: the cotangents of ``stack``'s items, from the loss op on.
       final: the final activations as `StepValues.end_forward` handed them back, or None
         before the loss op.
+      reread: ``final`` while a later pass reads it again (the norm pass's ops, whose
+        finisher does not consume it), else None.
       kept: stashed block inputs and ``keep_every`` copies by first flat layer (a run's
         copies under its first layer), until the backward op that consumes them.
       kept_weights: the stashed batch weights (the batch's third item), or None.
@@ -154,9 +158,11 @@ class StepCarry:
       clip: ``(global_norm, max_norm)`` once the norm pass ended, else None.
     """
 
+    batch: Any
     stack: Any
     ct: Any = None
     final: Any = None
+    reread: Any = None
     kept: dict[int, Any] = dataclasses.field(default_factory=dict)
     kept_weights: Any = None
     stats: dict[int, LayerStats] = dataclasses.field(default_factory=dict)
@@ -164,6 +170,14 @@ class StepCarry:
     loss: jax.Array | None = None
     global_norm: jax.Array | None = None
     clip: tuple[jax.Array, jax.Array] | None = None
+
+    def leave_alone(self, n_stack: int, n_ct: int) -> tuple:
+        """What a call that donates the top ``n_stack`` stack items and ``n_ct``
+        cotangents must leave alone: the items and cotangents below them, the stashes, the
+        batch weights, the step's batch and the final activations a later pass rereads."""
+        return (_as_items(self.stack)[n_stack:],
+                () if self.ct is None else _as_items(self.ct)[n_ct:], self.kept,
+                self.kept_weights, self.batch, self.reread)
 
 
 class _Walk(NamedTuple):
@@ -194,19 +208,16 @@ class _Walk(NamedTuple):
             n_stack: int, n_ct: int = 0) -> Any:
         """Dispatches the op's program once what it donates is its own
         (`revtrain.trainers.block.donation.owned`): the op takes the top ``n_stack`` items of
-        the stack and ``n_ct`` of the cotangents; the items below them, the stashes, the
-        batch weights, the step's batch and -- while the update pass is still to read them
-        -- the final activations keep their buffers (a donated one that any of them also
-        holds is copied first, by a ``copy/<label>`` dispatch)."""
+        the stack and ``n_ct`` of the cotangents (its arity), and what the carry says such
+        a call must leave alone (`StepCarry.leave_alone`) keeps its buffers (a donated one
+        that any of it also holds is copied first, by a ``copy/<label>`` dispatch)."""
         live = any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args))
         donated = (p.program.donated(args, values, shared) if live
                    else donation.consumed_leaves(args))
         if any(donated):
-            held = (_as_items(c.stack)[n_stack:],
-                    () if c.ct is None else _as_items(c.ct)[n_ct:], c.kept, c.kept_weights,
-                    self.inputs.stack, None if p.op.finisher.consumes_kept else c.final)
-            args = donation.owned(args, donated, held, lambda leaf: self.dispatcher.dispatch(
-                f"copy/{p.op.label}", donation.copy, leaf))
+            args = donation.owned(args, donated, c.leave_alone(n_stack, n_ct),
+                                  lambda leaf: self.dispatcher.dispatch(
+                                      f"copy/{p.op.label}", donation.copy, leaf))
         return self.dispatcher.dispatch(p.op.label, p.program, args, values, shared)
 
     def take(self, c: StepCarry, op: Op, key: Any, out: Any) -> None:
@@ -249,6 +260,7 @@ def _loss(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     global norm (once it ran) sets the clipping of the updates that follow."""
     op, layer, i = p.op, p.layer, p.op.layer
     c.final = w.store.end_forward(c.stack) if c.final is None else c.final
+    c.reread = None if op.finisher.consumes_kept else c.final
     if c.squared_norms and c.global_norm is None:
         c.global_norm = w.dispatcher.call(w.step.sqrt_of_sum, tuple(c.squared_norms))
         c.clip = (c.global_norm, w.step.max_norm)
@@ -331,7 +343,7 @@ def run_step(step: BlockStep, store: StepValues, dispatcher: Dispatcher,
     """
     store.begin_step()
     dispatcher.phase("step_start")
-    c = StepCarry(inputs.stack)
+    c = StepCarry(inputs.stack, inputs.stack)
     # The batch weights wait like a block input (the loss op turns them into each device's
     # share of the global loss; a store may send the stack's arrays away meanwhile).
     if isinstance(c.stack, tuple) and len(c.stack) >= 3:

@@ -42,7 +42,7 @@ from revtrain.parallel import collectives as fsdp
 from revtrain.parallel.collectives import DEV, REP
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import bodies
-from revtrain.trainers.block.contract import FboOut, ForwardOut, LossOut, ReverseOut
+from revtrain.trainers.block.contract import FboOut, ForwardOut, LossOut, ReverseOut, stack_of
 from revtrain.trainers.block.donation import Program
 from revtrain.trainers.block.finishers import UPDATE, Finisher
 from revtrain.trainers.block.plan import OpKind
@@ -79,14 +79,14 @@ def layer_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransform
     if kind == OpKind.FORWARD:
         run, counted = fsdp.gathering_shard_map(
             lambda a, w, i: bodies.forward(layer, a, w, i), placement,
-            ForwardOut(DEV, DEV, None), with_grads=False)
+            ForwardOut(DEV, DEV, None), with_grads=False, stack=stack_of)
         return Program(lambda args, weights, shared: run(args, weights, shared.index),
                        donate_values=False), counted
     body, out_specs = _GRAD_BODIES[kind]
     if kind == OpKind.LOSS:
         body = functools.partial(body, axes=placement.device_axes)
     run, counted = fsdp.gathering_shard_map(lambda a, w, i: body(layer, a, w, i), placement,
-                                            out_specs, with_grads=True)
+                                            out_specs, with_grads=True, stack=stack_of)
 
     def program(args, values, shared):
         out, grads = run(args, finisher.weights(values), shared.index)

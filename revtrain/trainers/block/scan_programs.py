@@ -70,6 +70,7 @@ from revtrain.trainers.block.contract import (
     ReverseOut,
     ScanReverseArgs,
     Shared,
+    stack_of,
 )
 from revtrain.trainers.block.donation import Program
 from revtrain.trainers.block.finishers import UPDATE, Finisher
@@ -162,7 +163,7 @@ def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> 
     dev = placement.per_device.spec
     forwards = [None if isinstance(layer, ReversibleSelect) else fsdp.gathering_shard_map(
         lambda a, w, i, layer=layer: bodies.forward(layer, a, w, i), placement,
-        ForwardOut(dev, dev, None), with_grads=False)[0] for layer in group]
+        ForwardOut(dev, dev, None), with_grads=False, stack=stack_of)[0] for layer in group]
     table = _KeptTable(run)
 
     def scan_forward(args: ForwardArgs, weights: tuple, shared: Shared) -> tuple:
@@ -219,10 +220,12 @@ class _ReverseScan:
         dev = placement.per_device.spec
         self.reverses = [fsdp.gathering_shard_map(
             lambda a, w, i, layer=layer: bodies.reverse_grads(layer, a, w, i), placement,
-            ReverseOut(dev, dev, None, None), with_grads=True)[0] for layer in group]
+            ReverseOut(dev, dev, None, None), with_grads=True, stack=stack_of)[0]
+            for layer in group]
         self.fbos = [fsdp.gathering_shard_map(
             lambda a, w, i, layer=layer: bodies.std_grads(layer, a, w, i), placement,
-            FboOut(dev, None, None), with_grads=True)[0] if self.table.any(j) else None
+            FboOut(dev, None, None), with_grads=True, stack=stack_of)[0]
+            if self.table.any(j) else None
             for j, layer in enumerate(group)]
 
     def _reverse(self, args, j, t, index, y, ct, weights):

@@ -11,6 +11,15 @@ def test_every_argument_type_names_the_fields_it_consumes():
     assert set(contract.CONSUMED) == argument_types
     for kind, fields in contract.CONSUMED.items():
         assert set(fields) <= set(kind._fields), kind
+    assert set(contract.STACK) == argument_types
+    assert all(contract.STACK[kind] in kind._fields for kind in argument_types)
+
+
+def test_stack_of_is_the_stack_an_op_reads_its_sequence_length_from():
+    """A reverse op's stack is its output ``y``, every other op's its input ``x``."""
+    assert contract.stack_of(contract.ReverseArgs("y", "ct", "s", "s'", "r")) == "y"
+    assert contract.stack_of(contract.FboArgs("x", "s", "r", "ct")) == "x"
+    assert contract.stack_of(contract.LossArgs("x", "s", "r", None)) == "x"
 
 
 @pytest.mark.parametrize("args,out", [

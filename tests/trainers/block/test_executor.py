@@ -6,8 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from revtrain.trainers.block import contract
-from revtrain.trainers.block.executor import HANDLERS, BlockStep, StepInputs, run_step
+from revtrain.trainers.block import contract, executor
+from revtrain.trainers.block.executor import (
+    HANDLERS,
+    BlockStep,
+    StepCarry,
+    StepInputs,
+    run_step,
+)
 from revtrain.trainers.block.finishers import NORM
 from revtrain.trainers.block.plan import OpKind, build_plan, build_schedule
 
@@ -204,3 +210,37 @@ def test_a_final_stack_the_loss_layer_does_not_take_is_refused_before_any_update
 
 def test_every_op_kind_has_one_handler():
     assert set(HANDLERS) == set(OpKind)
+
+
+def test_the_carry_says_what_a_donating_call_must_leave_alone():
+    c = StepCarry("batch", ("a", "b", "below"), ct=("ct_a", "ct_b", "ct_below"),
+                  kept={0: "stash"}, kept_weights="w", reread="final")
+    below, ct_below, kept, kept_weights, batch, reread = c.leave_alone(2, 1)
+    assert below == ("below",) and ct_below == ("ct_b", "ct_below")
+    assert (kept, kept_weights, batch, reread) == ({0: "stash"}, "w", "batch", "final")
+    assert StepCarry("batch", "x").leave_alone(1, 0)[:2] == ((), ())  # No cotangents yet.
+
+
+def test_only_the_norm_pass_leaves_the_final_activations_alone(monkeypatch):
+    """The norm pass's ops must not donate the final stack (the update pass reads it
+    again); the update pass's may."""
+    carries, seen = [], []
+
+    class Spy(StepCarry):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            carries.append(self)
+
+    class Watching(RecordingDispatcher):
+        def dispatch(self, label, program, *args):
+            seen.append((label, carries[0].reread))
+            return super().dispatch(label, program, *args)
+
+    monkeypatch.setattr(executor, "StepCarry", Spy)
+    run_step(_step([1], clip_global_norm=True), FakeStore(), Watching(),
+             StepInputs(("inputs", "targets", "weights"), "rngs", None))
+    final = ("final", ("y1a", "y1b", "targets", "weights"))
+    assert seen == [("forward/layer0", None), ("forward/layer1", None),
+                    ("norm/loss/layer2", final), ("norm/backward/layer1", final),
+                    ("norm/backward/layer0", final), ("loss/layer2", None),
+                    ("backward/layer1", None), ("backward/layer0", None)]

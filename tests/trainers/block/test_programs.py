@@ -15,7 +15,14 @@ from revtrain.parallel import collectives as fsdp
 from revtrain.parallel.collectives import DEV, REP
 from revtrain.trainers import ReversibleSerialTrainer
 from revtrain.trainers.block import bodies
-from revtrain.trainers.block.contract import FboArgs, FboOut, ForwardOut, LossOut, ReverseOut
+from revtrain.trainers.block.contract import (
+    FboArgs,
+    FboOut,
+    ForwardOut,
+    LossOut,
+    ReverseOut,
+    stack_of,
+)
 from revtrain.trainers.block.donation import Program
 from revtrain.trainers.block.finishers import NORM, UPDATE
 from revtrain.trainers.block.plan import OpKind, Run
@@ -28,7 +35,7 @@ def _per_layer(kind, layer, optimizer, placement, finisher):
     if kind == OpKind.FORWARD:
         run, _ = fsdp.gathering_shard_map(
             lambda a, w, i: bodies.forward(layer, a, w, i), placement,
-            ForwardOut(DEV, DEV, None), with_grads=False)
+            ForwardOut(DEV, DEV, None), with_grads=False, stack=stack_of)
         return Program(lambda args, weights, shared: run(args, weights, shared.index),
                        donate_values=False)
     body, out_specs = {
@@ -38,7 +45,7 @@ def _per_layer(kind, layer, optimizer, placement, finisher):
                       LossOut(REP, DEV, None, DEV, None)),
     }[kind]
     run, _ = fsdp.gathering_shard_map(lambda a, w, i: body(layer, a, w, i), placement,
-                                      out_specs, with_grads=True)
+                                      out_specs, with_grads=True, stack=stack_of)
 
     def program(args, values, shared):
         out, grads = run(args, finisher.weights(values), shared.index)
