@@ -61,7 +61,7 @@ def _aliasable_items(program, args):
     (ReversibleSerialTrainer, {"scan_layers": True}),
     (MemoryEfficientTrainer, {}),
     (ReversibleSerialTrainer, {"scan_layers": False, "clip_global_norm": 1.0}),
-], ids=["per_layer", "scanned", "memory_efficient", "norm_only"])
+], ids=["per_layer", "scanned", "memory_efficient", "norm_pass"])
 def test_every_program_aliases_what_it_consumes_and_copies_no_pass_through(
         trainer_cls, kwargs, batch):
     """Per program (forward, reverse, fbo, scans, norm-only), XLA aliases the stack items

@@ -184,7 +184,7 @@ def test_a_reversed_layer_hands_its_reconstructed_input_and_cotangent_down():
     assert by_label["loss/layer3"].batch_weights is None          # A batch without weights.
 
 
-def test_clipping_runs_a_norm_only_pass_whose_norm_scales_every_update():
+def test_clipping_runs_a_norm_pass_whose_norm_scales_every_update():
     store, dispatcher = FakeStore(), RecordingDispatcher()
     run_step(_step([1], clip_global_norm=True), store, dispatcher,
              StepInputs(("inputs", "targets", "weights"), "rngs", "lr"))
