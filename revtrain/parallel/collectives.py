@@ -98,16 +98,17 @@ def placed_specs(specs: Any, placement: Placement) -> Any:
 
 
 def gathering_shard_map(body: Callable, placement: Placement, out_specs: Any,
-                        with_grads: bool) -> tuple[Callable, Callable]:
+                        with_grads: bool,
+                        stack: Callable[[Any], Any]) -> tuple[Callable, Callable]:
     """``shard_map(body)`` over ``(args, weights, index)`` with the weights in their stored
     specs (`Placement.weight_specs`), gathered before ``body`` sees them.
 
     ``args`` are per device (`Placement.device_spec`), ``index`` (the flat layer index,
-    int32) replicated; ``args``' first field is the layer's stack (its input, or its
-    output for a reverse op), whose length axis gives the global sequence length: ``body``
-    is traced inside `Placement.sequence_context` of it. With ``with_grads`` ``body``
-    returns ``(outs, per-device weight gradient)`` and the function ``(outs, global
-    gradient)``, the gradient in the weights' stored specs.
+    int32) replicated; ``stack(args)`` is the layer's stack (its input, or its output for
+    a reverse op), whose length axis gives the global sequence length: ``body`` is traced
+    inside `Placement.sequence_context` of it. With ``with_grads`` ``body`` returns
+    ``(outs, per-device weight gradient)`` and the function ``(outs, global gradient)``,
+    the gradient in the weights' stored specs.
 
     Returns:
       The (unjitted) function and the trace-counted ``body`` (equinox's counter, so
@@ -121,7 +122,7 @@ def gathering_shard_map(body: Callable, placement: Placement, out_specs: Any,
         specs = placement.weight_specs(weights)
 
         def inner(args_, shards, index_):
-            with placement.sequence_context(args_[0]):
+            with placement.sequence_context(stack(args_)):
                 result = counted(args_, gather_weights(shards, specs, placement), index_)
             if not with_grads:
                 return result

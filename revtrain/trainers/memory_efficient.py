@@ -129,7 +129,7 @@ class MemoryEfficientTrainer(BlockTrainer):
         memory); None keeps only block inputs.
       clip_global_norm: clip the whole model's gradient to this global L2 norm before
         any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
-        norm-only backward pass that moves weights but no slots; see `BlockTrainer`);
+        backward pass without updates that moves weights but no slots; see `BlockTrainer`);
         None does not clip.
       mesh: a ``jax.sharding.Mesh`` instead of ``n_devices``: a named mesh of axes among
         ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer`).

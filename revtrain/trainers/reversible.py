@@ -41,7 +41,7 @@ class ReversibleSerialTrainer(BlockTrainer):
         inputs.
       clip_global_norm: clip the whole model's gradient to this global L2 norm before
         any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
-        norm-only backward pass; see `BlockTrainer`); None does not clip.
+        backward pass without updates; see `BlockTrainer`); None does not clip.
       mesh: a ``jax.sharding.Mesh`` instead of ``n_devices``: a named mesh of axes among
         ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer`).
       fsdp: keep weights and slots sharded over the mesh (FSDP / ZeRO-3; see

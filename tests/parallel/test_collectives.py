@@ -4,9 +4,11 @@ The model's big leaves (embedding, dense kernels: >= 1024 elements, divisible by
 are sharded, its biases and norms stay replicated, so the per-device bytes fall to about a
 quarter on 4 devices.
 """
+import collections
 import gc
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -15,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import layers as tl
 from revtrain import memory
+from revtrain.parallel.collectives import DEV, gathering_shard_map
+from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer
 from revtrain.trainers.common.protocols import TrainState
 from revtrain.training import optimizer_fn
@@ -149,3 +153,20 @@ def test_the_layer_objects_weights_are_copied_not_donated(fsdp):
     trainer.one_step(make_batch(), jax.random.key(0))
     after = tl.Serial(tl.blocks_to_layers(blocks, loss)).weights
     assert_trees_close(jax.tree.map(np.asarray, after), before, rtol=0, atol=0)
+
+
+def test_gathering_shard_map_reads_the_sequence_length_from_the_stack_it_is_given():
+    """The length-bearing argument is named by the caller (``stack``), not the first field:
+    here it is the second one, and its per-device block is what the body runs inside."""
+    Args = collections.namedtuple("Args", "scale stack")
+    seen = []
+
+    def stack(args):
+        seen.append(jax.tree.map(np.shape, args.stack))
+        return args.stack
+
+    run, _ = gathering_shard_map(lambda a, w, i: a.stack * a.scale * w, Placement.resolve(1),
+                                 DEV, with_grads=False, stack=stack)
+    out = run(Args(jnp.ones((1, 1)), jnp.ones((1, 2, 3, 4))), jnp.float32(2.0),
+              jnp.int32(0))
+    assert seen == [(1, 2, 3, 4)] and float(out.sum()) == 48.0

@@ -37,7 +37,6 @@ from revtrain.trainers.block.executor import (
     run_step,
     summary_program,
 )
-from revtrain.trainers.block.layer_programs import ProgramCache
 from revtrain.trainers.block.plan import build_plan, build_schedule, runs_of, windows
 from revtrain.trainers.block.precompile import (
     AbstractStore,
@@ -47,7 +46,8 @@ from revtrain.trainers.block.precompile import (
     compile_all,
     timed,
 )
-from revtrain.trainers.block.scan_programs import ScanProgramCache, find_runs
+from revtrain.trainers.block.programs import ProgramCache, lone
+from revtrain.trainers.block.scan_programs import find_runs
 from revtrain.trainers.block.stores import ParamStore, StoreFactory
 from revtrain.trainers.common.base import OptimizerFn, TrainerBase
 from revtrain.trainers.common.protocols import DeviceFootprint, TrainState
@@ -61,6 +61,30 @@ def _check_scan_window(scan_window: Any) -> None:
     if scan_window < 2:
         raise ValueError(f"scan_window={scan_window} must be >= 2 repetitions per program "
                          f"(a scan needs two) or None")
+
+
+def _checked_blocks(blocks: Sequence[Block], scan_layers: Any, scan_window: int | None,
+                    clip_global_norm: float | None) -> list[tuple[Layer, list[Layer]]]:
+    """``blocks`` as ``(standard layer, reversible layers)`` lists, after checking them and
+    the options that shape the plan.
+
+    Raises:
+      TypeError: for a non-bool ``scan_layers`` or a block member that is not reversible.
+      ValueError: for ``scan_window < 2`` or ``clip_global_norm <= 0``.
+    """
+    if not isinstance(scan_layers, bool):
+        raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
+    _check_scan_window(scan_window)
+    if clip_global_norm is not None and not clip_global_norm > 0:
+        raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
+    blocks = [(std, list(revs)) for std, revs in blocks]
+    for _std, revs in blocks:
+        for layer in revs:
+            if not isinstance(layer, ReversibleLayer):
+                raise TypeError(f"block member {layer.name} (created at {layer.caller}) "
+                                f"is not a ReversibleLayer; put it in the block's "
+                                f"standard layer")
+    return blocks
 
 
 class BlockTrainer(TrainerBase):
@@ -155,18 +179,7 @@ class BlockTrainer(TrainerBase):
                  clip_global_norm: float | None = None, mesh: jax.sharding.Mesh | None = None,
                  fsdp: bool = False, placement: Placement | None = None,
                  scan_layers: bool = True, scan_window: int | None = None):
-        if not isinstance(scan_layers, bool):
-            raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
-        _check_scan_window(scan_window)
-        if clip_global_norm is not None and not clip_global_norm > 0:
-            raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
-        blocks = [(std, list(revs)) for std, revs in blocks]
-        for _std, revs in blocks:
-            for layer in revs:
-                if not isinstance(layer, ReversibleLayer):
-                    raise TypeError(f"block member {layer.name} (created at {layer.caller}) "
-                                    f"is not a ReversibleLayer; put it in the block's "
-                                    f"standard layer")
+        blocks = _checked_blocks(blocks, scan_layers, scan_window, clip_global_norm)
         self.layers = blocks_to_layers(blocks, loss_layer)
         super().__init__(self.layers, optimizer_fn, n_devices, mesh=mesh, fsdp=fsdp,
                          placement=placement)
@@ -189,7 +202,6 @@ class BlockTrainer(TrainerBase):
             jax.eval_shape(opt.init, w) for opt, w in zip(optimizers, weights, strict=True))))
         self._store: ParamStore = make_store(self.placement, initial, schedule)
         self._programs = ProgramCache(self.placement, optimizers[0])
-        self._scans = ScanProgramCache(self.placement, optimizers[0])
         replicated = self.placement.replicated
         summarize, counted = summary_program(squared=False)
         sqrt_of_sum, counted_squared = summary_program(squared=True)
@@ -208,9 +220,8 @@ class BlockTrainer(TrainerBase):
         self.compile_times: CompileTimes | None = None
 
     def _program(self, op: Any, layer: Layer) -> Any:
-        if op.run is None:
-            return self._programs.get(op, layer)
-        return self._scans.get(op, self.layers[op.run.start:op.run.start + op.run.period])
+        run = lone(op)
+        return self._programs.get(op, self.layers[run.start:run.start + run.period])
 
     # ----------------------------------------------------------------------------------
     # The training values.
@@ -242,7 +253,7 @@ class BlockTrainer(TrainerBase):
         self._store.block_until_ready()
 
     def trace_counts(self) -> dict[str, int]:
-        return {**self._programs.trace_counts(), **self._scans.trace_counts(),
+        return {**self._programs.trace_counts(),
                 **{name: eqx.debug.get_num_traces(counted)
                    for name, counted in self._norm_counters.items()}}
 

@@ -1,7 +1,7 @@
 """Donation by field: a block-trainer program gives the buffers it consumes to its outputs.
 
-Every program of a block step takes typed arguments (`revtrain.trainers.block.ops`), and
-each argument type names the fields the program *consumes* (`ops.CONSUMED`): the stack
+Every program of a block step takes typed arguments (`revtrain.trainers.block.contract`), and
+each argument type names the fields the program *consumes* (`contract.CONSUMED`): the stack
 items it replaces and the cotangents it turns into its input's. `Program` donates those
 fields' buffers (and, for an updating program, the layer's `Params`), so
 
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revtrain.trainers.block.ops import CONSUMED
+from revtrain.trainers.block.contract import CONSUMED
 
 
 def _aval(leaf: Any) -> tuple:
@@ -73,7 +73,7 @@ class Program:
     """A jitted block-trainer program that donates what it consumes.
 
     Called as ``program(args, values, shared)`` (or ``.lower(args, values, shared)``), as
-    ``fn`` is. Donated: the leaves of ``args``'s consumed fields (`ops.CONSUMED` of its
+    ``fn`` is. Donated: the leaves of ``args``'s consumed fields (`contract.CONSUMED` of its
     type) that an output can take, and with ``donate_values`` every leaf of ``values``
     (the layer's `Params`, which the update's ``new_params`` reuse). Nothing else.
 
@@ -137,7 +137,7 @@ class Program:
 
 def consumed_leaves(args: Any) -> tuple[bool, ...]:
     """Per leaf of ``args`` (``jax.tree.leaves`` order), whether it is in a field its
-    programs consume (`ops.CONSUMED`): what a `Program` may donate."""
+    programs consume (`contract.CONSUMED`): what a `Program` may donate."""
     consumed = {k for name in CONSUMED[type(args)] for k in _field_ranges(args)[name]}
     return tuple(k in consumed for k in range(len(jax.tree.leaves(args))))
 

@@ -1,8 +1,9 @@
 """Running a block trainer's step: one function, `run_step`, walks the plan.
 
-Read this module with `revtrain.trainers.block.plan` (what the ops are) and
-`revtrain.trainers.block.ops` (what each op's program takes and gives): together they are
-the whole step. `run_step` hands each op to its kind's handler (`HANDLERS`, the one place
+Read this module with `revtrain.trainers.block.plan` (what the ops are),
+`revtrain.trainers.block.contract` (what each op's program takes and gives) and
+`revtrain.trainers.block.finishers` (what a backward op does with its gradient): together
+they are the whole step. `run_step` hands each op to its kind's handler (`HANDLERS`, the one place
 that tells op kinds apart), which asks a `revtrain.trainers.block.stores.StepValues` for
 the op's values, calls its program through a `revtrain.trainers.common.dispatch.Dispatcher`, reads
 the program's typed outputs by name and hands the new values back. The
@@ -17,8 +18,10 @@ cotangent down, each reconstructing (``REVERSE``) or recomputing (``FBO``) its l
 input and updating the layer at once. A scanned run of layers
 (`revtrain.trainers.block.plan.Run`) is one op each way, its values one stacked key of the
 store (`revtrain.trainers.block.scan_programs`). With exact global-norm clipping a
-norm-only pass first walks the backward ops without updating, and its global norm scales
-every update. What the ops hand on to each other is one `StepCarry`.
+norm pass (the `NORM` finisher) first walks the backward ops without updating, and its
+global norm scales every update; the handlers ask an op's finisher which values to fetch,
+whether it consumes the stashes and how its results are read, and never test it. What
+the ops hand on to each other is one `StepCarry`.
 """
 
 from __future__ import annotations
@@ -33,18 +36,16 @@ import jax.numpy as jnp
 
 from revtrain.layers.base import inputs_from_stack, outputs_onto_stack
 from revtrain.trainers.block import donation
-from revtrain.trainers.block.ops import (
+from revtrain.trainers.block.contract import (
     FboArgs,
     ForwardArgs,
     LayerStats,
     LossArgs,
-    LossOut,
-    NormOut,
     ReverseArgs,
     ScanReverseArgs,
     Shared,
 )
-from revtrain.trainers.block.plan import Op, OpKind, PlannedOp, Run
+from revtrain.trainers.block.plan import Op, OpKind, PlannedOp
 from revtrain.trainers.block.stores import StepValues
 from revtrain.trainers.common.dispatch import Dispatcher
 
@@ -64,7 +65,7 @@ class BlockStep:
         (`summary_program`): one program per step whatever the depth, so the step's
         results are four arrays, not two per layer.
       sqrt_of_sum: ``(squared norms: scalars, or a scanned run's vector) -> sqrt(sum)``,
-        the global gradient norm of the norm-only pass (clipping); likewise jitted once.
+        the global gradient norm of the norm pass (clipping); likewise jitted once.
     """
 
     plan: tuple[PlannedOp, ...]
@@ -135,27 +136,33 @@ def _as_items(stack: Any) -> tuple:
 @dataclasses.dataclass
 class StepCarry:
     """What the ops of one step hand on to each other (host-side references to device
-    values; nothing here is read to the host).
+    values; nothing here is read to the host), and so what a program that donates some
+    of it must leave alone (`leave_alone`).
 
     Attributes:
+      batch: the step's batch, the caller's arrays (never donated).
       stack: the stack between ops: the batch, then activations, then -- going down --
         the reconstructed (or unstashed) inputs of each layer.
       ct: the cotangents of ``stack``'s items, from the loss op on.
       final: the final activations as `StepValues.end_forward` handed them back, or None
         before the loss op.
+      reread: ``final`` while a later pass reads it again (the norm pass's ops, whose
+        finisher does not consume it), else None.
       kept: stashed block inputs and ``keep_every`` copies by first flat layer (a run's
         copies under its first layer), until the backward op that consumes them.
       kept_weights: the stashed batch weights (the batch's third item), or None.
       stats: each updated op's `LayerStats`, by first flat layer.
-      squared_norms: the norm-only pass's squared gradient norms, in op order.
+      squared_norms: the norm pass's squared gradient norms, in op order.
       loss: the loss op's float32 scalar, or None before it.
-      global_norm: the norm-only pass's global gradient norm, or None without clipping.
-      clip: ``(global_norm, max_norm)`` once the norm-only pass ended, else None.
+      global_norm: the norm pass's global gradient norm, or None without clipping.
+      clip: ``(global_norm, max_norm)`` once the norm pass ended, else None.
     """
 
+    batch: Any
     stack: Any
     ct: Any = None
     final: Any = None
+    reread: Any = None
     kept: dict[int, Any] = dataclasses.field(default_factory=dict)
     kept_weights: Any = None
     stats: dict[int, LayerStats] = dataclasses.field(default_factory=dict)
@@ -163,6 +170,14 @@ class StepCarry:
     loss: jax.Array | None = None
     global_norm: jax.Array | None = None
     clip: tuple[jax.Array, jax.Array] | None = None
+
+    def leave_alone(self, n_stack: int, n_ct: int) -> tuple:
+        """What a call that donates the top ``n_stack`` stack items and ``n_ct``
+        cotangents must leave alone: the items and cotangents below them, the stashes, the
+        batch weights, the step's batch and the final activations a later pass rereads."""
+        return (_as_items(self.stack)[n_stack:],
+                () if self.ct is None else _as_items(self.ct)[n_ct:], self.kept,
+                self.kept_weights, self.batch, self.reread)
 
 
 class _Walk(NamedTuple):
@@ -181,39 +196,33 @@ class _Walk(NamedTuple):
         return Shared(self.step.indices[p.op.layer], self.inputs.lr, c.clip)
 
     def values(self, op: Op, key: Any) -> Any:
-        """The op's weights (norm-only: not donated) or params (donated to the update)."""
-        return self.store.weights(key) if op.norm_only else self.store.params(key)
+        """The values the op's finisher takes: weights or (donated) params."""
+        return op.finisher.values(self.store, key)
 
     def unstash(self, c: StepCarry, op: Op, key: int) -> Any:
-        """The stash the op consumes (the norm-only pass leaves it for the update)."""
-        return self.store.unstash(c.kept[key] if op.norm_only else c.kept.pop(key))
+        """The stash the op reads; consumed unless its finisher leaves it to a later pass."""
+        return self.store.unstash(c.kept.pop(key) if op.finisher.consumes_kept
+                                  else c.kept[key])
 
     def run(self, c: StepCarry, p: PlannedOp, args: Any, values: Any, shared: Shared,
             n_stack: int, n_ct: int = 0) -> Any:
         """Dispatches the op's program once what it donates is its own
         (`revtrain.trainers.block.donation.owned`): the op takes the top ``n_stack`` items of
-        the stack and ``n_ct`` of the cotangents; the items below them, the stashes, the
-        batch weights, the step's batch and -- while the update pass is still to read them
-        -- the final activations keep their buffers (a donated one that any of them also
-        holds is copied first, by a ``copy/<label>`` dispatch)."""
+        the stack and ``n_ct`` of the cotangents (its arity), and what the carry says such
+        a call must leave alone (`StepCarry.leave_alone`) keeps its buffers (a donated one
+        that any of it also holds is copied first, by a ``copy/<label>`` dispatch)."""
         live = any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args))
         donated = (p.program.donated(args, values, shared) if live
                    else donation.consumed_leaves(args))
         if any(donated):
-            held = (_as_items(c.stack)[n_stack:],
-                    () if c.ct is None else _as_items(c.ct)[n_ct:], c.kept, c.kept_weights,
-                    self.inputs.stack, c.final if p.op.norm_only else None)
-            args = donation.owned(args, donated, held, lambda leaf: self.dispatcher.dispatch(
-                f"copy/{p.op.label}", donation.copy, leaf))
+            args = donation.owned(args, donated, c.leave_alone(n_stack, n_ct),
+                                  lambda leaf: self.dispatcher.dispatch(
+                                      f"copy/{p.op.label}", donation.copy, leaf))
         return self.dispatcher.dispatch(p.op.label, p.program, args, values, shared)
 
-    def take(self, c: StepCarry, key: Any, out: Any) -> None:
-        """Keeps an updating program's new params and stats, or a norm-only one's norm."""
-        if isinstance(out, NormOut):
-            c.squared_norms.append(out.squared_norm)
-        else:
-            self.store.keep_params(key, out.new_params)
-            c.stats[key.start if isinstance(key, Run) else key] = out.stats
+    def take(self, c: StepCarry, op: Op, key: Any, out: Any) -> None:
+        """Reads the op's results as its finisher says (new params and stats, or a norm)."""
+        op.finisher.take(out, key, op.layer, self.store, c)
 
 
 def _forward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
@@ -247,11 +256,12 @@ def _scan_forward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
 
 
 def _loss(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
-    """The loss op: the final activations leave the forward pass (once), the norm-only
-    pass's global norm (if it ran) sets the clipping of the updates that follow."""
+    """The loss op: the final activations leave the forward pass (once), the norm pass's
+    global norm (once it ran) sets the clipping of the updates that follow."""
     op, layer, i = p.op, p.layer, p.op.layer
     c.final = w.store.end_forward(c.stack) if c.final is None else c.final
-    if not op.norm_only and c.squared_norms:
+    c.reread = None if op.finisher.consumes_kept else c.final
+    if c.squared_norms and c.global_norm is None:
         c.global_norm = w.dispatcher.call(w.step.sqrt_of_sum, tuple(c.squared_norms))
         c.clip = (c.global_norm, w.step.max_norm)
     shared = w.begin(p, position, c)
@@ -264,11 +274,8 @@ def _loss(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     batch_weights = None if c.kept_weights is None else w.store.unstash(c.kept_weights)
     args = LossArgs(c.stack, w.store.state(i), w.inputs.rngs, batch_weights)
     out = w.run(c, p, args, w.values(op, i), shared, n_stack=n_items)
-    w.take(c, i, out)
+    op.finisher.take_loss(out, i, w.store, c)
     c.ct = out.ct_x
-    if isinstance(out, LossOut):
-        c.loss = out.loss
-        w.store.keep_state(i, out.new_state)
 
 
 def _fbo(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
@@ -279,7 +286,7 @@ def _fbo(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     args = FboArgs(inputs_from_stack(c.stack, layer.n_in), w.store.state(i), w.inputs.rngs,
                    inputs_from_stack(c.ct, layer.n_out))
     out = w.run(c, p, args, w.values(op, i), shared, n_stack=layer.n_in, n_ct=layer.n_out)
-    w.take(c, i, out)
+    w.take(c, op, i, out)
     c.ct = outputs_onto_stack(out.ct_x, c.ct, layer.n_out)
 
 
@@ -291,14 +298,14 @@ def _reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
                        inputs_from_stack(c.ct, layer.n_out), w.store.state(i),
                        w.store.new_state(i), w.inputs.rngs)
     out = w.run(c, p, args, w.values(op, i), shared, n_stack=layer.n_out, n_ct=layer.n_out)
-    w.take(c, i, out)
+    w.take(c, op, i, out)
     c.stack = outputs_onto_stack(out.x, c.stack, layer.n_out)
     c.ct = outputs_onto_stack(out.ct_x, c.ct, layer.n_out)
 
 
 def _scan_reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
-    """A run's reverse scan (every layer updated, or norm-only): it donates its carry, the
-    run's output items and their cotangents (`_Walk.run`)."""
+    """A run's reverse scan (each layer's gradient to the op's finisher): it donates its
+    carry, the run's output items and their cotangents (`_Walk.run`)."""
     op, run = p.op, p.op.run
     shared = w.begin(p, position, c)
     copies = w.unstash(c, op, run.start) if run.kept else None
@@ -306,7 +313,7 @@ def _scan_reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     args = ScanReverseArgs(inputs_from_stack(c.stack, n), inputs_from_stack(c.ct, n),
                            w.store.state(run), w.store.new_state(run), w.inputs.rngs, copies)
     out = w.run(c, p, args, w.values(op, run), shared, n_stack=n, n_ct=n)
-    w.take(c, run, out)
+    w.take(c, op, run, out)
     c.stack = outputs_onto_stack(out.x, c.stack, n)
     c.ct = outputs_onto_stack(out.ct_x, c.ct, n)
 
@@ -328,7 +335,7 @@ def run_step(step: BlockStep, store: StepValues, dispatcher: Dispatcher,
 
     Each op goes to its kind's handler (`HANDLERS`), which reads its values from the store,
     dispatches its program, reads the program's typed outputs
-    (`revtrain.trainers.block.ops`) by name and hands the new values back.
+    (`revtrain.trainers.block.contract`) by name and hands the new values back.
 
     Raises:
       ValueError: for a final stack that does not match the loss layer's inputs (before any
@@ -336,7 +343,7 @@ def run_step(step: BlockStep, store: StepValues, dispatcher: Dispatcher,
     """
     store.begin_step()
     dispatcher.phase("step_start")
-    c = StepCarry(inputs.stack)
+    c = StepCarry(inputs.stack, inputs.stack)
     # The batch weights wait like a block input (the loss op turns them into each device's
     # share of the global loss; a store may send the stack's arrays away meanwhile).
     if isinstance(c.stack, tuple) and len(c.stack) >= 3:

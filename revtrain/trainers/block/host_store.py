@@ -213,7 +213,7 @@ class HostStore:
             delete_arrays(self._resident.pop(i))
         for op in window:
             forward = op.kind in (OpKind.FORWARD, OpKind.SCAN_FORWARD)
-            self._fetch(op.layer, with_slots=not forward and not op.norm_only)
+            self._fetch(op.layer, with_slots=not forward and op.finisher.donates_values)
         self.max_resident_layers = max(self.max_resident_layers,
                                        sum(map(self._n_flat, self._resident)))
 

@@ -1,4 +1,4 @@
-"""The compiled per-layer programs of the block trainers: forward, fbo, reverse-and-fbo, loss.
+"""A lone layer's programs (a run of one repetition): forward, fbo, reverse-and-fbo, loss.
 
 An *fbo* (forward-backward-optimizer) program runs one layer's vjp, combines the weight
 gradients across devices, applies the layer's optimizer update and returns the new weights,
@@ -9,10 +9,12 @@ layer state, rngs) have a leading device axis (over every mesh axis), weights an
 replicated (or, with ``fsdp``, sharded: `revtrain.parallel.collectives`).
 
 Every program is called as ``program(args, weights_or_params, shared)`` and returns a typed
-output; the argument and output types and the per-device bodies are
-`revtrain.trainers.block.ops`, shared with the scanned programs. Every program donates what
-it consumes (`revtrain.trainers.block.donation.Program`: the fields of `ops.CONSUMED`, and
-an updating program's `Params`), so pass-through items come back in their own buffers.
+output; the argument and output types are `revtrain.trainers.block.contract`, the
+per-device bodies `revtrain.trainers.block.bodies`, shared with the scanned programs, and a
+backward program ends as its op's finisher says (`revtrain.trainers.block.finishers`).
+Every program donates what it consumes (`revtrain.trainers.block.donation.Program`: the
+fields of `contract.CONSUMED`, and an updating program's `Params`), so pass-through items
+come back in their own buffers.
 
 Combining across devices (the data-parallel invariance; `revtrain.trainers.common.global_loss`):
 the loss layer's cotangent on device ``d`` is its share ``W_d / sum W`` of the global batch
@@ -24,117 +26,72 @@ no information; they are passed as a float32 placeholder and replaced by ``float
 
 The optimizer update, clipping and the stats' norms run outside ``shard_map`` on global
 arrays, so every optax transformation gives the same update as with replicated weights.
-Programs are shared between layers of one structure (`ProgramCache`).
+A lone layer is a run of one repetition: `revtrain.trainers.block.programs` builds its
+programs here and caches them with the scanned runs' (`programs.ProgramCache`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
-import equinox as eqx
 import optax
 
 from revtrain.layers.base import Layer
 from revtrain.parallel import collectives as fsdp
 from revtrain.parallel.collectives import DEV, REP
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.block import ops
+from revtrain.trainers.block import bodies
+from revtrain.trainers.block.contract import FboOut, ForwardOut, LossOut, ReverseOut, stack_of
 from revtrain.trainers.block.donation import Program
-from revtrain.trainers.block.plan import Op, OpKind
-from revtrain.trainers.common.updates import squared_norm
+from revtrain.trainers.block.finishers import UPDATE, Finisher
+from revtrain.trainers.block.plan import OpKind
 
 # Per kind: the per-device body and the shard_map out-specs of its typed outputs.
 _GRAD_BODIES = {
-    OpKind.FBO: (ops.std_grads, ops.FboOut(DEV, None, None)),
-    OpKind.REVERSE: (ops.reverse_grads, ops.ReverseOut(DEV, DEV, None, None)),
-    OpKind.LOSS: (ops.loss_grads, ops.LossOut(REP, DEV, None, DEV, None)),
+    OpKind.FBO: (bodies.std_grads, FboOut(DEV, None, None)),
+    OpKind.REVERSE: (bodies.reverse_grads, ReverseOut(DEV, DEV, None, None)),
+    OpKind.LOSS: (bodies.loss_grads, LossOut(REP, DEV, None, DEV, None)),
 }
 
 
-def make_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransformation,
-                 placement: Placement, norm_only: bool = False) -> tuple[Callable, Callable]:
+def layer_program(kind: OpKind, layer: Layer, optimizer: optax.GradientTransformation,
+                 placement: Placement,
+                 finisher: Finisher = UPDATE) -> tuple[Callable, Callable]:
     """The jitted ``kind`` program of ``layer`` and its trace-counted body.
 
     Returns ``(program, counted)``: a `revtrain.trainers.block.donation.Program`, called as
     ``program(args, values, shared)``, which donates the fields of ``args`` the kind
-    consumes (`revtrain.trainers.block.ops.CONSUMED`; the caller must hold no other
+    consumes (`revtrain.trainers.block.contract.CONSUMED`; the caller must hold no other
     reference to their buffers: `revtrain.trainers.block.donation.owned`) and returns, by
-    kind (`revtrain.trainers.block.ops`):
+    kind (`revtrain.trainers.block.contract`):
 
     * ``FORWARD``: a `ForwardOut` (``values`` the weights, not donated); donates ``x``,
       whose buffers ``y`` reuses (a pass-through item leaves in its own).
-    * ``FBO``, ``REVERSE``, ``LOSS``: an `FboOut`, `ReverseOut` or `LossOut` (``values``
-      the layer's `Params`, donated: ``new_params`` reuses their buffers); donates
-      ``ct_y`` (``FBO``) or ``y`` and ``ct_y`` (``REVERSE``), which the input and its
-      cotangent reuse (``LOSS`` consumes nothing else: its ``x`` is the first backward
-      op's ``y``).
-    * ``norm_only`` (not for ``FORWARD``): a `NormOut` (``values`` the weights, not
-      donated; nothing is updated); donates as its kind does.
+    * ``FBO``, ``REVERSE``, ``LOSS``: what ``finisher`` (`revtrain.trainers.block.finishers`)
+      makes of the body's output and gradient: with `UPDATE` an `FboOut`, `ReverseOut` or
+      `LossOut` (``values`` the layer's `Params`, donated: ``new_params`` reuses their
+      buffers), with `NORM` a `NormOut` (``values`` the weights, not donated; nothing is
+      updated). Either donates ``ct_y`` (``FBO``) or ``y`` and ``ct_y`` (``REVERSE``),
+      which the input and its cotangent reuse (``LOSS`` consumes nothing else: its ``x``
+      is the first backward op's ``y``).
     """
     if kind == OpKind.FORWARD:
         run, counted = fsdp.gathering_shard_map(
-            lambda a, w, i: ops.forward(layer, a, w, i), placement,
-            ops.ForwardOut(DEV, DEV, None), with_grads=False)
+            lambda a, w, i: bodies.forward(layer, a, w, i), placement,
+            ForwardOut(DEV, DEV, None), with_grads=False, stack=stack_of)
         return Program(lambda args, weights, shared: run(args, weights, shared.index),
                        donate_values=False), counted
     body, out_specs = _GRAD_BODIES[kind]
     if kind == OpKind.LOSS:
         body = functools.partial(body, axes=placement.device_axes)
     run, counted = fsdp.gathering_shard_map(lambda a, w, i: body(layer, a, w, i), placement,
-                                            out_specs, with_grads=True)
-    if norm_only:
-        def norm(args, weights, shared) -> ops.NormOut:
-            out, grads = run(args, weights, shared.index)
-            return ops.norm_out(out, squared_norm(grads))
-        return Program(norm, donate_values=False), counted
+                                            out_specs, with_grads=True, stack=stack_of)
 
-    def fbo(args, params, shared):
-        out, grads = run(args, params.weights, shared.index)
-        new_params, stats = ops.update(optimizer, grads, params, shared, placement)
-        return out._replace(new_params=new_params, stats=stats)
-    return Program(fbo, donate_values=True), counted
+    def program(args, values, shared):
+        out, grads = run(args, finisher.weights(values), shared.index)
+        return finisher.finish(out, grads, values, shared, optimizer, placement)
+    return Program(program, donate_values=finisher.donates_values), counted
 
 
-class ProgramCache:
-    """Compiled per-layer programs, one per (kind, norm_only, layer structure).
-
-    Two layers with equal, non-None `Layer.structure_key` compute the same function of
-    their arguments, so they share one jitted program (and one executable per input
-    shape). A layer whose key is None (its identity cannot be proven, e.g. a class defined
-    inside a function, or an ``Fn`` of a lambda) gets programs of its own: a cache key
-    must cover everything the cached function depends on, or the cache must not share.
-    The optimizer and the placement are the trainer's, fixed for the cache's life (one
-    cache per trainer, no module-level state); the cache keeps the layers it keyed by
-    identity alive, so their ids are never reused.
-    """
-
-    def __init__(self, placement: Placement, optimizer: optax.GradientTransformation):
-        self._placement = placement
-        self._optimizer = optimizer
-        self._programs: dict[Any, tuple[Callable, Callable, Layer]] = {}
-
-    def get(self, op: Op, layer: Layer) -> Callable:
-        """The program of ``op`` (its kind and ``norm_only``) for ``layer``, built once."""
-        key = layer.structure_key
-        key = (op.kind, op.norm_only, ("object", id(layer)) if key is None else key)
-        if key not in self._programs:
-            program, counted = make_program(op.kind, layer, self._optimizer, self._placement,
-                                            norm_only=op.norm_only)
-            self._programs[key] = (program, counted, layer)
-        return self._programs[key][0]
-
-    @property
-    def n_built(self) -> int:
-        """How many distinct programs were built."""
-        return len(self._programs)
-
-    def trace_counts(self) -> dict[str, int]:
-        """``{'kind/layer_name#k': times traced}`` for every built program."""
-        return {f"{'norm_' if norm else ''}{kind}/{layer.name}#{k}":
-                eqx.debug.get_num_traces(counted)
-                for k, ((kind, norm, _), (_, counted, layer)) in enumerate(self._programs.items())}
-
-
-__all__ = ["ProgramCache", "make_program"]
+__all__ = ["layer_program"]

@@ -15,13 +15,15 @@ whole run as one ``lax.scan`` (`revtrain.trainers.block.scan_programs`), so the 
 a step does not grow with depth. Its ``keep_every`` copies are the scan's: the forward op
 stashes them all at once, the reverse op recomputes those layers from them.
 
-With exact global-norm clipping the loss and backward ops run twice: first as
-``norm_only`` ops that compute each layer's squared gradient norm and update nothing, then
-as the usual ops, which scale each layer's gradient by the global clipping factor.
+Each backward op carries its finisher (`revtrain.trainers.block.finishers`): what it does
+with its layer's gradient. With exact global-norm clipping the loss and backward ops run
+twice: first with the `NORM` finisher, which computes each layer's squared gradient norm
+and updates nothing, then with `UPDATE`, which scales each layer's gradient by the global
+clipping factor.
 
 `build_schedule` gives the ops alone (stores look ahead in them to prefetch:
 `revtrain.trainers.block.host_store.HostStore`); `build_plan` pairs each op with its layer, its
-compiled program (`revtrain.trainers.block.layer_programs.ProgramCache`) and the phase it
+compiled program (`revtrain.trainers.block.programs.ProgramCache`) and the phase it
 starts. The plan is built once per trainer; `revtrain.trainers.block.executor.run_step` runs it.
 """
 
@@ -34,6 +36,7 @@ from typing import Any, NamedTuple
 from revtrain.layers.base import Layer
 from revtrain.layers.blocks import is_keep_point
 from revtrain.layers.reversible import ReversibleSelect
+from revtrain.trainers.block.finishers import NORM, UPDATE, Finisher
 
 
 class OpKind(enum.StrEnum):
@@ -125,8 +128,10 @@ class Op(NamedTuple):
       keep_point: True for the forward op of a reversible layer whose input is stashed
         (every ``keep_every``-th of a block) and for its ``FBO`` op, which recomputes the
         layer from that exact copy instead of reversing it.
-      norm_only: True for the ops of the gradient-norm pass (exact global-norm clipping):
-        they compute the layer's squared gradient norm and update nothing.
+      finisher: what a backward op does with its layer's gradient: `UPDATE` (the
+        optimizer step), or `NORM` for the ops of the gradient-norm pass (exact
+        global-norm clipping), which compute its squared norm and update nothing; forward
+        ops carry `UPDATE` and never ask it.
       run: the `Run` of a ``SCAN_FORWARD`` or ``SCAN_REVERSE`` op (``layer`` is its
         first layer), else None.
     """
@@ -137,7 +142,7 @@ class Op(NamedTuple):
     label: str
     starts_block: bool = False
     keep_point: bool = False
-    norm_only: bool = False
+    finisher: Finisher = UPDATE
     run: Run | None = None
 
 
@@ -174,14 +179,14 @@ def build_schedule(block_sizes: Sequence[int], keep_every: int | None = None,
         ``sum(1 + n for n in block_sizes) + 1`` (the last is the loss layer).
       keep_every: stash the input of reversible layer ``p`` of a block (counting from 0)
         when ``p > 0`` and ``p % keep_every == 0``; None keeps only block inputs.
-      clip_global_norm: prepend the ``norm_only`` pass (loss and backward ops) to the
-        update pass.
+      clip_global_norm: prepend the norm pass (loss and backward ops with the `NORM`
+        finisher) to the update pass.
       runs: `Run` s of reversible layers to scan (``kept`` is filled in here): each is one
         ``SCAN_FORWARD`` and one ``SCAN_REVERSE`` op instead of an op per layer.
 
     Returns:
       A tuple of `Op`: forward ops, the loss op, then the backward ops (twice, the first
-      time ``norm_only``, when ``clip_global_norm``).
+      time with the `NORM` finisher, when ``clip_global_norm``).
 
     Raises:
       ValueError: for ``keep_every < 1``, or a run that is not inside one block's
@@ -215,7 +220,7 @@ def build_schedule(block_sizes: Sequence[int], keep_every: int | None = None,
         backward = block_backward + [Op(OpKind.FBO, i, b, f"backward/layer{i}")] + backward
         i += 1 + n_rev
     update = [Op(OpKind.LOSS, i, -1, f"loss/layer{i}")] + backward
-    norm = [op._replace(norm_only=True, label=f"norm/{op.label}") for op in update]
+    norm = [op._replace(finisher=NORM, label=f"{NORM.label}{op.label}") for op in update]
     return tuple(forward + (norm if clip_global_norm else []) + update)
 
 

@@ -1,7 +1,7 @@
 """Compiling a block trainer's per-layer programs ahead of the first step, concurrently.
 
 A block trainer's first step would trace and compile each distinct per-layer program (one
-per kind and layer structure, `revtrain.trainers.block.layer_programs.ProgramCache`) the first
+per kind and layer structure, `revtrain.trainers.block.programs.ProgramCache`) the first
 time the plan reaches it, one after another. `BlockTrainer.precompile` instead runs the step once
 *abstractly* -- the same executor (`revtrain.trainers.block.executor.run_step`) on
 `jax.ShapeDtypeStruct` values carrying the shardings the real values have, with an
@@ -37,7 +37,7 @@ import numpy as np
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import stacked
 from revtrain.trainers.block.plan import Run
-from revtrain.trainers.common.protocols import DeviceFootprint, Params, TrainState
+from revtrain.trainers.common.protocols import Params, TrainState
 
 
 class CompileTimes(NamedTuple):
@@ -63,7 +63,8 @@ def _sds(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
 
 
 class AbstractStore:
-    """A `revtrain.trainers.common.protocols.ParamStore` of abstract values (no buffers).
+    """A `revtrain.trainers.block.stores.StepValues` of abstract values (no buffers): what
+    the executor reads of a store, and nothing else (it holds no values to read back).
 
     Weights and slots are `jax.ShapeDtypeStruct` trees in the stores' sharding
     (`Placement.weight_shardings`: replicated, or FSDP-sharded), states
@@ -139,15 +140,6 @@ class AbstractStore:
 
     def finish_step(self) -> None:
         pass
-
-    def host_values(self, part: str) -> tuple:
-        raise TypeError("an AbstractStore holds no values")
-
-    def restore(self, train_state: TrainState) -> None:
-        raise TypeError("an AbstractStore holds no values")
-
-    def device_footprint(self) -> DeviceFootprint:
-        return DeviceFootprint(0, 0, 0)
 
 
 def abstract_batch(batch_signature: Sequence[Any], placement: Placement) -> tuple:

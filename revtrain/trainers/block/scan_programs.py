@@ -12,7 +12,7 @@ the reverse pass too).
 
 Each program is ``jax.jit`` of a ``lax.scan`` over the run's repetitions on global arrays;
 its body runs the group's layers one by one, each through the per-layer body of
-`revtrain.trainers.block.layer_programs` inside its own ``shard_map``
+`revtrain.trainers.block.bodies` inside its own ``shard_map``
 (`revtrain.parallel.collectives.gathering_shard_map`: with FSDP each layer all-gathers only its
 own shards), so per layer everything is what its own program computes:
 
@@ -21,18 +21,19 @@ own shards), so per layer everything is what its own program computes:
   stack items, so one layer's activations are live (reversible layers keep none);
   ``keep_every`` copies are written into one ``[devices, n_kept, ...]`` buffer per carry
   item;
-* reverse: the carry is ``(stack items, their cotangents, stacked weights, stacked
-  slots)``, all donated by the updating program (the norm-only one donates the items and
-  cotangents only) (the loop runs in their buffers, and the
-  reconstructed items and their cotangents leave in them); each layer reconstructs its
-  input (``reverse_and_grad``) -- or, at a kept position, recomputes from its copy, as
-  an ``FBO`` op does -- and applies *its own* optimizer update
-  (`revtrain.trainers.block.layer_programs`' update on global arrays: the learning rate injected,
-  per-layer clipping inside the optimizer, exact global-norm clipping by the given norm)
-  to entry ``t`` of the stacked weights and slots, updated in place
-  (``dynamic_update_slice`` on the donated carry: the run's values exist once);
-* norm-only (exact global-norm clipping): the reverse scan without updates, giving each
-  layer's squared gradient norm.
+* reverse: the carry is named (`_ReverseCarry`: the stack items, their cotangents and
+  what the op's finisher carries -- with `UPDATE` the stacked weights and slots, with
+  `NORM` nothing), all donated (the norm finisher's program donates the items and
+  cotangents only); the loop runs in their buffers, and the reconstructed items and their
+  cotangents leave in them. Each layer reconstructs its input (``reverse_and_grad``) --
+  or, at a kept position, recomputes from its copy, as an ``FBO`` op does -- and hands its
+  gradient to the finisher (`revtrain.trainers.block.finishers`): `UPDATE` applies *its
+  own* optimizer update (`revtrain.trainers.block.bodies.update` on global arrays: the
+  learning rate injected, per-layer clipping inside the optimizer, exact global-norm
+  clipping by the given norm) to entry ``t`` of the stacked weights and slots, updated in
+  place (``dynamic_update_slice`` on the donated carry: the run's values exist once);
+  `NORM` (exact global-norm clipping) gives each layer's squared gradient norm and
+  updates nothing.
 
 Results per flat layer (stats, squared norms) leave as one vector per kind over the run's
 layers, in the order the per-layer ops would give them, so the number of a program's
@@ -44,8 +45,9 @@ depth.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -58,23 +60,23 @@ from revtrain.layers.reversible import ReversibleSelect
 from revtrain.layers.scan import MIN_REPEATS, layer_signature, plan_runs, serial_arity
 from revtrain.parallel import collectives as fsdp
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.block import ops, stacked
-from revtrain.trainers.block.donation import Program
-from revtrain.trainers.block.ops import (
+from revtrain.trainers.block import bodies, stacked
+from revtrain.trainers.block.contract import (
     FboArgs,
+    FboOut,
     ForwardArgs,
     ForwardOut,
-    LayerStats,
-    NormOut,
     ReverseArgs,
     ReverseOut,
     ScanReverseArgs,
     Shared,
+    stack_of,
 )
-from revtrain.trainers.block.plan import Op, OpKind, Run
+from revtrain.trainers.block.donation import Program
+from revtrain.trainers.block.finishers import UPDATE, Finisher
+from revtrain.trainers.block.plan import OpKind, Run
 from revtrain.trainers.block.turns import in_turn, reverse_in_turn
 from revtrain.trainers.common.protocols import Params
-from revtrain.trainers.common.updates import squared_norm
 
 
 def find_runs(layers: Sequence[Layer], block_sizes: Sequence[int]) -> tuple[Run, ...]:
@@ -99,16 +101,6 @@ def find_runs(layers: Sequence[Layer], block_sizes: Sequence[int]) -> tuple[Run,
                 runs.append(Run(i + 1 + start, period, repeats, n_in))
         i += 1 + n_rev
     return tuple(runs)
-
-
-def _at(tree: Any, t: jax.Array, axis: int = 0) -> Any:
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, t, axis, keepdims=False),
-                        tree)
-
-
-def _put(tree: Any, new: Any, t: jax.Array) -> Any:
-    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, t, 0),
-                        tree, new)
 
 
 def _same_types(a: Any, b: Any) -> bool:
@@ -160,7 +152,7 @@ class _KeptTable:
         return jax.tree.map(one, copies, x)
 
     def read(self, copies: Any, j: int, t: jax.Array) -> Any:
-        return _at(copies, jnp.asarray(self.slot[:, j])[t], axis=1)
+        return bodies.at(copies, jnp.asarray(self.slot[:, j])[t], axis=1)
 
     def buffers(self, x: Any) -> Any:
         return jax.tree.map(lambda a: jnp.zeros((a.shape[0], self.n, *a.shape[1:]), a.dtype),
@@ -170,8 +162,8 @@ class _KeptTable:
 def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> Callable:
     dev = placement.per_device.spec
     forwards = [None if isinstance(layer, ReversibleSelect) else fsdp.gathering_shard_map(
-        lambda a, w, i, layer=layer: ops.forward(layer, a, w, i), placement,
-        ForwardOut(dev, dev, None), with_grads=False)[0] for layer in group]
+        lambda a, w, i, layer=layer: bodies.forward(layer, a, w, i), placement,
+        ForwardOut(dev, dev, None), with_grads=False, stack=stack_of)[0] for layer in group]
     table = _KeptTable(run)
 
     def scan_forward(args: ForwardArgs, weights: tuple, shared: Shared) -> tuple:
@@ -181,7 +173,7 @@ def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> 
             for j, (layer, forward) in enumerate(zip(group, forwards, strict=True)):
                 if table.any(j):
                     copies = table.write(copies, x, j, t)
-                state = _at(args.state[j], t, axis=1)
+                state = bodies.at(args.state[j], t, axis=1)
                 x_j = inputs_from_stack(x, layer.n_in)
                 if forward is None:  # Reorders stack items only (no weights, state, rng).
                     y, new_state = layer.pure_fn(x_j, (), (), None)[0], state
@@ -189,7 +181,7 @@ def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> 
                     out = in_turn(
                         lambda x_j, state, w, i, forward=forward: forward(
                             ForwardArgs(x_j, state, args.rngs), w, i),
-                        t, x_j, state, _at(weights[j], t), shared.index + t * run.period + j)
+                        t, x_j, state, bodies.at(weights[j], t), shared.index + t * run.period + j)
                     y, new_state = out.y, out.new_state
                 x = outputs_onto_stack(y, x, layer.n_in)
                 new_states.append(new_state)
@@ -203,118 +195,130 @@ def _forward_program(group: Sequence[Layer], run: Run, placement: Placement) -> 
     return scan_forward
 
 
-def _reverse_program(group: Sequence[Layer], run: Run, optimizer: optax.GradientTransformation,
-                     placement: Placement, norm_only: bool) -> Callable:
-    dev = placement.per_device.spec
-    table = _KeptTable(run)
-    reverses = [fsdp.gathering_shard_map(
-        lambda a, w, i, layer=layer: ops.reverse_grads(layer, a, w, i), placement,
-        ReverseOut(dev, dev, None, None), with_grads=True)[0] for layer in group]
-    fbos = [fsdp.gathering_shard_map(
-        lambda a, w, i, layer=layer: ops.std_grads(layer, a, w, i), placement,
-        ops.FboOut(dev, None, None), with_grads=True)[0] if table.any(j) else None
-        for j, layer in enumerate(group)]
+class _ReverseCarry(NamedTuple):
+    """The reverse scan's carry: the stack items ``y`` (each layer's input once it ran),
+    their cotangents ``ct``, and what the finisher carries of the run's values
+    (`revtrain.trainers.block.finishers.Finisher.carried`: the stacked `Params`, updated
+    in place, or None)."""
 
-    def layer_grads(args, j, y, ct, weights, t, index):
+    y: Any
+    ct: Any
+    params: Params | None
+
+
+class _ReverseScan:
+    """A run's reverse scan: per repetition, last to first, each layer of the group
+    reconstructs its input (or recomputes from its kept copy) and its gradient goes to
+    the op's finisher (`revtrain.trainers.block.finishers`)."""
+
+    def __init__(self, group: Sequence[Layer], run: Run,
+                 optimizer: optax.GradientTransformation, placement: Placement,
+                 finisher: Finisher):
+        self.group, self.run, self.finisher = group, run, finisher
+        self.optimizer, self.placement = optimizer, placement
+        self.table = _KeptTable(run)
+        dev = placement.per_device.spec
+        self.reverses = [fsdp.gathering_shard_map(
+            lambda a, w, i, layer=layer: bodies.reverse_grads(layer, a, w, i), placement,
+            ReverseOut(dev, dev, None, None), with_grads=True, stack=stack_of)[0]
+            for layer in group]
+        self.fbos = [fsdp.gathering_shard_map(
+            lambda a, w, i, layer=layer: bodies.std_grads(layer, a, w, i), placement,
+            FboOut(dev, None, None), with_grads=True, stack=stack_of)[0]
+            if self.table.any(j) else None
+            for j, layer in enumerate(group)]
+
+    def _reverse(self, args, j, t, index, y, ct, weights):
+        layer = self.group[j]
+        out, grads = self.reverses[j](ReverseArgs(
+            inputs_from_stack(y, layer.n_out), inputs_from_stack(ct, layer.n_out),
+            bodies.at(args.state[j], t, axis=1), bodies.at(args.new_state[j], t, axis=1),
+            args.rngs), weights, index)
+        return (outputs_onto_stack(out.x, y, layer.n_out),
+                outputs_onto_stack(out.ct_x, ct, layer.n_out), grads)
+
+    def _recompute(self, args, j, t, index, y, ct, weights):
+        """A kept position: the layer's fbo from its exact input, as an ``FBO`` op."""
+        layer, x = self.group[j], self.table.read(args.kept, j, t)
+        out, grads = self.fbos[j](FboArgs(
+            inputs_from_stack(x, layer.n_in), bodies.at(args.state[j], t, axis=1),
+            args.rngs, inputs_from_stack(ct, layer.n_out)), weights, index)
+        return x, outputs_onto_stack(out.ct_x, ct, layer.n_out), grads
+
+    def grads(self, args, j, t, index, y, ct, weights):
         """One layer's ``(input stack items, their cotangents, global weight gradient)``."""
-        layer = group[j]
-        state, new_state = _at(args.state[j], t, axis=1), _at(args.new_state[j], t, axis=1)
-        y_j, ct_j = inputs_from_stack(y, layer.n_out), inputs_from_stack(ct, layer.n_out)
+        if self.fbos[j] is None:
+            return self._reverse(args, j, t, index, y, ct, weights)
+        if self.table.all(j):
+            return self._recompute(args, j, t, index, y, ct, weights)
+        return jax.lax.cond(jnp.asarray(self.table.keep[:, j])[t],
+                            functools.partial(self._recompute, args, j, t, index),
+                            functools.partial(self._reverse, args, j, t, index),
+                            y, ct, weights)
 
-        def reverse():
-            out, grads = reverses[j](ReverseArgs(y_j, ct_j, state, new_state, args.rngs),
-                                     weights, index)
-            return (outputs_onto_stack(out.x, y, layer.n_out),
-                    outputs_onto_stack(out.ct_x, ct, layer.n_out), grads)
+    def layer(self, args, values, shared, carry: _ReverseCarry, j: int, t: jax.Array):
+        """Group position ``j`` at repetition ``t``: ``(new carry, its result)``."""
+        f, extra = self.finisher, (shared, self.optimizer, self.placement)
+        layer_values = f.layer_values(values, carry.params, j, t)
+        reverse = functools.partial(self.grads, args, j, t,
+                                    shared.index + t * self.run.period + j)
 
-        def recompute():  # A kept position: the layer's fbo from its exact input.
-            x = table.read(args.kept, j, t)
-            out, grads = fbos[j](FboArgs(inputs_from_stack(x, layer.n_in), state,
-                                         args.rngs, ct_j), weights, index)
-            return x, outputs_onto_stack(out.ct_x, ct, layer.n_out), grads
+        def whole(y, ct, layer_values):
+            y, ct, grads = reverse(y, ct, f.weights(layer_values))
+            return y, ct, f.finish_layer(grads, layer_values, *extra)
+        if reverse_in_turn(reverse, (carry.y, carry.ct), self.placement.mesh.size,
+                           carry.y, carry.ct, f.weights(layer_values)):
+            y, ct, result = in_turn(whole, t, carry.y, carry.ct, layer_values)
+        else:  # The stack items stay uncopied (`revtrain.trainers.block.turns`).
+            y, ct, grads = reverse(carry.y, carry.ct, f.weights(layer_values))
+            result = f.finish_in_turn(t, grads, layer_values, *extra)
+        params, out = f.put(carry.params, result, j, t)
+        return _ReverseCarry(y, ct, params), out
 
-        if fbos[j] is None:
-            return reverse()
-        if table.all(j):
-            return recompute()
-        return jax.lax.cond(jnp.asarray(table.keep[:, j])[t], recompute, reverse)
+    def body(self, args, values, shared, carry: _ReverseCarry, t: jax.Array):
+        outs = [None] * self.run.period
+        for j in reversed(range(self.run.period)):
+            carry, outs[j] = self.layer(args, values, shared, carry, j, t)
+        return carry, tuple(outs)
 
-    def scan_reverse(args: ScanReverseArgs, values: Any, shared: Shared) -> tuple:
-        weights = values if norm_only else values.weights
+    def __call__(self, args: ScanReverseArgs, values: Any, shared: Shared) -> Any:
+        carry = _ReverseCarry(args.y, args.ct_y, self.finisher.carried(values))
+        carry, outs = _loop(functools.partial(self.body, args, values, shared), carry,
+                            self.run.repeats, reverse=True)
+        x, ct_x = jax.lax.with_sharding_constraint((carry.y, carry.ct),
+                                                   self.placement.per_device)
+        return self.finisher.scan_out(x, ct_x, carry.params, outs, self.run.repeats,
+                                      self._place)
 
-        def body(carry, t):
-            y, ct, params = carry
-            outs = [None] * run.period
-            for j in reversed(range(run.period)):
-                index = shared.index + t * run.period + j
-                w = _at((weights if norm_only else params[0])[j], t)
-                def reverse(y, ct, w, j=j, index=index):
-                    return layer_grads(args, j, y, ct, w, t, index)
-
-                def one_update(grads, w, slots):
-                    return ops.update(optimizer, grads, Params(w, slots), shared, placement)
-
-                def one_layer(y, ct, w, *slots, reverse=reverse):
-                    y, ct, grads = reverse(y, ct, w)
-                    if norm_only:
-                        return y, ct, squared_norm(grads)
-                    return y, ct, *one_update(grads, w, *slots)
-
-                slots = () if norm_only else (_at(params[1][j], t),)
-                if reverse_in_turn(reverse, (y, ct), placement.mesh.size, y, ct, w):
-                    y, ct, *out = in_turn(one_layer, t, y, ct, w, *slots)
-                else:  # The stack items stay uncopied (`revtrain.trainers.block.turns`).
-                    y, ct, grads = reverse(y, ct, w)
-                    out = ([squared_norm(grads)] if norm_only
-                           else in_turn(one_update, t, grads, w, *slots))
-                if norm_only:
-                    outs[j] = out[0]
-                    continue
-                new, outs[j] = out
-                params = tuple(tuple(_put(p[k], n, t) if k == j else p[k]
-                                     for k in range(run.period))
-                               for p, n in zip(params, new, strict=True))
-            return (y, ct, params), tuple(outs)
-
-        params = None if norm_only else (tuple(values.weights), tuple(values.slots))
-        (x, ct_x, params), outs = _loop(body, (args.y, args.ct_y, params), run.repeats,
-                                        reverse=True)
-        x, ct_x = jax.lax.with_sharding_constraint((x, ct_x), placement.per_device)
-        if norm_only:  # In the order of the per-layer backward ops: last layer first.
-            return NormOut(x, ct_x, jnp.stack([outs[j][t] for t in reversed(range(run.repeats))
-                                               for j in reversed(range(run.period))]))
-        new_params = jax.lax.with_sharding_constraint(
-            Params(*params), stacked.stacked_shardings(placement, Params(*params)))
-        stats = LayerStats(*(jnp.stack([getattr(outs[j], name)[t] for t in range(run.repeats)
-                                        for j in range(run.period)])
-                             for name in LayerStats._fields))
-        return ReverseOut(x, ct_x, new_params, stats)
-    return scan_reverse
+    def _place(self, params: Params) -> Params:
+        return jax.lax.with_sharding_constraint(
+            params, stacked.stacked_shardings(self.placement, params))
 
 
-def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
+def scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
                       optimizer: optax.GradientTransformation, placement: Placement,
-                      norm_only: bool = False) -> tuple[Callable, Callable]:
+                      finisher: Finisher = UPDATE) -> tuple[Callable, Callable]:
     """The jitted ``SCAN_FORWARD`` or ``SCAN_REVERSE`` program of ``run`` (whose group is
     ``group``) and its trace-counted function.
 
     The program is a `revtrain.trainers.block.donation.Program`, called as
     ``program(args, weights_or_params, shared)``, ``shared.index`` the run's first flat
     layer; it donates the fields of ``args`` its kind consumes
-    (`revtrain.trainers.block.ops.CONSUMED`: the caller must hold no other reference to
-    their buffers, `revtrain.trainers.block.donation.owned`). Outputs by kind
-    (`revtrain.trainers.block.ops`):
+    (`revtrain.trainers.block.contract.CONSUMED`: the caller must hold no other reference
+    to their buffers, `revtrain.trainers.block.donation.owned`). Outputs by kind
+    (`revtrain.trainers.block.contract`):
 
     * ``SCAN_FORWARD`` (``args`` a `ForwardArgs` of the carry items and the stacked
       states, stacked weights, not donated): a `ForwardOut` whose ``copies`` are the
       ``keep_every`` copies, or None; donates ``x``, in whose buffers ``y`` leaves.
-    * ``SCAN_REVERSE`` (``args`` a `ScanReverseArgs`, stacked `Params`): a `ReverseOut`,
+    * ``SCAN_REVERSE`` with `UPDATE` (``args`` a `ScanReverseArgs`, stacked `Params`): a
+      `ReverseOut`,
       its ``stats`` a `LayerStats` of float32 ``[n]`` vectors over the run's ``n`` flat
       layers, in order (two outputs whatever the run's length); donates the carry ``y``
       and ``ct_y`` (the loop runs in their buffers, and ``x`` and ``ct_x`` leave in
       them) and the params (updated in place).
-    * ``SCAN_REVERSE`` with ``norm_only`` (stacked weights, not donated: the updating
-      pass that follows reads them): a `NormOut`, its ``squared_norm`` a float32 ``[n]``
+    * ``SCAN_REVERSE`` with `NORM` (stacked weights, not donated: the updating pass that
+      follows reads them): a `NormOut`, its ``squared_norm`` a float32 ``[n]``
       vector, last layer first; donates ``y`` and ``ct_y`` as above.
 
     Raises:
@@ -325,45 +329,10 @@ def make_scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
                                               max_traces=None)
         return Program(counted, donate_values=False), counted
     if kind != OpKind.SCAN_REVERSE:
-        raise ValueError(f"kind={kind!r} is not a scan op; use make_program")
+        raise ValueError(f"kind={kind!r} is not a scan op; use layer_program")
     counted = eqx.debug.assert_max_traces(
-        _reverse_program(group, run, optimizer, placement, norm_only), max_traces=None)
-    return Program(counted, donate_values=not norm_only), counted
+        _ReverseScan(group, run, optimizer, placement, finisher), max_traces=None)
+    return Program(counted, donate_values=finisher.donates_values), counted
 
 
-class ScanProgramCache:
-    """Compiled scan programs, one per (kind, norm_only, group structure, repeats, kept
-    offsets): runs of equal groups, repetitions and copies share them (the run's first
-    layer is an argument, ``Shared.index``).
-
-    Args:
-      placement: the trainer's placement.
-      optimizer: the per-layer transformation (the first layer's: ``optimizer_fn`` must
-        return equivalent ones on every call, as for `ProgramCache`).
-    """
-
-    def __init__(self, placement: Placement, optimizer: optax.GradientTransformation):
-        self._placement, self._optimizer = placement, optimizer
-        self._programs: dict[Any, tuple[Callable, Callable, str, tuple]] = {}
-
-    def get(self, op: Op, group: Sequence[Layer]) -> Callable:
-        """The program of scan op ``op`` whose run's group is ``group``, built once."""
-        run = op.run
-        keys = tuple(("object", id(layer)) if layer.structure_key is None
-                     else layer.structure_key for layer in group)
-        key = (op.kind, op.norm_only, keys, run.period, run.repeats, run.kept)
-        if key not in self._programs:
-            program, counted = make_scan_program(op.kind, group, run, self._optimizer,
-                                                 self._placement, norm_only=op.norm_only)
-            name = f"{'norm_' if op.norm_only else ''}{op.kind}/{group[0].name}"
-            self._programs[key] = (program, counted, f"{name}x{run.period}x{run.repeats}",
-                                   tuple(group))
-        return self._programs[key][0]
-
-    def trace_counts(self) -> dict[str, int]:
-        """``{'kind/layer_name x period x repeats#k': times traced}`` for every program."""
-        return {f"{name}#{k}": eqx.debug.get_num_traces(counted)
-                for k, (_, counted, name, _) in enumerate(self._programs.values())}
-
-
-__all__ = ["ScanProgramCache", "find_runs", "make_scan_program"]
+__all__ = ["find_runs", "scan_program"]

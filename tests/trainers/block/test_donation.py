@@ -12,7 +12,7 @@ import pytest
 from revtrain import layers as tl
 from revtrain import memory
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
-from revtrain.trainers.block import donation, ops
+from revtrain.trainers.block import contract, donation
 from revtrain.trainers.common.protocols import Params
 from tests.trainers.conftest import (
     adam,
@@ -44,12 +44,12 @@ def _programs(trainer, batch):
 
 
 def _aliasable_items(program, args):
-    """The float stack items and cotangents a program consumes (`ops.CONSUMED`) that an
+    """The float stack items and cotangents a program consumes (`contract.CONSUMED`) that an
     output of the same shape and dtype could take (the pairing is by multiset)."""
     outs = collections.Counter((x.shape, x.dtype) for x in jax.tree.leaves(
         jax.eval_shape(program, *args)))
     items = []
-    for x in jax.tree.leaves([getattr(args[0], name) for name in ops.CONSUMED[type(args[0])]]):
+    for x in jax.tree.leaves([getattr(args[0], name) for name in contract.CONSUMED[type(args[0])]]):
         if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 1 and outs[x.shape, x.dtype]:
             outs[x.shape, x.dtype] -= 1
             items.append(x)
@@ -61,7 +61,7 @@ def _aliasable_items(program, args):
     (ReversibleSerialTrainer, {"scan_layers": True}),
     (MemoryEfficientTrainer, {}),
     (ReversibleSerialTrainer, {"scan_layers": False, "clip_global_norm": 1.0}),
-], ids=["per_layer", "scanned", "memory_efficient", "norm_only"])
+], ids=["per_layer", "scanned", "memory_efficient", "norm_pass"])
 def test_every_program_aliases_what_it_consumes_and_copies_no_pass_through(
         trainer_cls, kwargs, batch):
     """Per program (forward, reverse, fbo, scans, norm-only), XLA aliases the stack items
@@ -73,7 +73,7 @@ def test_every_program_aliases_what_it_consumes_and_copies_no_pass_through(
     calls = _programs(trainer, batch)
     checked = set()
     for label, (program, args) in calls.items():
-        if not isinstance(args[0], tuple(ops.CONSUMED)):
+        if not isinstance(args[0], tuple(contract.CONSUMED)):
             continue  # A copy (`donation.copy`).
         consumed = _nbytes(_aliasable_items(program, args))
         if not consumed:
@@ -99,10 +99,10 @@ def test_a_program_donates_only_what_an_output_can_take():
 
     def body(args, params, shared):
         del shared
-        return ops.ForwardOut((args.x[0] * 2, params.sum() * jnp.ones((1, 4, 8))), ()), params
+        return contract.ForwardOut((args.x[0] * 2, params.sum() * jnp.ones((1, 4, 8))), ()), params
 
     program = donation.Program(body, donate_values=True)
-    args = ops.ForwardArgs((x, tokens), (), jnp.zeros((1, 1, 2), jnp.uint32))
+    args = contract.ForwardArgs((x, tokens), (), jnp.zeros((1, 1, 2), jnp.uint32))
     assert program.donated(args, jnp.ones(3), None) == (True, False, False)
     assert donation.consumed_leaves(args) == (True, True, False)
     params = jnp.ones(3)
@@ -120,7 +120,7 @@ def test_owned_copies_a_donated_leaf_that_anything_else_holds():
         return donation.copy(leaf)
 
     # Donated: a, b (twice) and below; held: below. Not donated: the state, which is a.
-    args = ops.ReverseArgs((a, below), (b, b), a, (), None)
+    args = contract.ReverseArgs((a, below), (b, b), a, (), None)
     donated = (True, True, True, True, False)
     owned = donation.owned(args, donated, held=((below,),), copy=copy)
     assert owned.y[0] is not a and owned.y[1] is not below  # a: the state reads it.

@@ -6,8 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from revtrain.trainers.block import ops
-from revtrain.trainers.block.executor import HANDLERS, BlockStep, StepInputs, run_step
+from revtrain.trainers.block import contract, executor
+from revtrain.trainers.block.executor import (
+    HANDLERS,
+    BlockStep,
+    StepCarry,
+    StepInputs,
+    run_step,
+)
+from revtrain.trainers.block.finishers import NORM
 from revtrain.trainers.block.plan import OpKind, build_plan, build_schedule
 
 
@@ -31,19 +38,19 @@ def _program(op, layer):
 
     def program(args, values, shared):
         if op.kind == OpKind.FORWARD:
-            return ops.ForwardOut((f"y{i}a", f"y{i}b"), f"state{i}'")
+            return contract.ForwardOut((f"y{i}a", f"y{i}b"), f"state{i}'")
         if op.kind == OpKind.LOSS:
             ct = tuple(f"ct_final{k}" for k in range(layer.n_in))
-            if op.norm_only:
-                return ops.NormOut(None, ct, f"sq{i}")
-            return ops.LossOut("loss", ct, ("new", values), f"state{i}'", f"stats{i}")
+            if op.finisher == NORM:
+                return contract.NormOut(None, ct, f"sq{i}")
+            return contract.LossOut("loss", ct, ("new", values), f"state{i}'", f"stats{i}")
         x = (f"x{i}a", f"x{i}b") if layer.n_in == 2 else f"x{i}"
         ct_x = tuple(f"ct_x{i}{s}" for s in "ab") if layer.n_in == 2 else f"ct_x{i}"
-        if op.norm_only:
-            return ops.NormOut(x if op.kind == OpKind.REVERSE else None, ct_x, f"sq{i}")
+        if op.finisher == NORM:
+            return contract.NormOut(x if op.kind == OpKind.REVERSE else None, ct_x, f"sq{i}")
         if op.kind == OpKind.REVERSE:
-            return ops.ReverseOut(x, ct_x, ("new", values), f"stats{i}")
-        return ops.FboOut(ct_x, ("new", values), f"stats{i}")
+            return contract.ReverseOut(x, ct_x, ("new", values), f"stats{i}")
+        return contract.FboOut(ct_x, ("new", values), f"stats{i}")
     return program
 
 
@@ -177,7 +184,7 @@ def test_a_reversed_layer_hands_its_reconstructed_input_and_cotangent_down():
     assert by_label["loss/layer3"].batch_weights is None          # A batch without weights.
 
 
-def test_clipping_runs_a_norm_only_pass_whose_norm_scales_every_update():
+def test_clipping_runs_a_norm_pass_whose_norm_scales_every_update():
     store, dispatcher = FakeStore(), RecordingDispatcher()
     run_step(_step([1], clip_global_norm=True), store, dispatcher,
              StepInputs(("inputs", "targets", "weights"), "rngs", "lr"))
@@ -203,3 +210,37 @@ def test_a_final_stack_the_loss_layer_does_not_take_is_refused_before_any_update
 
 def test_every_op_kind_has_one_handler():
     assert set(HANDLERS) == set(OpKind)
+
+
+def test_the_carry_says_what_a_donating_call_must_leave_alone():
+    c = StepCarry("batch", ("a", "b", "below"), ct=("ct_a", "ct_b", "ct_below"),
+                  kept={0: "stash"}, kept_weights="w", reread="final")
+    below, ct_below, kept, kept_weights, batch, reread = c.leave_alone(2, 1)
+    assert below == ("below",) and ct_below == ("ct_b", "ct_below")
+    assert (kept, kept_weights, batch, reread) == ({0: "stash"}, "w", "batch", "final")
+    assert StepCarry("batch", "x").leave_alone(1, 0)[:2] == ((), ())  # No cotangents yet.
+
+
+def test_only_the_norm_pass_leaves_the_final_activations_alone(monkeypatch):
+    """The norm pass's ops must not donate the final stack (the update pass reads it
+    again); the update pass's may."""
+    carries, seen = [], []
+
+    class Spy(StepCarry):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            carries.append(self)
+
+    class Watching(RecordingDispatcher):
+        def dispatch(self, label, program, *args):
+            seen.append((label, carries[0].reread))
+            return super().dispatch(label, program, *args)
+
+    monkeypatch.setattr(executor, "StepCarry", Spy)
+    run_step(_step([1], clip_global_norm=True), FakeStore(), Watching(),
+             StepInputs(("inputs", "targets", "weights"), "rngs", None))
+    final = ("final", ("y1a", "y1b", "targets", "weights"))
+    assert seen == [("forward/layer0", None), ("forward/layer1", None),
+                    ("norm/loss/layer2", final), ("norm/backward/layer1", final),
+                    ("norm/backward/layer0", final), ("loss/layer2", None),
+                    ("backward/layer1", None), ("backward/layer0", None)]

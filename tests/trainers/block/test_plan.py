@@ -35,7 +35,8 @@ def test_keep_every_turns_every_kth_reversal_into_a_recompute_from_a_kept_copy()
     assert build_schedule([5, 2], keep_every=8) == build_schedule([5, 2])
 
 
-def test_clip_global_norm_runs_the_backward_ops_twice_first_norm_only():
+def test_clip_global_norm_runs_the_backward_ops_twice_first_with_the_norm_finisher():
+    from revtrain.trainers.block.finishers import NORM, UPDATE
     plain = build_schedule([2, 1])
     ops = build_schedule([2, 1], clip_global_norm=True)
     n_forward = sum(op.kind == "forward" for op in plain)
@@ -43,7 +44,8 @@ def test_clip_global_norm_runs_the_backward_ops_twice_first_norm_only():
     assert ops[:n_forward] == plain[:n_forward] and ops[-len(update):] == update
     norm = ops[n_forward:-len(update)]
     assert [(op.kind, op.layer) for op in norm] == [(op.kind, op.layer) for op in update]
-    assert all(op.norm_only and op.label.startswith("norm/") for op in norm)
+    assert all(op.finisher == NORM and op.label.startswith("norm/") for op in norm)
+    assert all(op.finisher == UPDATE for op in ops[:n_forward] + update)
 
 
 def test_keep_every_below_one_is_rejected():

@@ -63,3 +63,13 @@ def test_precompile_rejects_an_indivisible_batch(batch):
     bad = tuple(jax.ShapeDtypeStruct((6,) + b.shape[1:], b.dtype) for b in batch)
     with pytest.raises(ValueError, match="n_devices=4"):
         trainer.precompile(bad)
+
+
+def test_the_abstract_store_implements_what_the_executor_reads_and_nothing_else():
+    from revtrain.trainers.block.precompile import AbstractStore
+    from revtrain.trainers.block.stores import HeldValues, StepValues
+
+    def methods(cls):
+        return {name for name in vars(cls) if not name.startswith("_")}
+    assert methods(AbstractStore) == methods(StepValues)
+    assert not methods(AbstractStore) & methods(HeldValues)
