@@ -14,7 +14,9 @@
   `run_lock` (one writer), `run_tokenizer` (the tokenizer record), `config_history`,
   `metrics_writer` (JSON lines and TensorBoard), `write_failures` (one line per failed
   write);
-- `barriers`: the one barrier of multi-process runs.
+- `barriers`: the one barrier of multi-process runs;
+- `compile_cache`: JAX's persistent compilation cache, on by default for the programs and
+  `build_loop`.
 """
 
 from revtrain.training.builder import (

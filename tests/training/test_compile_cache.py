@@ -9,8 +9,8 @@ import sys
 import jax
 import pytest
 
-from revtrain.cli_common import common_flags, parse_gin, run
-from revtrain.cli_compile_cache import define_cache_flags, use_flagged_cache
+from revtrain.cli.cache_flags import define_cache_flags, use_flagged_cache
+from revtrain.cli.common import common_flags, parse_gin, run
 from revtrain.training import RunConfig, builder, compile_cache
 from revtrain.training.compile_cache import CompilationCacheConfig, use_compilation_cache
 from tests.cli_helpers import COPY_TASK, TINY, _train

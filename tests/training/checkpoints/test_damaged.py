@@ -105,7 +105,8 @@ def test_eval_of_a_damaged_run_exits_cleanly(tmp_path):
     from revtrain import cli
 
     out = str(tmp_path)
-    config = os.path.join(os.path.dirname(cli.__file__), "configs", "copy_task.gin")
+    config = os.path.join(os.path.dirname(os.path.dirname(cli.__file__)), "configs",
+                          "copy_task.gin")
     tiny = ["ReversibleTransformerLM.vocab_size=8", "ReversibleTransformerLM.d_model=8",
             "ReversibleTransformerLM.d_ff=16", "ReversibleTransformerLM.n_layers=1",
             "ReversibleTransformerLM.n_heads=2", "CopyTask.vocab_size=8", "CopyTask.length=4",

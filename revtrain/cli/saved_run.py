@@ -15,7 +15,7 @@ import time
 import gin
 from absl import flags
 
-from revtrain.cli_common import (
+from revtrain.cli.common import (
     GinFileError,
     UsageError,
     initialize_distributed,

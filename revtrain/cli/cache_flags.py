@@ -12,7 +12,7 @@ import dataclasses
 
 from absl import flags
 
-from revtrain.cli_common import UsageError
+from revtrain.cli.common import UsageError
 
 _SOURCE = "--compilation_cache_dir or CompilationCacheConfig.directory"
 

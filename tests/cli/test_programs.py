@@ -1,4 +1,4 @@
-"""End-to-end tests of revtrain/cli.py: revtrain-train / -eval / -decode on tiny configs."""
+"""End-to-end tests of revtrain.cli: revtrain-train / -eval / -decode on tiny configs."""
 import json
 import logging
 import os
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from revtrain import cli
+from revtrain.cli import common as cli_common
 from revtrain.training import read_metrics
 from tests.cli_helpers import CONFIGS, COPY_TASK, TINY, TRAINERS, _checkpoint, _steps, _train
 from tests.full_disk import fill_disk
@@ -319,7 +320,7 @@ def test_second_ctrl_c_forces_an_exit_keeping_the_last_checkpoint_and_no_lock(tm
 def test_every_config_parses_with_model_and_inputs(name):
     import gin
 
-    cli.parse_gin([os.path.join(CONFIGS, name)], [])
+    cli_common.parse_gin([os.path.join(CONFIGS, name)], [])
     run = gin.get_bindings("RunConfig")
     assert callable(run["model"]) and callable(run["inputs"])
     assert gin.get_bindings("train")["steps"] > 0 and callable(run["schedule"])
@@ -388,10 +389,10 @@ def test_version(capsys):
     (["--verbosity=-1"], logging.WARNING, logging.WARNING),
 ])
 def test_verbosity_sets_the_logging_levels(flag, revtrain_level, absl_level):
-    fv = cli.common_flags("unused")
+    fv = cli_common.common_flags("unused")
     fv(["revtrain-train", *flag])
     root_level = logging.getLogger().level
-    with cli.logging_through_absl("revtrain-train", fv):
+    with cli_common.logging_through_absl("revtrain-train", fv):
         assert logging.getLogger("revtrain.training").getEffectiveLevel() == revtrain_level
         assert logging.getLogger("absl").getEffectiveLevel() == absl_level
     assert logging.getLogger().level == root_level
@@ -500,7 +501,7 @@ def test_a_run_that_fills_the_disk_with_metrics_stops_with_one_line(tmp_path):
         argv = [script, f"--config_file={COPY_TASK}", f"--output_dir={out}"]
         argv += [f"--gin_bindings={b}" for b in TINY + [
             "train.steps=100000", "CheckpointConfig.every=0", "LogConfig.every=1"]]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        from tests.subprocesses import ROOT as root
         env = dict(os.environ, PYTHONPATH=root)  # This checkout's revtrain.
         run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
         assert run.returncode == 1, run.stderr[-3000:]

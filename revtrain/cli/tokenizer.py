@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from revtrain.cli_common import UsageError, add_tool_flags, is_chief, run
+from revtrain.cli.common import UsageError, add_tool_flags, is_chief, run
 
 # How a user of this program sets each option of `revtrain.data.train_sentencepiece`.
 _FLAGS = {"paths": "--input", "model_prefix": "--model_prefix", "vocab_size": "--vocab_size",

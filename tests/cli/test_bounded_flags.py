@@ -1,11 +1,11 @@
-"""Tests of revtrain/cli_flags.py and of every tool's numeric flags: a bad value is refused
+"""Tests of revtrain/cli/bounded_flags.py and of every tool's numeric flags: a bad value is refused
 while the flags are parsed, in one line naming the flag and the value, before anything is
 loaded (the output directory below does not exist: a later check would say so instead)."""
 import pytest
 from absl import flags
 
 from revtrain import cli
-from revtrain.cli_flags import define_real
+from revtrain.cli.bounded_flags import define_real
 
 MAIN = {"train": cli.train_main, "eval": cli.eval_main, "decode": cli.decode_main,
         "tokenizer": cli.tokenizer_main}
