@@ -11,6 +11,8 @@ import optax
 from jax.sharding import Mesh
 
 from revtrain.layers.base import Layer
+from revtrain.layers.blocks import blocks_to_layers, extract_reversible_blocks
+from revtrain.layers.combinators import Serial
 from revtrain.layers.fused_head import fuse_loss_heads
 from revtrain.parallel import transfers
 from revtrain.parallel.batches import device_weight_total, for_n_devices
@@ -159,6 +161,21 @@ class Trainer(TrainerBase):
 
         counted = eqx.debug.assert_max_traces(update, max_traces=None)
         return jax.jit(counted, donate_argnames=("weights", "state", "slots")), counted
+
+    @classmethod
+    def from_model(cls, model: Layer, loss_layer: Layer, optimizer_fn: OptimizerFn,
+                   **options: Any) -> Trainer:
+        """A trainer of an initialised ``model`` followed by ``loss_layer``: the whole
+        flat model, ``Serial(*flat_layers)`` with its LM head fused into the loss
+        (`revtrain.layers.fuse_loss_heads`), and ``options`` as the constructor's
+        keyword arguments (``n_devices``, ``mesh``, ``fsdp``, ``placement``, ...).
+
+        Every trainer has this class method (`revtrain.trainers.common.protocols.Trainer`),
+        so `revtrain.training.build_trainer` builds any of them the same way.
+        """
+        blocks, loss = extract_reversible_blocks([model, loss_layer])
+        return cls(fuse_loss_heads(Serial(*blocks_to_layers(blocks, loss))), optimizer_fn,
+                   **options)
 
     def one_step(self, batch: Any, rng: jax.Array, step: int = 0,
                  learning_rate: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -25,15 +25,13 @@ from revtrain.layers import (
     Accuracy,
     Layer,
     LayerError,
-    Serial,
     WeightedCategoryCrossEntropy,
-    fuse_loss_heads,
     nest_flat_values,
     signature_of,
 )
 from revtrain.layers.sequence_parallel import SequenceSplitError, trace_split
 from revtrain.parallel.placement import Placement
-from revtrain.trainers import Trainer, blocks_to_layers, extract_reversible_blocks
+from revtrain.trainers import blocks_to_layers, extract_reversible_blocks
 from revtrain.training.checkpoints.access import check_run_access
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.compile_cache import CompilationCacheConfig, use_compilation_cache
@@ -71,16 +69,19 @@ def build_trainer(trainer_class: Callable[..., Any], model: Layer, loss_layer: L
                   n_devices: int | None = None, **trainer_kwargs: Any) -> Any:
     """Builds ``trainer_class`` for an initialised ``model`` followed by ``loss_layer``.
 
-    `Trainer` (or a subclass) gets ``Serial(*flat_layers)``; any other class is called as
-    the block trainers are, ``trainer_class(blocks, loss_layer, optimizer_fn, n_devices,
-    **trainer_kwargs)``, with ``blocks, loss_layer = extract_reversible_blocks([model,
-    loss_layer])``.
+    The class builds itself: ``trainer_class.from_model(model, loss_layer, optimizer_fn,
+    n_devices=n_devices, **trainer_kwargs)`` (`revtrain.trainers.common.protocols.Trainer`;
+    `Trainer` takes the whole flat model, the block trainers its blocks).
+
+    Raises:
+      TypeError: for a class without ``from_model``, naming it and the fix.
     """
-    blocks, loss = extract_reversible_blocks([model, loss_layer])
-    if isinstance(trainer_class, type) and issubclass(trainer_class, Trainer):
-        return trainer_class(fuse_loss_heads(Serial(*blocks_to_layers(blocks, loss))),
-                             optimizer_fn, n_devices=n_devices, **trainer_kwargs)
-    return trainer_class(blocks, loss, optimizer_fn, n_devices=n_devices, **trainer_kwargs)
+    from_model = getattr(trainer_class, "from_model", None)
+    if not callable(from_model):
+        raise TypeError(f"trainer_class={trainer_class!r} has no from_model(model, loss_layer, "
+                        f"optimizer_fn, **options); use a revtrain trainer, or give the class "
+                        f"that class method")
+    return from_model(model, loss_layer, optimizer_fn, n_devices=n_devices, **trainer_kwargs)
 
 
 @dataclasses.dataclass

@@ -30,3 +30,38 @@ def test_a_layer_that_refuses_the_seq_split_is_found_before_anything_is_written(
         "sequence_sharded(axis_name='seq', n_shards=2, length=8) splits over devices; use "
         "attention_type=CausalAttention")
     assert not os.path.exists(out)  # No config.gin, config_history/ or tensorboard/.
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_every_trainer_builds_itself_from_a_model_and_matches_its_constructor(name):
+    """`build_trainer` asks the class (``from_model``), with no type test; the result is
+    the trainer its constructor builds from the same layers: the same loss and weights
+    after a step."""
+    import jax
+
+    from revtrain import layers as tl
+    from revtrain.training import build_trainer
+    from tests.fsdp_models import blocks_and_loss, build
+    from tests.trainers.conftest import adam, make_batch
+    from tests.tree_utils import assert_trees_close
+
+    blocks, loss = blocks_and_loss(dropout=0.0)
+    model = tl.Serial(*[layer for std, revs in blocks for layer in (std, *revs)])
+    built = build_trainer(TRAINERS[name], model, loss, adam, n_devices=2)
+    direct = build(name, fsdp=False, n_devices=2, dropout=0.0, model=(blocks, loss))
+    assert type(built) is TRAINERS[name]
+    results = [trainer.one_step(make_batch(), jax.random.key(0))[0] for trainer in
+               (built, direct)]
+    assert float(results[0]) == pytest.approx(float(results[1]), rel=1e-6)
+    assert_trees_close(built.host_values("weights"), direct.host_values("weights"))
+
+
+def test_build_trainer_refuses_a_class_without_from_model():
+    from revtrain.training import build_trainer
+
+    class Custom:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    with pytest.raises(TypeError, match=r"has no from_model\(model, loss_layer, "):
+        build_trainer(Custom, object(), object(), None)

@@ -27,7 +27,7 @@ import numpy as np
 
 from revtrain import host_heap
 from revtrain.layers.base import Layer
-from revtrain.layers.blocks import Block, blocks_to_layers
+from revtrain.layers.blocks import Block, blocks_to_layers, extract_reversible_blocks
 from revtrain.layers.reversible import ReversibleLayer
 from revtrain.parallel.placement import Placement
 from revtrain.parallel.rngs import StepKeys
@@ -218,6 +218,18 @@ class BlockTrainer(TrainerBase):
             sqrt_of_sum=sqrt_of_sum)
         self._keys = StepKeys(self.placement, len(self.layers))
         self.compile_times: CompileTimes | None = None
+
+    @classmethod
+    def from_model(cls, model: Layer, loss_layer: Layer, optimizer_fn: OptimizerFn,
+                   **options: Any) -> BlockTrainer:
+        """A block trainer of an initialised ``model`` followed by ``loss_layer``: its
+        blocks and loss layer (`revtrain.layers.extract_reversible_blocks`), and
+        ``options`` as the constructor's keyword arguments. For the configurations
+        (`ReversibleSerialTrainer`, `MemoryEfficientTrainer`), whose constructors take
+        ``(blocks, loss_layer, optimizer_fn, **options)``.
+        """
+        blocks, loss = extract_reversible_blocks([model, loss_layer])
+        return cls(blocks, loss, optimizer_fn, **options)
 
     def _program(self, op: Any, layer: Layer) -> Any:
         run = lone(op)

@@ -100,6 +100,14 @@ class Trainer(Protocol):
     observers: list[Observer]
     learning_rate: float | None
 
+    @classmethod
+    def from_model(cls, model: Any, loss_layer: Any, optimizer_fn: Any,
+                   **options: Any) -> Trainer:
+        """The trainer of an initialised ``model`` followed by ``loss_layer``, with
+        ``optimizer_fn`` and the constructor's keyword ``options`` (placement, ...): how
+        `revtrain.training.build_trainer` builds any trainer, with no type test."""
+        ...
+
     def one_step(self, batch: Any, rng: jax.Array, step: int = 0,
                  learning_rate: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """One training step on the global ``batch`` (``(inputs, targets, weights)``,
