@@ -236,11 +236,17 @@ def verdict(payload: dict[str, Any]) -> str:
     return f"{word}: {state['reason']}."
 
 
+def summary_tables(payload: dict[str, Any]) -> str:
+    """The main table, the comparison it makes, the convergence verdict and the notes
+    (added by hand, e.g. a known defect): what the README shows."""
+    return "\n\n".join([qr.readme_table(payload), qr.REFORMER_NOTE, verdict(payload),
+                         *payload.get("notes", [])])
+
+
 def tables(payload: dict[str, Any]) -> str:
-    """The main table, the convergence verdict, the ablation and the targets."""
+    """`summary_tables`, then the ablation and the targets."""
     converged = qr.convergence(payload)["converged"]
-    parts = [qr.readme_table(payload), qr.REFORMER_NOTE, verdict(payload),
-             *payload.get("notes", [])]  # Notes are added by hand, e.g. a known defect.
+    parts = [summary_tables(payload)]
     ablation = qr.ablation_table(payload["results"])
     if ablation:
         parts.append(ablation)

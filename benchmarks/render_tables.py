@@ -398,12 +398,20 @@ def quality() -> str:
     return _with_sources(table, _source("quality", payload, quality_runs.settings(payload)))
 
 
+def quality_summary() -> str:
+    """The quality table without the ablation and the targets (the README's)."""
+    payload = load("quality")
+    table = quality_runs.summary_tables(payload) + "\n"
+    return _with_sources(table, _source("quality", payload, quality_runs.settings(payload)))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
         summary, memory_by_depth, memory_by_depth_gpu, memory_breakdown, memory_targets, step_time,
         step_time_depths, step_time_system_allocator, step_time_targets, step_time_fsdp,
         host_memory, host_overhead, memory_efficient_windows, reconstruction_drift,
-        sequence_length, ring_attention, ring_balance, sequence_mesh, quality)}
+        sequence_length, ring_attention, ring_balance, sequence_mesh, quality,
+        quality_summary)}
 
 
 # ------------------------------------------------------------------------------------------
