@@ -29,6 +29,7 @@ from revtrain.parallel import (
     unreplicate,
 )
 from revtrain.trainers.block import (
+    BlockOptions,
     BlockTrainer,
     CompileTimes,
     DeviceStore,
@@ -56,6 +57,7 @@ from revtrain.trainers.trainer import Trainer
 
 __all__ = [
     "Trainer", "ReversibleSerialTrainer", "MemoryEfficientTrainer", "BlockTrainer",
+    "BlockOptions",
     "TrainerProtocol", "TrainState", "DeviceFootprint", "Placement", "ParamStore",
     "StepValues", "HeldValues", "StoreFactory", "Params", "Observer", "DeviceStore",
     "HostStore", "MemoryLog", "Op", "OpKind", "Run", "build_schedule", "find_runs",

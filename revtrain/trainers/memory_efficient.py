@@ -53,6 +53,7 @@ inside one program instead of windows; that store is not built.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -65,7 +66,8 @@ from revtrain.layers.blocks import Block
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block.block_trainer import BlockTrainer
 from revtrain.trainers.block.host_store import HostStore
-from revtrain.trainers.common.base import OptimizerFn
+from revtrain.trainers.block.options import BlockOptions, resolve_options
+from revtrain.trainers.common.base import OptimizerFn, resolve_placement
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,10 @@ class MemoryLog:
                     memory.format_bytes(record["accelerator_bytes_in_use"]))
 
 
+# The host-memory configuration frees the devices on every step, and scans only in windows.
+_DEFAULTS = BlockOptions(free_accelerators_on_step=True, scan_layers=False)
+
+
 class MemoryEfficientTrainer(BlockTrainer):
     """A block trainer whose weights, slots and states live in host memory.
 
@@ -116,36 +122,42 @@ class MemoryEfficientTrainer(BlockTrainer):
       blocks: ``[(std_layer, [rev_layers]), ...]``, all layers initialised.
       loss_layer: maps the final stack to a scalar loss.
       optimizer_fn: returns an optax ``GradientTransformation`` (called once per layer).
-      n_devices: devices to use (default: all local devices).
-      free_accelerators_on_step: after the forward pass and after the step, delete every
-        device buffer this trainer owns (the final activations wait on the host for the
-        loss layer). Only buffers the trainer made are deleted, never the caller's.
+      placement: where values live (`revtrain.parallel.placement.Placement`): all local
+        devices by default. ``n_devices=``, ``mesh=`` and ``fsdp=`` are a convenience that
+        builds one (`Placement.resolve`; see `Trainer`); ``fsdp`` moves weights and slots
+        to the devices as shards (FSDP / ZeRO-3; see `HostStore`).
       n_async_layers: how many upcoming ops' weights to prefetch (layers, or windows
         with ``scan_window``).
       n_steps_per_log: log host RSS and accelerator bytes in use at the forward, loss and
         backward phases every this many steps (logger ``revtrain.trainers``, INFO).
-      keep_every: keep an exact copy of the stack every this many reversible layers of a
-        block, bounding reconstruction drift (see `BlockTrainer`; the copies wait in host
-        memory); None keeps only block inputs.
-      clip_global_norm: clip the whole model's gradient to this global L2 norm before
-        any update, exactly as `Trainer` with ``optax.clip_by_global_norm`` (an extra
-        backward pass without updates that moves weights but no slots; see `BlockTrainer`);
-        None does not clip.
-      mesh: a ``jax.sharding.Mesh`` instead of ``n_devices``: a named mesh of axes among
-        ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer`).
-      fsdp: move weights and slots to the devices as shards (FSDP / ZeRO-3; see
-        `BlockTrainer` and `HostStore`).
-      placement: a `revtrain.parallel.placement.Placement` instead of ``n_devices``,
-        ``mesh`` and ``fsdp``.
-      scan_window: run each run of equal reversible layers (a `ReversibleTransformerLM`'s
-        blocks) as windows of at most this many repetitions of its group, one forward and
-        one reverse-and-fbo scan program each, the window's values moved as stacked
-        arrays (see the module docstring): fewer dispatches and host work per step, and
-        up to ``(1 + n_async_layers) * scan_window`` repetitions of the group on the
-        accelerator instead of ``1 + n_async_layers`` flat layers (a
-        `ReversibleTransformerLM` repetition is four flat layers, two with weights). A
-        last window of one repetition runs layer by layer. None (the default) runs one
-        program per layer. Results do not change.
+      n_devices: a convenience for ``placement``: devices to use (default: all local).
+      mesh: a convenience for ``placement``: a named ``jax.sharding.Mesh`` (axes among
+        ``data``, ``fsdp``, ``seq``) instead of ``n_devices``.
+      fsdp: a convenience for ``placement``: shard weights and slots over the mesh.
+      free_accelerators_on_step: the `BlockOptions` field (default True).
+      keep_every: the `BlockOptions` field: an exact stack copy every this many
+        reversible layers of a block, bounding reconstruction drift; None keeps only block
+        inputs.
+      clip_global_norm: the `BlockOptions` field: clip the whole model's gradient to this
+        global L2 norm before any update, as `Trainer` with ``optax.clip_by_global_norm``
+        (an extra backward pass); None does not clip.
+      scan_window: the `BlockOptions` field: scan runs of equal reversible layers in
+        windows of at most this many repetitions (below); None runs layer by layer.
+      options: how the step runs, one value
+        (`revtrain.trainers.block.options.BlockOptions`), or its fields as keyword
+        arguments (`resolve_options`). Here ``free_accelerators_on_step`` defaults to True:
+        after the forward pass and after the step, every device buffer this trainer owns
+        is deleted (the final activations wait on the host for the loss layer; the
+        caller's buffers are never deleted); ``keep_every`` copies wait in host memory;
+        ``clip_global_norm``'s extra backward pass moves weights but no slots; and
+        ``scan_window`` (``scan_layers`` follows it) runs each run of equal reversible
+        layers (a `ReversibleTransformerLM`'s blocks) as windows of at most this many
+        repetitions of its group, one forward and one reverse-and-fbo scan program each,
+        the window's values moved as stacked arrays (see the module docstring): fewer
+        dispatches and host work per step, and up to ``(1 + n_async_layers) *
+        scan_window`` repetitions of the group on the accelerator instead of ``1 +
+        n_async_layers`` flat layers. A last window of one repetition runs layer by
+        layer. None (the default) runs one program per layer. Results do not change.
 
     Raises:
       TypeError: for a ``scan_window`` that is not an int.
@@ -158,24 +170,27 @@ class MemoryEfficientTrainer(BlockTrainer):
                  n_async_layers: int = 1, n_steps_per_log: int = 100,
                  keep_every: int | None = None, clip_global_norm: float | None = None,
                  mesh: Mesh | None = None, fsdp: bool = False,
-                 placement: Placement | None = None, scan_window: int | None = None):
+                 placement: Placement | None = None, scan_window: int | None = None,
+                 options: BlockOptions | None = None):
         if n_async_layers < 0:
             raise ValueError(f"n_async_layers={n_async_layers} must be >= 0")
         if n_steps_per_log < 1:
             raise ValueError(f"n_steps_per_log={n_steps_per_log} must be >= 1")
         self.n_async_layers = n_async_layers
         self.n_steps_per_log = n_steps_per_log
+        options = resolve_options(options, _DEFAULTS,
+                                  free_accelerators_on_step=free_accelerators_on_step,
+                                  keep_every=keep_every, clip_global_norm=clip_global_norm,
+                                  scan_window=scan_window)
+        options = dataclasses.replace(options, scan_layers=options.scan_window is not None)
 
         def make_store(placement_, values, schedule):
             return HostStore(placement_, values, schedule, n_async_layers,
-                             free_accelerators_on_step)
+                             options.free_accelerators_on_step)
 
-        super().__init__(blocks, loss_layer, optimizer_fn, make_store, n_devices=n_devices,
-                         free_accelerators_on_step=free_accelerators_on_step,
-                         keep_every=keep_every, clip_global_norm=clip_global_norm,
-                         mesh=mesh, fsdp=fsdp, placement=placement,
-                         scan_layers=scan_window is not None, scan_window=scan_window)
-        self.scan_window = scan_window
+        super().__init__(blocks, loss_layer, optimizer_fn, make_store,
+                         resolve_placement(n_devices, mesh, fsdp, placement), options)
+        self.scan_window = options.scan_window
         self._memory_log = MemoryLog(self.placement.first_local_device, n_steps_per_log)
         self.observers.append(self._memory_log)
 

@@ -16,18 +16,21 @@
 - `turns`: keeping the layers of a scan body apart, each layer's work in its own turn;
 - `precompile`: compiling every program before the first step;
 - `block_trainer`: `BlockTrainer`, which `ReversibleSerialTrainer` and
-  `MemoryEfficientTrainer` configure.
+  `MemoryEfficientTrainer` configure, with `BlockOptions` (`options`): how the step runs,
+  as one value.
 """
 
 from revtrain.trainers.block.block_trainer import BlockTrainer
 from revtrain.trainers.block.device_store import DeviceStore
 from revtrain.trainers.block.host_store import HostStore
+from revtrain.trainers.block.options import BlockOptions
 from revtrain.trainers.block.plan import Op, OpKind, Run, build_schedule
 from revtrain.trainers.block.precompile import CompileTimes
 from revtrain.trainers.block.scan_programs import find_runs
 from revtrain.trainers.block.stores import HeldValues, ParamStore, StepValues, StoreFactory
 
 __all__ = [
-    "BlockTrainer", "CompileTimes", "DeviceStore", "HeldValues", "HostStore", "Op", "OpKind",
-    "ParamStore", "Run", "StepValues", "StoreFactory", "build_schedule", "find_runs",
+    "BlockOptions", "BlockTrainer", "CompileTimes", "DeviceStore", "HeldValues", "HostStore",
+    "Op", "OpKind", "ParamStore", "Run", "StepValues", "StoreFactory", "build_schedule",
+    "find_runs",
 ]

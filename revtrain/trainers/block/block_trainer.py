@@ -37,6 +37,7 @@ from revtrain.trainers.block.executor import (
     run_step,
     summary_program,
 )
+from revtrain.trainers.block.options import BlockOptions
 from revtrain.trainers.block.plan import build_plan, build_schedule, runs_of, windows
 from revtrain.trainers.block.precompile import (
     AbstractStore,
@@ -53,30 +54,12 @@ from revtrain.trainers.common.base import OptimizerFn, TrainerBase
 from revtrain.trainers.common.protocols import DeviceFootprint, TrainState
 
 
-def _check_scan_window(scan_window: Any) -> None:
-    if scan_window is None:
-        return
-    if isinstance(scan_window, bool) or not isinstance(scan_window, int | np.integer):
-        raise TypeError(f"scan_window={scan_window!r} must be an int >= 2 or None")
-    if scan_window < 2:
-        raise ValueError(f"scan_window={scan_window} must be >= 2 repetitions per program "
-                         f"(a scan needs two) or None")
-
-
-def _checked_blocks(blocks: Sequence[Block], scan_layers: Any, scan_window: int | None,
-                    clip_global_norm: float | None) -> list[tuple[Layer, list[Layer]]]:
-    """``blocks`` as ``(standard layer, reversible layers)`` lists, after checking them and
-    the options that shape the plan.
+def _checked_blocks(blocks: Sequence[Block]) -> list[tuple[Layer, list[Layer]]]:
+    """``blocks`` as ``(standard layer, reversible layers)`` lists, after checking them.
 
     Raises:
-      TypeError: for a non-bool ``scan_layers`` or a block member that is not reversible.
-      ValueError: for ``scan_window < 2`` or ``clip_global_norm <= 0``.
+      TypeError: for a block member that is not reversible.
     """
-    if not isinstance(scan_layers, bool):
-        raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
-    _check_scan_window(scan_window)
-    if clip_global_norm is not None and not clip_global_norm > 0:
-        raise ValueError(f"clip_global_norm={clip_global_norm} must be > 0 or None")
     blocks = [(std, list(revs)) for std, revs in blocks]
     for _std, revs in blocks:
         for layer in revs:
@@ -123,75 +106,41 @@ class BlockTrainer(TrainerBase):
       optimizer_fn: returns an optax ``GradientTransformation``.
       make_store: a `revtrain.trainers.block.stores.StoreFactory`, ``(placement, initial
         TrainState, schedule) -> ParamStore``.
-      n_devices: devices to use (default: all local devices).
-      mesh: a ``jax.sharding.Mesh`` to use instead of ``n_devices``: a named mesh of axes
-        among ``data``, ``fsdp``, ``seq`` or a one-axis mesh (see `Trainer` and
-        `revtrain.parallel.mesh`).
-      fsdp: shard weights and optimizer slots over the mesh
-        (`revtrain.parallel.placement.fsdp_spec`). Results
-        do not change (the invariance); any optax transformation works, the non-elementwise
-        ones (e.g. ``clip_by_global_norm`` inside ``optimizer_fn``) see the global gradient.
-      free_accelerators_on_step: delete this trainer's transient device buffers (the
-        batch, block inputs, final activations and cotangents) at the end of each step;
-        the batch is then copied through host memory, so a caller's arrays are never
-        deleted.
-      keep_every: keep an exact copy of the stack every ``keep_every`` reversible layers
-        of a block (the input of its reversible layers ``p = k, 2k, ...``, counting from
-        0; flat layers, so a `ReversibleTransformerLM` layer is 4: two half-residuals and
-        two swaps); the backward pass recomputes such a layer from the copy instead of
-        reversing it, so reconstruction drift (bfloat16 compute: see
-        `revtrain.layers.reconstruction_error`) accumulates over at most ``keep_every - 1``
-        reversals instead of the whole block. Costs ``n_rev // keep_every`` more stack
-        copies per block (``device_footprint().kept_bytes``; host memory for a
-        `HostStore`) and no extra compute. None keeps only block inputs.
-      clip_global_norm: clip the gradient of the whole model to this global L2 norm
-        before any update, exactly as ``optax.chain(optax.clip_by_global_norm(c), opt)``
-        does in `Trainer` (per-layer optimizers alone can only clip each layer by its own
-        norm, e.g. ``optimizer_fn(..., clip_gradient_norm=c)``, which is cheaper). Cost:
-        a first backward pass that reverses and recomputes every layer again to get each
-        layer's squared gradient norm (no updates, no slot transfers), so the backward
-        work doubles. The final activations are held through that pass (one stack).
-        None (the default) does not clip.
-      placement: a `revtrain.parallel.placement.Placement` instead of ``n_devices``,
-        ``mesh`` and ``fsdp``.
-      scan_layers: run each run of consecutive reversible layers of equal structure (the
-        rule of `revtrain.layers.scan`: a `ReversibleTransformerLM`'s blocks) as one
-        forward and one reverse-and-fbo program, each a ``lax.scan`` with every layer's
-        own optimizer update inside, the run's values stacked in the store
-        (`revtrain.trainers.block.scan_programs`): a step dispatches the same few programs at
-        any depth. Results are those of ``scan_layers=False``, which runs one program per
-        layer and op (for debugging and comparison). Only for a store factory that
-        accepts runs (``make_store`` is given the schedule, whose scan ops name them).
-      scan_window: with ``scan_layers``, cut each run into pieces of at most this many
-        repetitions of its group, one program pair each
-        (`revtrain.trainers.block.plan.windows`), so a store that puts a scanned run's values on
-        the devices for its ops holds one window's; None scans whole runs.
+      placement: where values live (`revtrain.parallel.placement.Placement`; default:
+        all local devices). With ``fsdp``, weights and optimizer slots are sharded over
+        the mesh (`revtrain.parallel.placement.fsdp_spec`); results do not change (the
+        invariance), and the non-elementwise optax transformations (e.g.
+        ``clip_by_global_norm`` inside ``optimizer_fn``) see the global gradient.
+      options: how the step runs (`revtrain.trainers.block.options.BlockOptions`: freeing,
+        ``keep_every``, ``clip_global_norm``, ``scan_layers``, ``scan_window``); default
+        ``BlockOptions()``. Scanning needs a store factory that accepts runs
+        (``make_store`` is given the schedule, whose scan ops name them).
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
-      ValueError: for uninitialised layers, an impossible ``n_devices``, ``keep_every <
-        1``, ``clip_global_norm <= 0`` or ``scan_window < 2``.
+      ValueError: for uninitialised layers.
     """
 
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,
-                 make_store: StoreFactory, n_devices: int | None = None,
-                 free_accelerators_on_step: bool = False, keep_every: int | None = None,
-                 clip_global_norm: float | None = None, mesh: jax.sharding.Mesh | None = None,
-                 fsdp: bool = False, placement: Placement | None = None,
-                 scan_layers: bool = True, scan_window: int | None = None):
-        blocks = _checked_blocks(blocks, scan_layers, scan_window, clip_global_norm)
+                 make_store: StoreFactory, placement: Placement | None = None,
+                 options: BlockOptions | None = None):
+        options = BlockOptions() if options is None else options
+        blocks = _checked_blocks(blocks)
         self.layers = blocks_to_layers(blocks, loss_layer)
-        super().__init__(self.layers, optimizer_fn, n_devices, mesh=mesh, fsdp=fsdp,
-                         placement=placement)
-        self.free_accelerators_on_step = free_accelerators_on_step
+        super().__init__(self.layers, optimizer_fn, None, placement=placement)
+        self.options = options
+        self.free_accelerators_on_step = free_accelerators_on_step = (
+            options.free_accelerators_on_step)
         self._copy_batch = free_accelerators_on_step
-        self.keep_every, self.clip_global_norm = keep_every, clip_global_norm
-        self.scan_layers = scan_layers
+        self.keep_every = options.keep_every
+        self.clip_global_norm = clip_global_norm = options.clip_global_norm
+        self.scan_layers = options.scan_layers
         block_sizes = [len(revs) for _, revs in blocks]
-        runs = find_runs(self.layers, block_sizes) if scan_layers else ()
-        if scan_window is not None:
-            runs = windows(runs, scan_window)
-        schedule = build_schedule(block_sizes, keep_every, clip_global_norm is not None, runs)
+        runs = find_runs(self.layers, block_sizes) if options.scan_layers else ()
+        if options.scan_window is not None:
+            runs = windows(runs, options.scan_window)
+        schedule = build_schedule(block_sizes, options.keep_every,
+                                  clip_global_norm is not None, runs)
         self._runs = runs_of(schedule)
         optimizers = [optimizer_fn() for _ in self.layers]
         weights = tuple(layer.weights for layer in self.layers)
