@@ -357,6 +357,11 @@ class ReversibleSerial(ReversibleLayer):
                          sublayers=sublayers)
         self._scan = scan
 
+    @property
+    def scan(self) -> bool:
+        """Whether repeated groups of sublayers run as one ``jax.lax.scan`` (as `Serial`)."""
+        return self._scan
+
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
