@@ -52,11 +52,15 @@ class RunLayout:
         if not subs:
             return None
         runs: tuple = ()
+        # A fused loss head's layers (`revtrain.layers.FusedSerial.heads`) are rewritten
+        # before they run, with their weights re-nested: never stacked, never walked into.
+        pinned = {path[0] for head in getattr(layer, "heads", ()) for path in head}
         if is_series(layer) and len(subs) >= MIN_REPEATS:
-            signatures = [layer_signature(sub, w, s)
-                          for sub, w, s in zip(subs, weights, state, strict=True)]
+            signatures = [None if i in pinned else layer_signature(sub, w, s)
+                          for i, (sub, w, s) in enumerate(zip(subs, weights, state,
+                                                              strict=True))]
             runs = tuple(seg for seg in plan_runs(signatures) if seg[2] >= MIN_REPEATS)
-        inside = {i for start, p, k in runs for i in range(start, start + p * k)}
+        inside = pinned | {i for start, p, k in runs for i in range(start, start + p * k)}
         children = tuple(None if i in inside else RunLayout.of(sub, w, s)
                          for i, (sub, w, s) in enumerate(zip(subs, weights, state, strict=True)))
         if not runs and all(c is None for c in children):

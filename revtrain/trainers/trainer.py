@@ -106,7 +106,7 @@ class Trainer(TrainerBase):
         weights = model_with_loss.weights
         slots = jax.eval_shape(self._optimizer.init, weights)
         self._remember_signature(TrainState(weights, model_with_loss.state, slots))
-        self._held = ScannedValues(model_with_loss, weights, model_with_loss.state,
+        self._held = ScannedValues(self._computed, weights, model_with_loss.state,
                                    self._optimizer, scan_layers)
         self._public_shardings = {part: self.placement.weight_shardings(tree)
                                   for part, tree in (("weights", weights), ("slots", slots))}
@@ -235,8 +235,10 @@ class Trainer(TrainerBase):
                 else self._held.public_slots(held))
 
     def saved_values(self, part: str) -> Any:
-        """Weights and slots as the sharded (or replicated) ``jax.Array`` s they are; the
-        state as device 0's host copy."""
+        """Weights and slots as the sharded (or replicated) ``jax.Array`` s they are (with
+        stacked runs, per-layer device copies: the values are on the devices twice while
+        they live, as a block trainer's `revtrain.trainers.block.stacked.Unstacker` gives);
+        the state as device 0's host copy."""
         if part == "state":
             return self.host_values(part)
         values = {"weights": self._weights, "slots": self._slots}[part]
