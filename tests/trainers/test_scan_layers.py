@@ -147,3 +147,25 @@ def test_a_plain_serial_of_800_dense_layers_is_one_run():
         loss, _ = trainer.one_step(batch, jax.random.key(2))
         assert np.isfinite(float(loss))
     assert sizes[800] < 1.1 * sizes[100]
+
+
+def _remat_every_second(n_layers, batch):
+    """``deep_blocks`` with every second half-residual under `Remat`: a run of groups of
+    four layers (``Remat(half-residual), swap, half-residual, swap``)."""
+    blocks, loss = deep_blocks(n_layers, 8, batch)
+    flat = tl.blocks_to_layers(blocks, loss)
+    half_residuals = [i for i, layer in enumerate(flat)
+                      if isinstance(layer, tl.ReversibleHalfResidual)]
+    return tl.Serial([tl.Remat(layer) if i in half_residuals[::2] else layer
+                      for i, layer in enumerate(flat)])
+
+
+def test_remat_every_second_layer_scans_over_groups_and_equals_the_unrolled_step():
+    batch = make_batch()
+    scanned, unrolled = (Trainer(_remat_every_second(8, batch), adam, scan_layers=scan)
+                         for scan in (True, False))
+    _assert_same_stats(stepped_stats(scanned, batch), stepped_stats(unrolled, batch))
+    _assert_bitwise(scanned.train_state, unrolled.train_state)
+    sizes = [_step_size(Trainer(_remat_every_second(depth, batch), adam), batch)
+             for depth in (8, 32)]
+    assert sizes[1] < 1.1 * sizes[0]
