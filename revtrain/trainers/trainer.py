@@ -114,6 +114,12 @@ class Trainer(TrainerBase):
         self._shardings = {"weights": self._held.shardings(self.placement, held)}
         self._shardings["slots"] = self._held.shardings(
             self.placement, jax.eval_shape(self._optimizer.init, held))
+        # Layout conversions, compiled once each (restores and checkpoints reuse them).
+        held_fns = {"weights": (self._held.held_weights, self._held.public_weights),
+                    "slots": (self._held.held_slots, self._held.public_slots)}
+        self._convert = {(part, to): jax.jit(fns[to == "public"], out_shardings=(
+            self._public_shardings if to == "public" else self._shardings)[part])
+            for part, fns in held_fns.items() for to in ("held", "public")}
         self._weights = self._put_weights(weights)
         # Initialised in place: no device ever holds the whole slots when they are sharded.
         self._slots = jax.jit(self._optimizer.init,
@@ -130,15 +136,16 @@ class Trainer(TrainerBase):
     def _put_weights(self, weights: Any) -> Any:
         if not self._held.stacked:
             return transfers.put_sharded(weights, self._shardings["weights"])
-        return jax.jit(self._held.held_weights,
-                       out_shardings=self._shardings["weights"])(weights)
+        # Placed per layer first (values may be on any devices), then stacked on the mesh.
+        public = transfers.put_sharded(weights, self._public_shardings["weights"])
+        return self._convert["weights", "held"](public)
 
     def _put(self, values: TrainState) -> None:
         self._weights = self._put_weights(values.weights)
         self._put_state(values.state)
         if self._held.stacked:
-            self._slots = jax.jit(self._held.held_slots,
-                                  out_shardings=self._shardings["slots"])(values.slots)
+            self._slots = self._convert["slots", "held"](
+                transfers.put_sharded(values.slots, self._public_shardings["slots"]))
         else:
             self._slots = transfers.put_sharded(values.slots, self._shardings["slots"])
         self._init_learning_rate(self._slots)
@@ -244,9 +251,7 @@ class Trainer(TrainerBase):
         values = {"weights": self._weights, "slots": self._slots}[part]
         if not self._held.stacked:
             return values
-        public = (self._held.public_weights if part == "weights"
-                  else self._held.public_slots)
-        return jax.jit(public, out_shardings=self._public_shardings[part])(values)
+        return self._convert[part, "public"](values)
 
     def value_shardings(self, part: str) -> Any:
         if part == "state":
