@@ -44,25 +44,30 @@ class RunLayout:
     children: tuple[RunLayout | None, ...]
 
     @staticmethod
-    def of(layer: Layer, weights: Weights, state: State) -> RunLayout | None:
+    def of(layer: Layer, weights: Weights, state: State,
+           pinned: tuple[tuple[int, ...], ...] = ()) -> RunLayout | None:
         """The layout of ``layer`` with these (per-layer) weights and state; None when no
         run is stacked anywhere in it. Only signatures are read (arrays or
-        ``ShapeDtypeStruct`` s)."""
+        ``ShapeDtypeStruct`` s). ``pinned``: paths (sublayer indices from ``layer``) of
+        layers never stacked; a fused loss head's layers (`revtrain.layers.FusedSerial.heads`)
+        are added, as they are rewritten, their weights re-nested, before they run."""
         subs = layer.sublayers
         if not subs:
             return None
+        pinned = pinned + tuple(path for head in getattr(layer, "heads", ()) for path in head)
+        on_path = {path[0] for path in pinned}
         runs: tuple = ()
-        # A fused loss head's layers (`revtrain.layers.FusedSerial.heads`) are rewritten
-        # before they run, with their weights re-nested: never stacked, never walked into.
-        pinned = {path[0] for head in getattr(layer, "heads", ()) for path in head}
         if is_series(layer) and len(subs) >= MIN_REPEATS:
-            signatures = [None if i in pinned else layer_signature(sub, w, s)
+            signatures = [None if i in on_path else layer_signature(sub, w, s)
                           for i, (sub, w, s) in enumerate(zip(subs, weights, state,
                                                               strict=True))]
             runs = tuple(seg for seg in plan_runs(signatures) if seg[2] >= MIN_REPEATS)
-        inside = pinned | {i for start, p, k in runs for i in range(start, start + p * k)}
-        children = tuple(None if i in inside else RunLayout.of(sub, w, s)
-                         for i, (sub, w, s) in enumerate(zip(subs, weights, state, strict=True)))
+        inside = {i for start, p, k in runs for i in range(start, start + p * k)}
+        inside |= {path[0] for path in pinned if len(path) == 1}
+        children = tuple(
+            None if i in inside else RunLayout.of(
+                sub, w, s, tuple(path[1:] for path in pinned if path[0] == i))
+            for i, (sub, w, s) in enumerate(zip(subs, weights, state, strict=True)))
         if not runs and all(c is None for c in children):
             return None
         return RunLayout(runs, children)

@@ -169,3 +169,22 @@ def test_remat_every_second_layer_scans_over_groups_and_equals_the_unrolled_step
     sizes = [_step_size(Trainer(_remat_every_second(depth, batch), adam), batch)
              for depth in (8, 32)]
     assert sizes[1] < 1.1 * sizes[0]
+
+
+def _lm(n_layers, batch):
+    from revtrain.models import ReversibleTransformerLM
+    model = tl.Serial(ReversibleTransformerLM(vocab_size=16, d_model=8, d_ff=16,
+                                              n_layers=n_layers, n_heads=2, max_len=8,
+                                              mode="train"), tl.CrossEntropyLoss())
+    model.init(tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in batch), jax.random.key(0))
+    return model
+
+
+def test_a_nested_lm_with_its_fused_head_is_stacked_inside():
+    """The fused head is inside the LM's `Serial`: only its layers stay per layer."""
+    batch = make_batch()
+    scanned, unrolled = (Trainer(_lm(2, batch), adam, scan_layers=scan) for scan in (True, False))
+    _assert_same_stats(stepped_stats(scanned, batch), stepped_stats(unrolled, batch))
+    _assert_bitwise(scanned.train_state, unrolled.train_state)
+    sizes = [_step_size(Trainer(_lm(depth, batch), adam), batch) for depth in (2, 8)]
+    assert sizes[1] < 1.1 * sizes[0]
