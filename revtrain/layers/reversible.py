@@ -355,12 +355,12 @@ class ReversibleSerial(ReversibleLayer):
         serial = Serial(*sublayers)
         super().__init__(n_in=serial.n_in, n_out=serial.n_out, name=name,
                          sublayers=sublayers)
-        self._scan = scan
+        self.scan = scan  # Read by `revtrain.layers.run_layout.is_series`, as `Serial.scan`.
 
     def forward_with_state(self, x, weights, state, rng):
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
-        return run_in_series(self.sublayers, x, weights, state, rng, scan=self._scan)
+        return run_in_series(self.sublayers, x, weights, state, rng, scan=self.scan)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)

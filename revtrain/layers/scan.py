@@ -29,7 +29,7 @@ Reference: the flax ``nn.scan`` lifted transform and MaxText's ``scan_layers`` o
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +44,36 @@ MIN_REPEATS = 2
 
 MAX_PERIOD = 8
 """The most layers in a repeated group (a reversible Transformer block is four)."""
+
+
+@jax.tree_util.register_pytree_node_class
+class StackedRun:
+    """The weights (or gradients, or slots) of one run, stacked.
+
+    Attributes:
+      per_position: one tree per position ``j < period`` of the repeated group, each leaf
+        ``[repeats, *leaf]``; entry ``t`` is the run's layer ``t * period + j``.
+      period: layers in the repeated group.
+      repeats: repetitions of the group.
+    """
+
+    def __init__(self, per_position: tuple, period: int, repeats: int):
+        self.per_position, self.period, self.repeats = tuple(per_position), period, repeats
+
+    def tree_flatten(self):
+        return (self.per_position,), (self.period, self.repeats)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def layer_values(self, split: Callable[[Any, int], Any] = lambda a, t: a[t]) -> list:
+        """One tree per layer of the run, in order (``split(leaf, t)`` takes entry ``t``)."""
+        return [jax.tree.map(lambda a, t=t: split(a, t), self.per_position[j])
+                for t in range(self.repeats) for j in range(self.period)]
+
+    def __repr__(self) -> str:
+        return f"StackedRun(period={self.period}, repeats={self.repeats})"
 
 
 def _tree_signature(tree: Any) -> tuple:
@@ -130,12 +160,13 @@ def _stacked(trees: Sequence[Any]) -> Any:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
-def _scan_run(layers: Sequence[Layer], repeats: int, stack: Any, weights: Sequence,
+def _scan_run(layers: Sequence[Layer], repeats: int, stack: Any, per_position: tuple,
               states: Sequence, keys: jax.Array | None) -> tuple[Any, list]:
-    """Runs ``layers`` (one group) ``repeats`` times by ``lax.scan``; weights, states and
-    keys (an array, or None) are flat over the run (``repeats * len(layers)`` entries)."""
+    """Runs ``layers`` (one group) ``repeats`` times by ``lax.scan`` over ``per_position``
+    (a `StackedRun`'s stacked weights); states and keys (an array, or None) are flat over
+    the run (``repeats * len(layers)`` entries)."""
     p, (n_in, _) = len(layers), serial_arity(layers)
-    per_position = [(_stacked(weights[j::p]), _stacked(states[j::p])) for j in range(p)]
+    stacked_states = tuple(_stacked(states[j::p]) for j in range(p))
     xs_keys = None if keys is None else keys.reshape((repeats, p) + keys.shape[1:])
 
     def body(carry, xs):
@@ -143,12 +174,26 @@ def _scan_run(layers: Sequence[Layer], repeats: int, stack: Any, weights: Sequen
         group_keys = [None] * p if group_keys is None else list(group_keys)
         return _run_group(layers, carry, group_weights, group_states, group_keys)
 
-    xs = (tuple(w for w, _ in per_position), tuple(s for _, s in per_position), xs_keys)
+    xs = (tuple(per_position), stacked_states, xs_keys)
     carry, new_states = jax.lax.scan(body, inputs_from_stack(stack, n_in), xs, length=repeats)
     stack = outputs_onto_stack(carry, stack, n_in)
     flat_states = [jax.tree.map(lambda a, i=i: a[i], new_states[j])
                    for i in range(repeats) for j in range(p)]
     return stack, flat_states
+
+
+def _segments(layers: Sequence[Layer], weights: list, state: list) -> list:
+    """``(start, period, repeats)`` per segment: a `StackedRun` entry's own run, else
+    `plan_runs`' (a list holding stacked runs was planned when they were stacked)."""
+    if any(isinstance(w, StackedRun) for w in weights):
+        segments, i = [], 0
+        while i < len(weights):
+            w = weights[i]
+            segments.append((i, w.period, w.repeats) if isinstance(w, StackedRun) else (i, 1, 1))
+            i += segments[-1][1] * segments[-1][2]
+        return segments
+    return plan_runs([layer_signature(layer, w, s)
+                      for layer, w, s in zip(layers, weights, state, strict=True)])
 
 
 def run_in_series(layers: Sequence[Layer], stack: Any, weights: Weights, state: State,
@@ -158,11 +203,12 @@ def run_in_series(layers: Sequence[Layer], stack: Any, weights: Weights, state: 
     Args:
       layers: the layers, in order.
       stack: the input stack (one array or a tuple, top first).
-      weights: one entry per layer.
+      weights: one entry per layer; a run's entries may be kept stacked (a `StackedRun`
+        at its first index, None at the others: `revtrain.layers.run_layout`).
       state: one entry per layer.
       rng: split into one key per layer (``jax.random.split(rng, len(layers))``, as
         `Serial`); None gives every layer None.
-      scan: False runs every layer unrolled.
+      scan: False runs every layer unrolled (stacked runs are split first).
 
     Returns:
       ``(stack, new_states)``, ``new_states`` one per layer: the values the unrolled
@@ -171,28 +217,45 @@ def run_in_series(layers: Sequence[Layer], stack: Any, weights: Weights, state: 
     weights, state = list(weights), list(state)
     all_keys = None if rng is None or not layers else jax.random.split(rng, len(layers))
     keys = [None] * len(layers) if all_keys is None else list(all_keys)
+    segments = _segments(layers, weights, state)
     if not scan or len(layers) < MIN_REPEATS:
-        return _run_group(layers, stack, weights, state, keys)
-    signatures = [layer_signature(layer, w, s)
-                  for layer, w, s in zip(layers, weights, state, strict=True)]
+        return _run_group(layers, stack, _split_stacked(weights), state, keys)
     new_states: list = []
-    for start, period, repeats in plan_runs(signatures):
+    for start, period, repeats in segments:
         while repeats:
             group = layers[start:start + period]
             end = start + period * repeats
-            args = (weights[start:end], state[start:end])
-            if repeats >= MIN_REPEATS and _scannable(group, stack, *args, keys[start:end]):
+            stacked = weights[start] if isinstance(weights[start], StackedRun) else None
+            first = (weights[start:start + period] if stacked is None else
+                     [jax.tree.map(lambda a: a[0], w) for w in stacked.per_position])
+            if repeats >= MIN_REPEATS and _scannable(group, stack, first,
+                                                     state[start:end], keys[start:end]):
+                per_position = (tuple(_stacked(weights[start + j:end:period])
+                                      for j in range(period))
+                                if stacked is None else stacked.per_position)
                 run_keys = None if all_keys is None else all_keys[start:end]
-                stack, run_states = _scan_run(group, repeats, stack, *args, run_keys)
+                stack, run_states = _scan_run(group, repeats, stack, per_position,
+                                              state[start:end], run_keys)
                 new_states += run_states
                 break
             # The first repetition runs unrolled; the rest may still be a run.
+            if stacked is not None:  # Entries of a stacked run that is not scanned.
+                weights[start:end] = stacked.layer_values()
             end = start + period
             stack, run_states = _run_group(group, stack, weights[start:end],
                                            state[start:end], keys[start:end])
             new_states += run_states
             start, repeats = end, repeats - 1
     return stack, tuple(new_states)
+
+
+def _split_stacked(weights: Sequence) -> list:
+    """Per-layer weights, each `StackedRun` (and its placeholders) split into its layers'."""
+    out = list(weights)
+    for i, w in enumerate(weights):
+        if isinstance(w, StackedRun):
+            out[i:i + w.period * w.repeats] = w.layer_values()
+    return out
 
 
 def _scannable(group: Sequence[Layer], stack: Any, weights: Sequence, states: Sequence,
@@ -206,5 +269,5 @@ def _scannable(group: Sequence[Layer], stack: Any, weights: Sequence, states: Se
     return _keeps_types(group, carry, weights[:p], states[:p], keys[:p])
 
 
-__all__ = ["MAX_PERIOD", "MIN_REPEATS", "layer_signature", "plan_runs", "run_in_series",
-           "serial_arity"]
+__all__ = ["MAX_PERIOD", "MIN_REPEATS", "StackedRun", "layer_signature", "plan_runs",
+           "run_in_series", "serial_arity"]

@@ -240,6 +240,17 @@ class Placement:
         return jax.tree.map(lambda a: NamedSharding(self.mesh, self.weight_spec(np.shape(a))),
                             tree)
 
+    def stacked_weight_spec(self, shape: tuple[int, ...]) -> P:
+        """The ``PartitionSpec`` of a stacked ``[repeats, *leaf]`` weight or slot leaf (a
+        scanned run's): the layer's own `weight_spec` behind a whole repetition axis, so
+        with FSDP each scan iteration finds its layer's shards on every device."""
+        return P(None, *self.weight_spec(tuple(shape[1:])))
+
+    def stacked_weight_shardings(self, tree: Any) -> Any:
+        """Per-leaf ``NamedSharding`` of stacked weights or slots (`stacked_weight_spec`)."""
+        return jax.tree.map(
+            lambda a: NamedSharding(self.mesh, self.stacked_weight_spec(np.shape(a))), tree)
+
     @functools.cached_property
     def replicated(self) -> NamedSharding:
         """The sharding of a value held whole on every device."""

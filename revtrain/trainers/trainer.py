@@ -22,6 +22,7 @@ from revtrain.parallel.rngs import StepKeys
 from revtrain.trainers.common.base import OptimizerFn, TrainerBase
 from revtrain.trainers.common.global_loss import check_scalar_loss, global_loss, loss_share
 from revtrain.trainers.common.protocols import DeviceFootprint, TrainState
+from revtrain.trainers.common.scanned_values import ScannedValues
 from revtrain.trainers.common.updates import apply_optimizer
 
 
@@ -79,16 +80,26 @@ class Trainer(TrainerBase):
       placement: a `revtrain.parallel.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
 
+      scan_layers: keep each run of equal layers (`revtrain.layers.scan`) stacked in
+        memory, so the step's forward, backward *and* optimizer update hold one copy of
+        the run whatever its depth (`revtrain.trainers.common.scanned_values`; compile time stops
+        growing with depth). The public values and checkpoints stay one entry per layer.
+        Element-wise optimizers give bitwise the unstacked results; global-norm ones
+        agree to float rounding. False: per-layer leaves (the forward still scans).
+
     Raises:
       ValueError: for an uninitialised model, an impossible ``n_devices``, or a mesh with
         an axis outside ``data``/``fsdp``/``seq`` or that contradicts ``n_devices``.
-      TypeError: for a non-bool ``fsdp`` or a ``mesh`` that is not a Mesh.
+      TypeError: for a non-bool ``fsdp`` or ``scan_layers``, or a ``mesh`` that is not a
+        Mesh.
     """
 
     def __init__(self, model_with_loss: Layer, optimizer_fn: OptimizerFn,
                  n_devices: int | None = None, mesh: Mesh | None = None, fsdp: bool = False,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, scan_layers: bool = True):
         super().__init__([model_with_loss], optimizer_fn, n_devices, mesh, fsdp, placement)
+        if not isinstance(scan_layers, bool):
+            raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
         self._model = model_with_loss
         # Computed with its LM head and loss fused (no full logits; the same weights and
         # sublayers), found once here: `revtrain.layers.fuse_loss_heads`.
@@ -97,9 +108,21 @@ class Trainer(TrainerBase):
         weights = model_with_loss.weights
         slots = jax.eval_shape(self._optimizer.init, weights)
         self._remember_signature(TrainState(weights, model_with_loss.state, slots))
-        self._shardings = {part: self.placement.weight_shardings(tree)
-                           for part, tree in (("weights", weights), ("slots", slots))}
-        self._weights = transfers.put_sharded(weights, self._shardings["weights"])
+        self._held = ScannedValues(self._computed, weights, model_with_loss.state,
+                                   self._optimizer, scan_layers)
+        self._public_shardings = {part: self.placement.weight_shardings(tree)
+                                  for part, tree in (("weights", weights), ("slots", slots))}
+        held = jax.eval_shape(self._held.held_weights, weights)
+        self._shardings = {"weights": self._held.shardings(self.placement, held)}
+        self._shardings["slots"] = self._held.shardings(
+            self.placement, jax.eval_shape(self._optimizer.init, held))
+        # Layout conversions, compiled once each (restores and checkpoints reuse them).
+        held_fns = {"weights": (self._held.held_weights, self._held.public_weights),
+                    "slots": (self._held.held_slots, self._held.public_slots)}
+        self._convert = {(part, to): jax.jit(fns[to == "public"], out_shardings=(
+            self._public_shardings if to == "public" else self._shardings)[part])
+            for part, fns in held_fns.items() for to in ("held", "public")}
+        self._weights = self._put_weights(weights)
         # Initialised in place: no device ever holds the whole slots when they are sharded.
         self._slots = jax.jit(self._optimizer.init,
                               out_shardings=self._shardings["slots"])(self._weights)
@@ -112,10 +135,21 @@ class Trainer(TrainerBase):
         self._state = transfers.shard_per_device(for_n_devices(state, self.n_devices),
                                                  self.placement)
 
+    def _put_weights(self, weights: Any) -> Any:
+        if not self._held.stacked:
+            return transfers.put_sharded(weights, self._shardings["weights"])
+        # Placed per layer first (values may be on any devices), then stacked on the mesh.
+        public = transfers.put_sharded(weights, self._public_shardings["weights"])
+        return self._convert["weights", "held"](public)
+
     def _put(self, values: TrainState) -> None:
-        self._weights = transfers.put_sharded(values.weights, self._shardings["weights"])
+        self._weights = self._put_weights(values.weights)
         self._put_state(values.state)
-        self._slots = transfers.put_sharded(values.slots, self._shardings["slots"])
+        if self._held.stacked:
+            self._slots = self._convert["slots", "held"](
+                transfers.put_sharded(values.slots, self._public_shardings["slots"]))
+        else:
+            self._slots = transfers.put_sharded(values.slots, self._shardings["slots"])
         self._init_learning_rate(self._slots)
 
     def _make_update(self):
@@ -220,19 +254,26 @@ class Trainer(TrainerBase):
         if part == "state":
             return transfers.first_device_slice(self._state)
         values = {"weights": self._weights, "slots": self._slots}[part]
-        return jax.tree.map(transfers.host_value, values)
+        held = jax.tree.map(transfers.host_value, values)
+        return (self._held.public_weights(held) if part == "weights"
+                else self._held.public_slots(held))
 
     def saved_values(self, part: str) -> Any:
-        """Weights and slots as the sharded (or replicated) ``jax.Array`` s they are; the
-        state as device 0's host copy."""
+        """Weights and slots as the sharded (or replicated) ``jax.Array`` s they are (with
+        stacked runs, per-layer device copies: the values are on the devices twice while
+        they live, as a block trainer's `revtrain.trainers.block.stacked.Unstacker` gives);
+        the state as device 0's host copy."""
         if part == "state":
             return self.host_values(part)
-        return {"weights": self._weights, "slots": self._slots}[part]
+        values = {"weights": self._weights, "slots": self._slots}[part]
+        if not self._held.stacked:
+            return values
+        return self._convert[part, "public"](values)
 
     def value_shardings(self, part: str) -> Any:
         if part == "state":
             return super().value_shardings(part)
-        return self._shardings[part]
+        return self._public_shardings[part]
 
     def restore(self, train_state: TrainState) -> None:
         self._put(self._checked(train_state))

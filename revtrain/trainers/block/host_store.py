@@ -136,7 +136,7 @@ class HostStore:
             self._buffers[start] = Params(*(self._stack(values, run)
                                             for values in (self._weights, self._slots)))
         self._shardings = {
-            key: tuple(stacked.stacked_shardings(self._placement, v) if key in self._runs
+            key: tuple(self._placement.stacked_weight_shardings(v) if key in self._runs
                        else self._placement.weight_shardings(v) for v in values)
             for key, values in self._buffers.items()}
         self._states = [_host_copy(for_n_devices(transfers.host_values(s),

@@ -60,7 +60,7 @@ from revtrain.layers.reversible import ReversibleSelect
 from revtrain.layers.scan import MIN_REPEATS, layer_signature, plan_runs, serial_arity
 from revtrain.parallel import collectives as fsdp
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.block import bodies, stacked
+from revtrain.trainers.block import bodies
 from revtrain.trainers.block.contract import (
     FboArgs,
     FboOut,
@@ -292,7 +292,7 @@ class _ReverseScan:
 
     def _place(self, params: Params) -> Params:
         return jax.lax.with_sharding_constraint(
-            params, stacked.stacked_shardings(self.placement, params))
+            params, self.placement.stacked_weight_shardings(params))
 
 
 def scan_program(kind: OpKind, group: Sequence[Layer], run: Run,

@@ -7,7 +7,7 @@ position as one tree whose leaves are ``[repeats, *leaf]`` -- flat layer
 ``run.start + t * period + j`` is entry ``t`` -- and their per-device states as
 ``[devices, repeats, *leaf]`` (the device axis stays first, as on every per-device value).
 A stacked weight or slot leaf is split as one layer's leaf is
-(`revtrain.parallel.placement.Placement.weight_spec`) with the repetition axis whole, so
+(`revtrain.parallel.placement.Placement.stacked_weight_spec`: the repetition axis whole), so
 with FSDP each scan iteration finds its layer's shards on every device and gathers only
 those. The public values (``train_state``, checkpoints) keep one entry per flat layer;
 the functions here convert between the two layouts.
@@ -22,34 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from revtrain.parallel import transfers
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block.plan import Run
 
 
-def stacked_spec(placement: Placement, shape: Sequence[int]) -> P:
-    """The ``PartitionSpec`` of a stacked ``[repeats, *leaf]`` weight or slot leaf: the
-    layer's own `Placement.weight_spec` behind a whole repetition axis."""
-    return P(None, *placement.weight_spec(tuple(shape[1:])))
-
-
-def stacked_shardings(placement: Placement, tree: Any) -> Any:
-    """Per-leaf ``NamedSharding`` of stacked weights or slots (`stacked_spec`)."""
-    return jax.tree.map(
-        lambda a: NamedSharding(placement.mesh, stacked_spec(placement, np.shape(a))), tree)
-
-
 def stacked_signature(layer_values: Any, repeats: int, placement: Placement) -> Any:
     """The ``jax.ShapeDtypeStruct`` tree (with shardings) of ``repeats`` layers' stacked
     weights or slots, from one layer's values (arrays or ``ShapeDtypeStruct`` s)."""
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(
-            (repeats, *np.shape(a)), a.dtype,
-            sharding=NamedSharding(placement.mesh,
-                                   stacked_spec(placement, (repeats, *np.shape(a))))),
-        layer_values)
+    def one(a):
+        shape = (repeats, *np.shape(a))
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(
+            placement.mesh, placement.stacked_weight_spec(shape)))
+    return jax.tree.map(one, layer_values)
 
 
 def _write(buffer: jax.Array, value: jax.Array, t: jax.Array) -> jax.Array:
@@ -131,4 +117,4 @@ def run_positions(runs: Sequence[Run]) -> dict[int, tuple[Run, int, int]]:
 
 
 __all__ = ["StackWriter", "Unstacker", "entry", "run_positions", "stack_states",
-           "stacked_shardings", "stacked_signature", "stacked_spec"]
+           "stacked_signature"]

@@ -9,7 +9,9 @@
 - `learning_rate`: where optax keeps the injected rate and how an override is checked;
 - `updates`: one optimizer update, and clipping by a given global norm;
 - `global_loss`: each device's share of the loss over the global batch;
-- `structure`: checking a tree of training values against the one a trainer holds.
+- `structure`: checking a tree of training values against the one a trainer holds;
+- `scanned_values`: `Trainer`'s weights and slots with each run of equal layers stacked in
+  memory (the block trainers stack theirs in their stores), one entry per layer outside.
 
 Nothing here imports `revtrain.trainers.block` or the trainers above it.
 """
