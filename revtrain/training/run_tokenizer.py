@@ -36,6 +36,9 @@ import os
 import re
 from typing import Any
 
+import gin
+from gin import config_parser
+
 from revtrain.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, Tokenizer
 from revtrain.training.checkpoints import Checkpointer
 from revtrain.training.run_directory import (
@@ -56,8 +59,6 @@ logger = logging.getLogger(__name__)
 _TYPES = {"ByteTokenizer": ByteTokenizer, "SentencePieceTokenizer": SentencePieceTokenizer}
 # How an operative config.gin binds a SentencePiece tokenizer, and the model file it names.
 _SENTENCEPIECE = re.compile(r"@(?:SentencePieceTokenizer|trained_sentencepiece)\b")
-_MODEL_FILE = re.compile(r"^\s*SentencePieceTokenizer\.model_file\s*=\s*(['\"])(.+?)\1",
-                         re.M)
 EMBEDDING = "weights/0/0"  # The flat path of a revtrain language model's token embedding.
 
 
@@ -73,15 +74,29 @@ def tokenizer_record(tokenizer: Tokenizer) -> dict[str, Any]:
 
 def _configured_sentencepiece(output_dir: str) -> tuple[bool, str | None]:
     """Whether the run's ``config.gin`` binds a SentencePiece tokenizer, and the
-    ``SentencePieceTokenizer.model_file`` it names (None: none, or no readable config)."""
+    ``SentencePieceTokenizer.model_file`` it names (None: none, or no readable config).
+
+    The file is read with gin's own parser, nothing applied: gin writes a long value on
+    the line after its binding (``model_file = \\``), which a line-wise match misses.
+    """
     try:
         with open(os.path.join(output_dir, CONFIG_FILE), encoding="utf-8",
                   errors="replace") as f:
             text = f.read()
     except OSError:
         return False, None
-    named = _MODEL_FILE.search(text)
-    return bool(_SENTENCEPIECE.search(text)), named.group(2) if named else None
+    model_file = None
+    try:
+        for statement in config_parser.ConfigParser(
+                text, gin.config.ParserDelegate(skip_unknown=True)):
+            if (isinstance(statement, config_parser.BindingStatement)
+                    and statement.selector == "SentencePieceTokenizer"
+                    and statement.arg_name == "model_file"
+                    and isinstance(statement.value, str)):
+                model_file = statement.value
+    except (SyntaxError, ValueError):  # A damaged config: no file named.
+        model_file = None
+    return bool(_SENTENCEPIECE.search(text)), model_file
 
 
 def embedding_rows(output_dir: str) -> int | None:

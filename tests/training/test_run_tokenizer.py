@@ -23,7 +23,11 @@ VOCAB = 400
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
-    return train_sentencepiece(None, tmp_path_factory.mktemp("sp") / "sp", vocab_size=VOCAB)
+    # A long path: gin writes the binding's value on a line of its own
+    # (``model_file = \\``), which reading config.gin must follow.
+    folder = tmp_path_factory.mktemp("sp") / ("a_folder_with_a_long_name_" * 3)
+    folder.mkdir()
+    return train_sentencepiece(None, folder / "sp", vocab_size=VOCAB)
 
 
 def _train(output_dir, *bindings):
