@@ -1,5 +1,6 @@
 """Tests for revtrain.memory: live-array accounting, the ledger, track_peak, formatting."""
 
+import gc
 import json
 
 import jax
@@ -87,6 +88,9 @@ def test_allocator_stats_are_none_on_cpu():
 
 
 def test_ledger_peak_includes_compiled_temporary():
+    # Arrays an earlier test left in reference cycles would be freed when lowering below
+    # triggers the garbage collector, between the two measurements: free them first.
+    gc.collect()
     ledger = memory.MemoryLedger(jax.devices()[0])
     x = _put((1024,), jax.devices()[0])
     live = memory.live_device_bytes(jax.devices()[0])

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from revtrain.cli.bounded_flags import MAX_SEED, define_real
-from revtrain.cli.cache_flags import define_cache_flags, use_flagged_cache
+from revtrain.cli.cache_flags import define_cache_flags
 from revtrain.cli.common import UsageError, common_flags, is_chief, run
 from revtrain.cli.saved_run import read_run
 from revtrain.training.run_directory import DECODER_DIR
@@ -30,8 +30,7 @@ def _decode(fv: flags.FlagValues) -> int:
     if fv.prompts_file and fv["prompt"].present:
         raise UsageError("give --prompt or --prompts_file, not both")
     prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [_prompt(fv.prompt)]
-    output_dir, configs, _ = read_run(fv)
-    use_flagged_cache(fv)
+    output_dir, configs, _ = read_run(fv)  # Turns the compilation cache on.
     tokenizer = read_run_tokenizer(output_dir) or ByteTokenizer()
     # The cache holds what this decode needs, not the model's max_len (maybe 2**40).
     decoder, step = load_decoder(configs["run"], output_dir, fv.step, fv.allow_random_init,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from revtrain.cli.bounded_flags import define_real
-from revtrain.cli.cache_flags import define_cache_flags, use_flagged_cache
+from revtrain.cli.cache_flags import define_cache_flags
 from revtrain.cli.common import UsageError, common_flags, is_chief, print_metrics, run
 from revtrain.cli.saved_run import read_run
 
@@ -19,8 +19,7 @@ def _eval(fv: flags.FlagValues) -> int:
 
     from revtrain.training.eval_program import CheckpointEvaluator
 
-    output_dir, configs, final_step = read_run(fv)
-    use_flagged_cache(fv)
+    output_dir, configs, final_step = read_run(fv)  # Turns the compilation cache on.
     eval_config = configs["eval_config"]
     if fv.one_pass or fv.eval_steps is not None:
         steps = None if fv.one_pass else fv.eval_steps

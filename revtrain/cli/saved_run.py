@@ -15,6 +15,7 @@ import time
 import gin
 from absl import flags
 
+from revtrain.cli.cache_flags import use_flagged_cache
 from revtrain.cli.common import (
     GinFileError,
     UsageError,
@@ -27,6 +28,9 @@ from revtrain.training.run_directory import CONFIG_FILE, HISTORY_DIR, broken_lin
 
 def read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
     """``(output_dir, run configs, train.steps)`` from the run's config.gin (plus flags).
+
+    JAX's persistent compilation cache is turned on (or off) as the flags and the run's
+    gin say, once gin is parsed and before anything compiles.
 
     Raises:
       UsageError: in one line, for a missing ``--output_dir`` or ``config.gin``, an
@@ -53,6 +57,9 @@ def read_run(fv: flags.FlagValues) -> tuple[str, dict, int]:
         if e.path != config:
             raise
         raise _damaged_config(output_dir, f"it does not parse ({e.reason})") from e
+    # Before anything compiles (building the configs evaluates the schedule's first steps):
+    # the flags and the run's CompilationCacheConfig are known once gin is parsed.
+    use_flagged_cache(fv)
     use_run_tokenizer(output_dir)
     from revtrain import configurables
 
