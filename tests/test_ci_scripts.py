@@ -63,3 +63,23 @@ def test_names_extras_and_markers_compare_as_pip_reads_them(tmp_path):
                                                        "Docstring_Parser>=0.17"))
     with pytest.raises(ValueError, match="two lower bounds"):
         lower_bounds(str(setup_cfg), ["test"])
+
+
+def test_every_test_the_ci_scripts_name_exists():
+    """A test file moved or a test renamed must not leave .ci/min_versions naming a path
+    pytest cannot find (it would fail CI after the whole suite passed)."""
+    import ast
+    import re
+
+    root = ROOT
+    named = set()
+    for script in (root / ".ci").iterdir():
+        if script.is_file() and script.suffix not in (".py",):
+            named.update(re.findall(r"(tests/[\w/]+\.py)(?:::(\w+))?", script.read_text()))
+    assert named, "no test path found in .ci/: the pattern no longer matches the scripts"
+    for path, test in named:
+        assert (root / path).is_file(), f".ci names {path}, which does not exist"
+        if test:
+            functions = {node.name for node in ast.walk(ast.parse((root / path).read_text()))
+                         if isinstance(node, ast.FunctionDef)}
+            assert test in functions, f".ci names {path}::{test}, which does not exist"
