@@ -64,7 +64,7 @@ class ReversibleSerialTrainer(BlockTrainer):
       TypeError: for a block member that is not a `ReversibleLayer`, or as
         `BlockOptions`.
       ValueError: for uninitialised layers, an impossible ``n_devices``, ``options`` given
-        with its fields, or as `BlockOptions`.
+        with a field set to other than its default, or as `BlockOptions`.
     """
 
     def __init__(self, blocks: Sequence[Block], loss_layer: Layer, optimizer_fn: OptimizerFn,

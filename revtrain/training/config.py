@@ -137,7 +137,8 @@ class RunConfig:
     def placement(self) -> Placement:
         """The run's one `revtrain.parallel.Placement`, which its trainer and its evaluation
         share: ``trainer_kwargs['placement']`` when given, else the mesh of ``mesh_shape``
-        (or a ``mesh`` in ``trainer_kwargs``) or ``n_devices`` devices, with ``fsdp``.
+        (or a ``mesh`` in ``trainer_kwargs``) or ``n_devices`` devices (or
+        ``trainer_kwargs['n_devices']`` when ``n_devices`` is unset), with ``fsdp``.
         Builds the mesh: call it after ``jax.distributed`` is initialised.
 
         Raises:
@@ -148,7 +149,8 @@ class RunConfig:
             return kwargs["placement"]
         mesh = self.mesh() if self.mesh_shape is not None else kwargs.get("mesh")
         fsdp = self.fsdp or bool(kwargs.get("fsdp", False))
-        return Placement.resolve(self.n_devices, mesh, fsdp)
+        n_devices = self.n_devices if self.n_devices is not None else kwargs.get("n_devices")
+        return Placement.resolve(n_devices, mesh, fsdp)
 
     def trainer_arguments(self) -> dict[str, Any]:
         """Keyword arguments of ``trainer_class`` beyond the model, optimizer and

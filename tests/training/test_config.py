@@ -87,3 +87,11 @@ def test_gin_binds_a_mesh_shape_by_axis_name():
     assert dict(placement.mesh.shape) == {"data": 2, "fsdp": 1, "seq": 2}
     # Evaluation splits rows only, over data x fsdp: a seq group counts once.
     assert placement.rows_mesh.devices.size == 2 and run.trainer_arguments() == {}
+
+
+def test_trainer_kwargs_n_devices_places_the_run_when_run_config_does_not():
+    """``trainer_kwargs={'n_devices': k}`` is the run's device count (it was dropped)."""
+    from revtrain.training import RunConfig
+
+    assert RunConfig(trainer_kwargs={"n_devices": 2}).placement().n_devices == 2
+    assert RunConfig(n_devices=1, trainer_kwargs={"n_devices": 2}).placement().n_devices == 1

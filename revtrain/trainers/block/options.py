@@ -55,9 +55,11 @@ class BlockOptions:
         values on the devices for its ops holds one window's; None scans whole runs.
 
     Raises:
-      TypeError: for a non-bool ``scan_layers`` or ``free_accelerators_on_step``, or a
-        ``scan_window`` that is not an int.
-      ValueError: for ``keep_every < 1``, ``clip_global_norm <= 0`` or ``scan_window < 2``.
+      TypeError: for a non-bool ``scan_layers`` or ``free_accelerators_on_step``, a
+        ``keep_every`` or ``scan_window`` that is not an int, or a ``clip_global_norm``
+        that is not a number.
+      ValueError: for ``keep_every < 1``, a ``clip_global_norm`` that is not finite and
+        > 0, or ``scan_window < 2``.
     """
 
     free_accelerators_on_step: bool = False
@@ -70,10 +72,16 @@ class BlockOptions:
         for name in ("scan_layers", "free_accelerators_on_step"):
             if not isinstance(getattr(self, name), bool | np.bool_):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.keep_every is not None and self.keep_every < 1:
-            raise ValueError(f"keep_every={self.keep_every} must be >= 1 or None")
-        if self.clip_global_norm is not None and not self.clip_global_norm > 0:
-            raise ValueError(f"clip_global_norm={self.clip_global_norm} must be > 0 or None")
+        keep, clip = self.keep_every, self.clip_global_norm
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int | np.integer)):
+            raise TypeError(f"keep_every={keep!r} must be an int >= 1 or None")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep_every={keep} must be >= 1 or None")
+        number = isinstance(clip, int | float | np.number) and not isinstance(clip, bool)
+        if clip is not None and not number:
+            raise TypeError(f"clip_global_norm={clip!r} must be a finite number > 0 or None")
+        if clip is not None and not 0 < clip < np.inf:
+            raise ValueError(f"clip_global_norm={clip} must be a finite number > 0 or None")
         window = self.scan_window
         if window is None:
             return

@@ -14,7 +14,14 @@ from tests.tree_utils import assert_trees_close
 
 @pytest.mark.parametrize("fields, error, message", [
     ({"keep_every": 0}, ValueError, "keep_every=0 must be >= 1 or None"),
-    ({"clip_global_norm": 0.0}, ValueError, "clip_global_norm=0.0 must be > 0 or None"),
+    ({"clip_global_norm": 0.0}, ValueError,
+     "clip_global_norm=0.0 must be a finite number > 0 or None"),
+    ({"clip_global_norm": float("inf")}, ValueError,
+     "clip_global_norm=inf must be a finite number > 0 or None"),
+    ({"clip_global_norm": "a"}, TypeError, "clip_global_norm='a' must be a finite number"),
+    ({"keep_every": 1.5}, TypeError, "keep_every=1.5 must be an int >= 1 or None"),
+    ({"keep_every": True}, TypeError, "keep_every=True must be an int >= 1 or None"),
+    ({"keep_every": "2"}, TypeError, "keep_every='2' must be an int >= 1 or None"),
     ({"scan_window": 1}, ValueError, "scan_window=1 must be >= 2 repetitions"),
     ({"scan_window": 2.5}, TypeError, "scan_window=2.5 must be an int >= 2 or None"),
     ({"scan_layers": 1}, TypeError, "scan_layers=1 must be True or False"),
