@@ -57,8 +57,8 @@ class Trainer(TrainerBase):
     sum(w)`` with ``w`` the batch's third item (each device's mean loss weighted by its
     share of the total weight, `revtrain.trainers.common.global_loss.loss_share`), and the
     gradient is the sum over devices of the gradients of those shares -- so losses,
-    gradients and updated weights do not depend on how many devices or processes the batch is split
-    over, nor on ``fsdp`` (the same per-device gradients are summed; only the order of
+    gradients and updated weights do not depend on how many devices or processes the batch
+    is split over, nor on ``fsdp`` (the same per-device gradients are summed; only the order of
     the float32 additions may differ, ~1e-7 relative) -- dropout aside: each device draws
     its own masks, as in Trax. Layer state (e.g. BatchNorm statistics) is per device, as
     in Trax: each device's state is computed from its own rows (so batch statistics *do*
@@ -79,7 +79,6 @@ class Trainer(TrainerBase):
         its ``fsdp`` axis decides).
       placement: a `revtrain.parallel.placement.Placement` instead of ``n_devices``,
         ``mesh`` and ``fsdp``.
-
       scan_layers: keep each run of equal layers (`revtrain.layers.scan`) stacked in
         memory, so the step's forward, backward *and* optimizer update hold one copy of
         the run whatever its depth (`revtrain.trainers.common.scanned_values`; compile time stops
