@@ -67,7 +67,9 @@ from revtrain.parallel.placement import Placement
 from revtrain.trainers.block.block_trainer import BlockTrainer
 from revtrain.trainers.block.host_store import HostStore
 from revtrain.trainers.block.options import BlockOptions, resolve_options
+from revtrain.trainers.block.precompile import AbstractHostStore
 from revtrain.trainers.common.base import OptimizerFn, resolve_placement
+from revtrain.trainers.common.protocols import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +195,17 @@ class MemoryEfficientTrainer(BlockTrainer):
         self.scan_window = options.scan_window
         self._memory_log = MemoryLog(self.placement.first_local_device, n_steps_per_log)
         self.observers.append(self._memory_log)
+
+    def abstract_store(self, device: Any = None) -> AbstractHostStore:
+        """An abstract store that keeps values as `HostStore` does: in host memory but
+        the current and the next ``n_async_layers`` ops'
+        (`revtrain.trainers.block.precompile.AbstractHostStore`, whose ``device``
+        accounts for the copies it makes and frees).
+        """
+        signature = TrainState(*map(self.value_signature, TrainState._fields))
+        return AbstractHostStore(self.placement, signature, self.runs, self.schedule,
+                                 self.n_async_layers, self.free_accelerators_on_step,
+                                 device)
 
     @property
     def max_resident_layers(self) -> int:

@@ -14,6 +14,7 @@ from revtrain.layers.base import Layer
 from revtrain.layers.blocks import blocks_to_layers, extract_reversible_blocks
 from revtrain.layers.combinators import Serial
 from revtrain.layers.fused_head import fuse_loss_heads
+from revtrain.memory import ResidentBytes, abstract_device_bytes
 from revtrain.parallel import transfers
 from revtrain.parallel.batches import device_weight_total, for_n_devices
 from revtrain.parallel.collectives import REP, gather_weights, reduce_gradients
@@ -121,14 +122,63 @@ class Trainer(TrainerBase):
         self._convert = {(part, to): jax.jit(fns[to == "public"], out_shardings=(
             self._public_shardings if to == "public" else self._shardings)[part])
             for part, fns in held_fns.items() for to in ("held", "public")}
-        self._weights = self._put_weights(weights)
-        # Initialised in place: no device ever holds the whole slots when they are sharded.
-        self._slots = jax.jit(self._optimizer.init,
-                              out_shardings=self._shardings["slots"])(self._weights)
-        self._put_state(model_with_loss.state)
+        if self.abstract:  # Shapes only, in the shardings the values would have.
+            self._weights, self._slots, self._state = self._abstract_values(
+                held, model_with_loss.state)
+        else:
+            self._weights = self._put_weights(weights)
+            # Initialised in place: no device ever holds the whole slots when sharded.
+            self._slots = jax.jit(self._optimizer.init,
+                                  out_shardings=self._shardings["slots"])(self._weights)
+            self._put_state(model_with_loss.state)
         self._init_learning_rate(self._slots)
         self._update, self._counted = self._make_update()
         self._keys = StepKeys(self.placement, None)
+
+    def _abstract_values(self, held: Any, state: Any) -> tuple[Any, Any, Any]:
+        """Held weights, slots and per-device state as `jax.ShapeDtypeStruct` s in the
+        shardings the values would have (a trainer built on an abstract model)."""
+        def placed(tree, shardings):
+            return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=sharding), tree, shardings)
+        rows = (self.placement.n_global_devices,)
+        per_device = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            rows + tuple(a.shape), a.dtype, sharding=self.placement.per_device), state)
+        return (placed(held, self._shardings["weights"]),
+                placed(jax.eval_shape(self._optimizer.init, held), self._shardings["slots"]),
+                per_device)
+
+    def walk_abstract(self, batch_signature: Any, dispatcher: Any,
+                      learning_rate: float | None = None, device: Any = None) -> None:
+        """Dispatches one step's program to ``dispatcher`` on abstract values: the batch
+        of ``batch_signature`` (global ``[batch, ...]`` shapes) split as `one_step` splits
+        it, and the trainer's weights, state and slots as shapes in their shardings. The
+        planner (`revtrain.planning`) passes a dispatcher that compiles and accounts, and
+        a ``device`` that accounts for the step's inputs (``track``); a trainer built on
+        an abstract model (`TrainerBase.abstract`) can do only this.
+
+        Raises:
+          ValueError: for a batch that does not split over the mesh.
+        """
+        batch, keys, lr = self._abstract_inputs(batch_signature, learning_rate,
+                                                self._keys.signature(), device)
+        values = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                             sharding=a.sharding),
+                              (self._weights, self._state, self._slots))
+        weights, state, slots = values
+        dispatcher.phase("step_start")
+        dispatcher.dispatch("train_step", self._update, batch, weights, state, keys, slots,
+                            lr)
+        dispatcher.phase("step_end")
+
+    def resident_bytes(self) -> ResidentBytes:
+        """Bytes of the held weights, slots and per-device state on one device (values or,
+        on an abstract model, shapes in their shardings)."""
+        def shapes(tree):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                               sharding=a.sharding), tree)
+        return ResidentBytes(*(abstract_device_bytes(shapes(tree))
+                               for tree in (self._weights, self._slots, self._state)))
 
     def _put_state(self, state: Any) -> None:
         self._state = transfers.shard_per_device(for_n_devices(state, self.n_devices),

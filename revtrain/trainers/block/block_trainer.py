@@ -43,7 +43,6 @@ from revtrain.trainers.block.precompile import (
     AbstractStore,
     CompileTimes,
     RecordingDispatcher,
-    abstract_batch,
     compile_all,
     timed,
 )
@@ -141,15 +140,19 @@ class BlockTrainer(TrainerBase):
             runs = windows(runs, options.scan_window)
         schedule = build_schedule(block_sizes, options.keep_every,
                                   clip_global_norm is not None, runs)
-        self._runs = runs_of(schedule)
+        self.schedule, self.runs = tuple(schedule), runs_of(schedule)
         optimizers = [optimizer_fn() for _ in self.layers]
         weights = tuple(layer.weights for layer in self.layers)
         initial = TrainState(weights, tuple(layer.state for layer in self.layers),
                              _InitialSlots(optimizers, weights))
-        self._init_learning_rate(initial.slots[-1])
-        self._remember_signature(initial._replace(slots=tuple(
-            jax.eval_shape(opt.init, w) for opt, w in zip(optimizers, weights, strict=True))))
-        self._store: ParamStore = make_store(self.placement, initial, schedule)
+        slot_shapes = tuple(jax.eval_shape(opt.init, w)
+                            for opt, w in zip(optimizers, weights, strict=True))
+        self._init_learning_rate(slot_shapes[-1] if self.abstract else initial.slots[-1])
+        self._remember_signature(initial._replace(slots=slot_shapes))
+        # On an abstract model nothing is stored: the trainer only plans (`walk_abstract`).
+        self._store: ParamStore = (
+            AbstractStore(self.placement, self._signature, self.runs) if self.abstract
+            else make_store(self.placement, initial, schedule))
         self._programs = ProgramCache(self.placement, optimizers[0])
         replicated = self.placement.replicated
         summarize, counted = summary_program(squared=False)
@@ -303,15 +306,9 @@ class BlockTrainer(TrainerBase):
           ValueError: for a batch not divisible by ``n_devices``; any error tracing or
             compiling a layer's functions.
         """
-        placement = self.placement
-        inputs = StepInputs(
-            abstract_batch(batch_signature, placement),
-            self._keys.signature(),
-            self._placed_learning_rate.abstract(self._learning_rate_arg(learning_rate)))
-        recorder = RecordingDispatcher(placement)
+        recorder = RecordingDispatcher(self.placement)
         start = time.perf_counter()
-        store = AbstractStore(placement, self._signature, self._runs)
-        run_step(self._step, store, recorder, inputs)
+        self.walk_abstract(batch_signature, recorder, learning_rate=learning_rate)
         trace_s = time.perf_counter() - start
         calls = [*recorder.calls.values(), self._keys.abstract_call()]
         _, compile_s = timed(compile_all, calls)
@@ -322,6 +319,42 @@ class BlockTrainer(TrainerBase):
         host_heap.release_free_host_memory()
         self.compile_times = CompileTimes(trace_s, compile_s, math.nan, len(calls))
         return self.compile_times
+
+    def abstract_store(self, device: Any = None) -> AbstractStore:
+        """An abstract store of this trainer's values, where its store keeps them: here
+        all on the devices (`AbstractStore`); `MemoryEfficientTrainer` keeps a window.
+
+        Args:
+          device: what accounts for the device copies a store makes and frees
+            (``track``/``drop``, the planner's `revtrain.planning.ledger.LiveValues`);
+            unused here, where no value moves.
+        """
+        del device
+        return AbstractStore(self.placement, self._signature, self.runs)
+
+    def walk_abstract(self, batch_signature: Sequence[Any], dispatcher: Any,
+                      store: Any = None, learning_rate: float | None = None,
+                      device: Any = None) -> None:
+        """Runs the step's plan once on abstract values, telling ``dispatcher`` of every
+        call (`precompile` records them; the planner, `revtrain.planning`, compiles and
+        accounts for them).
+
+        Args:
+          batch_signature: the global batch, as `precompile`'s.
+          dispatcher: a `revtrain.trainers.common.dispatch.Dispatcher` that runs nothing.
+          store: the `revtrain.trainers.block.stores.StepValues` the walk reads (default
+            an `AbstractStore` of the trainer's signature and runs).
+          learning_rate: as `one_step`'s (only whether one is passed matters).
+          device: accounts for the step's inputs as device values (``track``, the
+            planner's `revtrain.planning.ledger.LiveValues`), or None.
+
+        Raises:
+          ValueError: for a batch not divisible by ``n_devices``.
+        """
+        inputs = StepInputs(*self._abstract_inputs(batch_signature, learning_rate,
+                                                   self._keys.signature(), device))
+        store = self.abstract_store() if store is None else store
+        run_step(self._step, store, dispatcher, inputs)
 
 
 class _InitialSlots(Sequence):

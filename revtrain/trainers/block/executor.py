@@ -211,9 +211,12 @@ class _Walk(NamedTuple):
         the stack and ``n_ct`` of the cotangents (its arity), and what the carry says such
         a call must leave alone (`StepCarry.leave_alone`) keeps its buffers (a donated one
         that any of it also holds is copied first, by a ``copy/<label>`` dispatch)."""
-        live = any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args))
-        donated = (p.program.donated(args, values, shared) if live
-                   else donation.consumed_leaves(args))
+        # Precompiling sees every copy a step can make (a superset of the donations);
+        # running, and planning (which accounts for the bytes), see the program's own.
+        every_copy = getattr(self.dispatcher, "every_copy", False) and not any(
+            isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args))
+        donated = (donation.consumed_leaves(args) if every_copy
+                   else p.program.donated(args, values, shared))
         if any(donated):
             args = donation.owned(args, donated, c.leave_alone(n_stack, n_ct),
                                   lambda leaf: self.dispatcher.dispatch(

@@ -34,9 +34,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from revtrain.memory import ResidentBytes, abstract_device_bytes
 from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import stacked
-from revtrain.trainers.block.plan import Run
+from revtrain.trainers.block.plan import OpKind, Run
+from revtrain.trainers.common.base import abstract_batch
 from revtrain.trainers.common.protocols import Params, TrainState
 
 
@@ -104,6 +106,26 @@ class AbstractStore:
                                                sharding=placement.per_device),
                 signature.state[i]) for i in first)
         self._new_states: dict[Any, Any] = {}
+        in_runs = {i for run in runs for i in range(run.start, run.stop)}
+        self._keys = [i for i in range(len(signature.weights)) if i not in in_runs]
+        self._keys += list(runs)
+
+    def value_bytes(self, key: Any, with_slots: bool = True,
+                    with_state: bool = True) -> ResidentBytes:
+        """Bytes one device holds of a layer's (or a run's) weights, slots and state."""
+        return ResidentBytes(abstract_device_bytes(self._weights[key]),
+                             abstract_device_bytes(self._slots[key]) if with_slots else 0,
+                             abstract_device_bytes(self._states[key]) if with_state else 0)
+
+    def all_bytes(self) -> ResidentBytes:
+        """Bytes one device would hold of every layer's weights, slots and state, each
+        run's once (stacked)."""
+        return ResidentBytes.total(self.value_bytes(key) for key in self._keys)
+
+    def resident_bytes(self) -> ResidentBytes:
+        """`all_bytes`: what a `revtrain.trainers.block.device_store.DeviceStore` keeps on
+        the device throughout."""
+        return self.all_bytes()
 
     def begin_step(self) -> None:
         pass
@@ -142,19 +164,6 @@ class AbstractStore:
         pass
 
 
-def abstract_batch(batch_signature: Sequence[Any], placement: Placement) -> tuple:
-    """The abstract per-device batch (`Placement.per_device_shape` of each item:
-    ``[devices of the mesh, batch // (n_devices // seq), length // seq, ...]``, ``batch``
-    this process's).
-
-    Raises:
-      ValueError: when the batch does not split over the mesh (`Placement.split_batch`).
-    """
-    return tuple(jax.ShapeDtypeStruct(placement.per_device_shape(np.shape(item)),
-                                      np.dtype(item.dtype), sharding=placement.per_device)
-                 for item in batch_signature)
-
-
 class RecordingDispatcher:
     """A `revtrain.trainers.common.dispatch.Dispatcher` that runs nothing: it records each call
     and returns ``jax.eval_shape`` of it.
@@ -166,16 +175,18 @@ class RecordingDispatcher:
 
     Attributes:
       calls: ``{key: (program, abstract args)}``, one entry per distinct call.
+      every_copy: True: the executor donates every consumed leaf here (a superset of a
+        step's donations), so that every copy a step can make is recorded and compiled.
     """
+
+    every_copy = True
 
     def __init__(self, placement: Placement):
         self.calls: dict[Any, tuple[Callable, tuple]] = {}
-        self._per_device = placement.per_device
-        self._replicated = placement.replicated
+        self._placement = placement
 
     def _record(self, fn: Callable, args: tuple, grouped: bool) -> Any:
-        args = tuple(_with_sharding(arg, self._per_device if grouped and k == 0
-                                    else self._replicated) for k, arg in enumerate(args))
+        args = placed_arguments(args, self._placement, grouped)
         leaves, treedef = jax.tree.flatten(args)
         key = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                     if isinstance(a, jax.Array) else a for a in leaves)
@@ -194,6 +205,117 @@ class RecordingDispatcher:
 
     def release(self, tree: Any) -> None:
         del tree
+
+
+class AbstractHostStore(AbstractStore):
+    """An `AbstractStore` whose values live in host memory except a window of ops', as a
+    `revtrain.trainers.block.host_store.HostStore` keeps them: `resident_bytes` counts the
+    weights (and, for a backward op that updates, the slots) of the current op and the
+    next ``n_async_layers`` ops; an op's new weights and slots stay on the devices until
+    the next op is prepared (their copy back lands then); states, stashes and the final
+    activations wait on the host, and each read of them is a new device copy, made by
+    ``fresh`` (the planner's, which accounts for it while the step holds it).
+
+    Args:
+      placement, signature, runs: as `AbstractStore`'s.
+      schedule: the trainer's ops (`revtrain.trainers.block.plan.Op`).
+      n_async_layers: the ops prefetched ahead of the current one.
+      free_accelerators_on_step: whether the final activations leave the devices.
+      device: what holds the step's device values: ``track(tree) -> tree`` gives a new
+        device copy of abstract values, ``drop(tree)`` frees one (the planner's
+        `revtrain.planning.ledger.LiveValues`); None: nothing is accounted.
+    """
+
+    def __init__(self, placement: Placement, signature: TrainState, runs: Sequence[Run],
+                 schedule: Sequence[Any], n_async_layers: int,
+                 free_accelerators_on_step: bool, device: Any = None):
+        super().__init__(placement, signature, runs)
+        self._schedule = tuple(schedule)
+        self._n_async = n_async_layers
+        self._free = free_accelerators_on_step
+        self._device = _Untracked() if device is None else device
+        self._window: dict[Any, ResidentBytes] = {}
+        self._pending: list[Any] = []
+
+    def resident_bytes(self) -> ResidentBytes:
+        return ResidentBytes.total(self._window.values())
+
+    def prepare(self, position: int) -> None:
+        for params in self._pending:  # The last op's new values landed on the host.
+            self._device.drop(params)
+        self._pending = []
+        window = self._schedule[position:position + 1 + self._n_async]
+        wanted = {op.layer for op in window}
+        self._window = {k: v for k, v in self._window.items() if k in wanted}
+        for op in window:
+            forward = op.kind in (OpKind.FORWARD, OpKind.SCAN_FORWARD)
+            with_slots = not forward and op.finisher.donates_values
+            key = op.layer
+            store_key = next((run for run in self._keys if isinstance(run, Run)
+                              and run.start == key), key)
+            held = self._window.get(key, ResidentBytes())
+            self._window[key] = ResidentBytes(*map(max, held, self.value_bytes(
+                store_key, with_slots=with_slots, with_state=False)))
+
+    def keep_params(self, i: Any, params: Params) -> None:
+        self._window.pop(i.start if isinstance(i, Run) else i, None)  # Donated.
+        self._pending.append(params)
+
+    def state(self, i: Any) -> Any:
+        return self._device.track(super().state(i))
+
+    def new_state(self, i: Any) -> Any:
+        return self._device.track(super().new_state(i))
+
+    def keep_state(self, i: Any, new_state: Any) -> None:
+        super().keep_state(i, _Host(new_state).tree)  # Copied home; the device copy freed.
+        self._device.drop(new_state)
+
+    def stash(self, stack: Any) -> Any:
+        return _Host(stack)
+
+    def unstash(self, kept: Any) -> Any:
+        return self._device.track(kept.tree) if isinstance(kept, _Host) else kept
+
+    def end_forward(self, stack: Any) -> Any:
+        if not self._free:
+            return stack
+        self._window = {}
+        self._device.drop(stack)
+        return _Host(stack)
+
+    def finish_step(self) -> None:
+        if self._free:
+            self.prepare(len(self._schedule))
+
+
+class _Untracked:
+    """Device values nobody accounts for (`AbstractHostStore` without a planner)."""
+
+    @staticmethod
+    def track(tree: Any) -> Any:
+        return tree
+
+    @staticmethod
+    def drop(tree: Any) -> None:
+        del tree
+
+
+class _Host:
+    """Values waiting in host memory (no device bytes): plain shapes, read back by
+    ``unstash`` as a new device copy."""
+
+    def __init__(self, tree: Any):
+        self.tree = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type), tree)
+
+
+def placed_arguments(args: tuple, placement: Placement, grouped: bool) -> tuple:
+    """``args`` with each abstract leaf that has no sharding given the one its position
+    has: per device for an op's first argument (``grouped``: its per-device arguments),
+    replicated for the others and for every argument of a plain call."""
+    return tuple(_with_sharding(arg, placement.per_device if grouped and k == 0
+                                else placement.replicated) for k, arg in enumerate(args))
 
 
 def _with_sharding(tree: Any, sharding: Any) -> Any:
@@ -227,5 +349,5 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-__all__ = ["AbstractStore", "CompileTimes", "RecordingDispatcher", "abstract_batch",
-           "compile_all", "timed"]
+__all__ = ["AbstractHostStore", "AbstractStore", "CompileTimes", "RecordingDispatcher",
+           "abstract_batch", "compile_all", "placed_arguments", "timed"]

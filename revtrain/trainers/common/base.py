@@ -77,6 +77,8 @@ class TrainerBase:
         self._dispatcher = LiveDispatcher(lambda: self.observers, self._inflight)
         self._copy_batch = False
         self._placed_learning_rate = PlacedRate(self.placement)
+        # Built on shapes only (`is_abstract`): it plans (`walk_abstract`), never runs.
+        self.abstract = is_abstract([layer.weights for layer in layers])
 
     @property
     def mesh(self) -> Mesh:
@@ -260,6 +262,7 @@ class TrainerBase:
 
     def _shard_batch(self, batch: Any) -> Any:
         """``[batch, ...]`` leaves -> per-device arrays (`Placement.split_batch`)."""
+        check_not_abstract(self.abstract, "run a step")
         if not isinstance(batch, (tuple, list)):
             raise TypeError(f"batch must be a tuple of arrays (inputs, targets, weights); got "
                             f"{type(batch).__name__}")
@@ -268,6 +271,49 @@ class TrainerBase:
             batch = tuple(transfers.on_cpu(b) for b in batch)
         split = self.placement.split_batch(tuple(batch))
         return transfers.shard_per_device(split, self.placement)
+
+    def _abstract_inputs(self, batch_signature: Sequence[Any], learning_rate: float | None,
+                         keys: Any, device: Any = None) -> tuple[tuple, Any, Any]:
+        """The abstract per-device batch (`abstract_batch`), step keys and learning-rate
+        argument a step given ``batch_signature`` and ``learning_rate`` would dispatch
+        with; ``device.track`` (the planner's) accounts for them as device values."""
+        rate = learning_rate if learning_rate is not None else (
+            1.0 if self._injectable else None)  # Only whether a rate is passed matters.
+        inputs = (abstract_batch(batch_signature, self.placement), keys,
+                  self._placed_learning_rate.abstract(self._learning_rate_arg(rate)))
+        return inputs if device is None else device.track(inputs)
+
+
+def abstract_batch(batch_signature: Sequence[Any], placement: Placement) -> tuple:
+    """The abstract per-device batch (`Placement.per_device_shape` of each item:
+    ``[devices of the mesh, batch // (n_devices // seq), length // seq, ...]``, ``batch``
+    this process's).
+
+    Raises:
+      ValueError: when the batch does not split over the mesh (`Placement.split_batch`).
+    """
+    return tuple(jax.ShapeDtypeStruct(placement.per_device_shape(np.shape(item)),
+                                      np.dtype(item.dtype), sharding=placement.per_device)
+                 for item in batch_signature)
+
+
+def is_abstract(tree: Any) -> bool:
+    """True when a leaf of ``tree`` is a `jax.ShapeDtypeStruct`: a model initialised with
+    ``jax.eval_shape`` (`revtrain.training.build_model`'s ``abstract``; its loss layer may
+    hold small real values), from which a trainer is built for planning only
+    (`revtrain.planning`)."""
+    return any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(tree))
+
+
+def check_not_abstract(abstract: bool, what: str) -> None:
+    """Raises ValueError when a trainer built on abstract values is asked for ``what``.
+
+    Raises:
+      ValueError: naming ``what`` and the fix (build the model with values).
+    """
+    if abstract:
+        raise ValueError(f"this trainer was built on abstract values (shapes only, for "
+                         f"planning) and cannot {what}; build it from an initialised model")
 
 
 def _shape_dtype(a: Any) -> jax.ShapeDtypeStruct:

@@ -47,10 +47,13 @@ def has_injectable_learning_rate(slots: Any) -> bool:
 
 
 def learning_rate_of(slots: Any) -> float | None:
-    """The current ``learning_rate`` held in optimizer slots, or None when there is none."""
+    """The current ``learning_rate`` held in optimizer slots, or None when there is none
+    (or when the slots are abstract, `jax.ShapeDtypeStruct` s with no value to read)."""
     for state in _injected_states(slots):
         if "learning_rate" in state.hyperparams:
             rate = state.hyperparams["learning_rate"]
+            if isinstance(rate, jax.ShapeDtypeStruct):
+                return None
             if isinstance(rate, jax.Array):  # Replicated; maybe over several processes.
                 rate = rate.addressable_shards[0].data
             return float(np.asarray(rate))

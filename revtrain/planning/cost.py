@@ -1,0 +1,176 @@
+"""A step-time model: the work of a step's programs, counted on their jaxprs, over rates
+measured on the device.
+
+XLA's own ``cost_analysis`` counts a ``while`` loop's body once whatever its trip count
+(checked: a scan of 8 matmuls reports the FLOPs of one), and revtrain scans its repeated
+layers, so the work is counted here on each program's jaxpr instead (`program_work`):
+
+* ``dot_flops``: ``2 * |output| * |contracted dims|`` of every ``dot_general`` (and the
+  same for convolutions), a ``scan`` body counted ``length`` times, a ``cond`` by its
+  largest branch, a ``while`` once (its trip count is not static);
+* ``elements``: the output elements of every other equation (element-wise work, which on
+  a CPU and in small widths is a large share of a step).
+
+Both are per device: a program's ``shard_map`` body has per-device shapes. `DeviceRates`
+measures the device's matmul FLOP/s, element rate, host transfer rate and the fixed cost
+of one dispatch with small programs (about a second), and `step_seconds` combines them::
+
+    seconds = dot_flops / flops_per_s + elements / elements_per_s
+              + dispatches * dispatch_s + host_bytes / host_bytes_per_s
+
+A model, not a measurement: ``benchmarks/memory_budget.py`` reports how far it is from
+measured step times, and the planner uses it only to rank candidates that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_DOTS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+
+
+class Work(NamedTuple):
+    """Per-device work of one program call."""
+
+    dot_flops: float = 0.0
+    elements: float = 0.0
+
+    def __add__(self, other: Work) -> Work:  # type: ignore[override]
+        return Work(self.dot_flops + other.dot_flops, self.elements + other.elements)
+
+    def scaled(self, factor: float) -> Work:
+        return Work(self.dot_flops * factor, self.elements * factor)
+
+
+def _size(aval: Any) -> float:
+    return float(math.prod(getattr(aval, "shape", ())))
+
+
+def _dot_flops(eqn: Any) -> float:
+    out = _size(eqn.outvars[0].aval)
+    if eqn.primitive.name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        spec = eqn.params["dimension_numbers"].rhs_spec
+        return 2.0 * out * math.prod(rhs) / max(rhs[spec[0]], 1)
+    if eqn.primitive.name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2.0 * out * math.prod(lhs[d] for d in contract)
+    return 2.0 * out * eqn.invars[0].aval.shape[-1]  # ragged dots: an estimate.
+
+
+def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
+    found = []
+    for value in params.values():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for v in values:
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                found.append(v.jaxpr)
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                found.append(v)
+    return found
+
+
+def jaxpr_work(jaxpr: Any) -> Work:
+    """The `Work` of a jaxpr (``jax.extend.core.Jaxpr`` or ``ClosedJaxpr``), sub-jaxprs
+    included as the module docstring says."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = Work()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = _sub_jaxprs(eqn.params)
+        if name in _DOTS:
+            total += Work(_dot_flops(eqn), 0.0)
+        elif name == "scan":
+            total += jaxpr_work(eqn.params["jaxpr"]).scaled(eqn.params["length"])
+        elif name == "cond":
+            branches = [jaxpr_work(b) for b in eqn.params["branches"]]
+            total += max(branches, key=lambda w: (w.dot_flops, w.elements))
+        elif subs:
+            for sub in subs:
+                total += jaxpr_work(sub)
+        else:
+            total += Work(0.0, sum(_size(v.aval) for v in eqn.outvars))
+    return total
+
+
+def program_work(fn: Callable, args: tuple) -> Work:
+    """The per-device `Work` of one call of ``fn`` (a jitted function) on abstract
+    ``args`` (traced with ``jax.make_jaxpr``; nothing is compiled or run)."""
+    return jaxpr_work(jax.make_jaxpr(fn)(*args))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    """Measured rates of one device (`measure_rates`).
+
+    Attributes:
+      flops_per_s: float32 matmul FLOP/s at the given width.
+      elements_per_s: output elements per second of a fused element-wise program.
+      dispatch_s: seconds of one dispatch of a tiny program, waited for.
+      host_bytes_per_s: host-to-device bytes per second (``jax.device_put``); on a CPU
+        backend, a copy in host memory.
+      device: the device, as text.
+    """
+
+    flops_per_s: float
+    elements_per_s: float
+    dispatch_s: float
+    host_bytes_per_s: float
+    device: str
+
+    def step_seconds(self, work: Work, dispatches: int, host_bytes: int = 0) -> float:
+        """The modelled seconds of a step (module docstring)."""
+        return (work.dot_flops / self.flops_per_s + work.elements / self.elements_per_s
+                + dispatches * self.dispatch_s + host_bytes / self.host_bytes_per_s)
+
+
+def _best_of(fn: Callable[[], Any], repeats: int) -> float:
+    jax.block_until_ready(fn())  # Compiles.
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def measure_rates(width: int = 256, device: jax.Device | None = None) -> DeviceRates:
+    """Measures `DeviceRates` on ``device`` (default the first local one) with programs of
+    a few MiB (best of 5 each; cached per width and device for the process).
+
+    Args:
+      width: the model width the matmul is measured at (``[4 * width, width] @ [width,
+        4 * width]``; clipped to 64..2048).
+    """
+    device = jax.local_devices()[0] if device is None else device
+    width = int(min(max(width, 64), 2048))
+    key = jax.random.key(0)
+    a = jax.device_put(jax.random.normal(key, (4 * width, width), jnp.float32), device)
+    b = jax.device_put(jax.random.normal(key, (width, 4 * width), jnp.float32), device)
+    matmul = jax.jit(lambda x, y: x @ y)
+    flops = 2.0 * (4 * width) * width * (4 * width)
+    flops_per_s = flops / _best_of(lambda: matmul(a, b), 5)
+    x = jax.device_put(jnp.ones((1 << 20,), jnp.float32), device)
+    elementwise = jax.jit(lambda v: jnp.tanh(v * 1.5 + 0.5) * v)
+    elements_per_s = float(x.size) / _best_of(lambda: elementwise(x), 5)
+    tiny = jax.device_put(jnp.ones((8,), jnp.float32), device)
+    add = jax.jit(lambda v: v + 1.0)
+    dispatch_s = _best_of(lambda: add(tiny), 20)
+    host = np.ones((4 << 20,), np.float32)
+    host_bytes_per_s = host.nbytes / _best_of(lambda: jax.device_put(host, device), 5)
+    return DeviceRates(flops_per_s, elements_per_s, dispatch_s, host_bytes_per_s,
+                       str(device))
+
+
+__all__ = ["DeviceRates", "Work", "jaxpr_work", "measure_rates", "program_work"]
