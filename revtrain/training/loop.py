@@ -7,6 +7,11 @@ One step of the loop, at global step ``k`` (the number of steps already taken):
 2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``; the
    key is derived on the device from a step counter kept there (`step_key`), so a step
    sends nothing from the host to the devices but what the trainer sends;
+   with gradient accumulation (``accumulate_steps = k > 1``) the batch is split into
+   ``k`` micro-batches of consecutive rows and ``one_step`` runs on each, micro-batch
+   ``i`` with the key ``fold_in(step key, i)``; the trainer's optimizer
+   (``optax.MultiSteps``, `revtrain.training.accumulation`) updates once, on the last;
+   the step's loss is the mean of the micro-batches' losses;
 3. stop with `NonFiniteLossError` if the loss is NaN or inf (nothing is saved after it);
 4. ``k += 1``; log train metrics every ``LogConfig.every`` steps, evaluate every
    ``EvalConfig.every`` steps and save a checkpoint every ``CheckpointConfig.every`` steps.
@@ -44,6 +49,7 @@ import tqdm
 
 from revtrain.data.inputs import Inputs
 from revtrain.trainers.common.protocols import Trainer as TrainerProtocol
+from revtrain.training.accumulation import accumulated_step, check_accumulate_steps
 from revtrain.training.barriers import barrier
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.checkpoints.resume import checkpoint_tree, restore_template, resume
@@ -93,6 +99,10 @@ class Loop:
         ``init_weights_only`` of `CheckpointConfig` (retention is the checkpointer's).
       log: train-metric interval, progress bar and profiled steps (`LogConfig`).
       seed: seeds the per-step rngs (as in `RunConfig`).
+      accumulate_steps: micro-batches per step (`RunConfig.accumulate_steps`); the
+        trainer must have been built with
+        `revtrain.training.accumulation.accumulating_optimizer` of the same number. 1
+        calls ``one_step`` once on the whole batch, as without accumulation.
 
     Attributes:
       step: the number of steps taken (restored from the checkpoint).
@@ -114,8 +124,10 @@ class Loop:
                  schedule: optax.Schedule | None = None,
                  eval_config: EvalConfig | None = None,
                  checkpoint: CheckpointConfig | None = None,
-                 log: LogConfig | None = None, seed: int = 0):
+                 log: LogConfig | None = None, seed: int = 0, accumulate_steps: int = 1):
         self.trainer, self.inputs, self._built = trainer, inputs, model
+        check_accumulate_steps(accumulate_steps)
+        self.accumulate_steps = accumulate_steps
         self.model = model.model
         self._evaluator = evaluator
         self._splits = dict(splits or {"eval": inputs})
@@ -240,7 +252,12 @@ class Loop:
             jax.profiler.start_trace(os.path.join(self.output_dir or ".", PROFILE_DIR))
             self._tracing = True
         with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
-            loss, stats = self.trainer.one_step(batch, rng, step=self.step, learning_rate=lr)
+            if self.accumulate_steps == 1:
+                loss, stats = self.trainer.one_step(batch, rng, step=self.step,
+                                                    learning_rate=lr)
+            else:
+                loss, stats = accumulated_step(self.trainer, batch, rng, self.step, lr,
+                                               self.accumulate_steps)
         self.step += 1
         window.add(self.step, loss, stats, tokens(batch), start)
         if self._tracing and self.step >= self._profile_steps[1]:
