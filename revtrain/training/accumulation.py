@@ -137,6 +137,34 @@ def accumulated_step(trainer: Any, batch: Sequence[Any], rng: jax.Array, step: i
     return loss, {**stats, "loss": loss}
 
 
+def check_no_global_clipping(accumulate_steps: int, clip_global_norm: float | None,
+                             where: str) -> None:
+    """Refuses accumulation with a block trainer's ``clip_global_norm``.
+
+    That option clips each ``one_step``'s gradient by its own global norm before the
+    optimizer sees it, so with micro-batches it would clip every micro-batch's gradient
+    and the update would depend on ``accumulate_steps`` -- not the accumulated gradient,
+    as ``optax.clip_by_global_norm`` inside the optimizer does (``optimizer_fn(...,
+    clip_gradient_norm=c)``, which MultiSteps applies to the mean gradient).
+
+    Args:
+      accumulate_steps: micro-batches per step.
+      clip_global_norm: the trainer's option (None: no clipping).
+      where: where the option was set, for the message (e.g.
+        ``'RunConfig.trainer_kwargs'``).
+
+    Raises:
+      ValueError: one line naming both values and the fix, for ``accumulate_steps > 1``
+        with a ``clip_global_norm``.
+    """
+    if accumulate_steps > 1 and clip_global_norm is not None:
+        raise ValueError(f"RunConfig.accumulate_steps={accumulate_steps} with "
+                         f"clip_global_norm={clip_global_norm} in {where} would clip each "
+                         f"micro-batch's gradient, not the accumulated one; bind "
+                         f"optimizer_fn.clip_gradient_norm instead or set "
+                         f"RunConfig.accumulate_steps = 1")
+
+
 def check_accumulate_steps(accumulate_steps: Any) -> None:
     """Raises a one-line ValueError naming ``accumulate_steps`` unless it is an int >= 1
     (a numpy integer counts; a bool does not)."""
@@ -147,4 +175,4 @@ def check_accumulate_steps(accumulate_steps: Any) -> None:
 
 
 __all__ = ["accumulated_step", "accumulating_optimizer", "check_accumulate_steps",
-           "micro_batches", "micro_keys"]
+           "check_no_global_clipping", "micro_batches", "micro_keys"]

@@ -32,6 +32,7 @@ from revtrain.layers import (
 from revtrain.layers.sequence_parallel import SequenceSplitError, trace_split
 from revtrain.parallel.placement import Placement
 from revtrain.trainers import blocks_to_layers, extract_reversible_blocks
+from revtrain.training.accumulation import check_no_global_clipping
 from revtrain.training.checkpoints.access import check_run_access
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.compile_cache import CompilationCacheConfig, use_compilation_cache
@@ -259,7 +260,8 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     Raises:
       ValueError: as `build_model` and `check_sequence_split`, for a batch that does not
         split into ``RunConfig.accumulate_steps`` micro-batches over the devices
-        (`revtrain.training.validation.check_accumulation_divides`), for a tokenizer
+        (`revtrain.training.validation.check_accumulation_divides`), for
+        ``accumulate_steps`` > 1 with a trainer's ``clip_global_norm``, for a tokenizer
         other than the one the run in ``output_dir`` was trained with, or a checkpoint
         that does not match the model.
       CheckpointPermissionError: this user may not write ``output_dir``, its files, or
@@ -278,6 +280,9 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
                             run.training_optimizer(), placement=placement,
                             **run.trainer_arguments())
     trainer_seconds = time.perf_counter() - start
+    # A clip_global_norm bound on the trainer class (gin) is known only now.
+    check_no_global_clipping(run.accumulate_steps, getattr(trainer, "clip_global_norm", None),
+                             f"{type(trainer).__name__}'s options")
     splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
     # Validated before anything is created in output_dir.

@@ -31,7 +31,7 @@ from revtrain.layers import Layer
 from revtrain.parallel.mesh import check_mesh_shape, mesh_from_shape
 from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer
-from revtrain.training.accumulation import accumulating_optimizer
+from revtrain.training.accumulation import accumulating_optimizer, check_no_global_clipping
 from revtrain.training.optimizers import optimizer_fn
 from revtrain.training.validation import check_arguments
 
@@ -146,19 +146,14 @@ class RunConfig:
                                  f"shards the weights: bind only RunConfig.mesh_shape")
 
     def _check_accumulation(self) -> None:
-        """Refuses gradient accumulation with a block trainer's ``clip_global_norm``:
-        that clips each micro-batch's gradient before it is accumulated, so the update
-        would depend on ``accumulate_steps``."""
+        """Refuses gradient accumulation with a block trainer's ``clip_global_norm`` in
+        ``trainer_kwargs`` (`check_no_global_clipping`; one bound on the trainer class in
+        gin is refused when the trainer is built)."""
         kwargs = self.trainer_kwargs or {}
         clip = kwargs.get("clip_global_norm")
         if clip is None:
             clip = getattr(kwargs.get("options"), "clip_global_norm", None)
-        if self.accumulate_steps > 1 and clip is not None:
-            raise ValueError(f"RunConfig.accumulate_steps={self.accumulate_steps} with "
-                             f"clip_global_norm={clip} in RunConfig.trainer_kwargs would "
-                             f"clip each micro-batch's gradient, not the accumulated one; "
-                             f"bind optimizer_fn.clip_gradient_norm instead or set "
-                             f"RunConfig.accumulate_steps = 1")
+        check_no_global_clipping(self.accumulate_steps, clip, "RunConfig.trainer_kwargs")
 
     def training_optimizer(self) -> Callable[[], optax.GradientTransformation]:
         """The ``optimizer_fn`` the run's trainer gets: ``optimizer`` itself, or with

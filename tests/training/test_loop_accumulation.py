@@ -1,13 +1,15 @@
 """Tests of gradient accumulation in the training loop (``RunConfig.accumulate_steps``):
 revtrain/training/loop.py and builder.py with revtrain/training/accumulation.py."""
+import dataclasses
 import functools
 import os
 
+import gin
 import jax
 import numpy as np
 import pytest
 
-from revtrain import trainers
+from revtrain import configurables, trainers
 from revtrain.data import CopyTask
 from revtrain.training import (
     CheckpointConfig,
@@ -118,3 +120,24 @@ def test_each_step_runs_k_micro_steps_with_folded_keys_and_no_implicit_transfer(
         # A step's loss is the mean of its micro-steps' (1, 2 then 3, 4); stats the last's.
         assert [float(x) for x in window.losses] == [1.5, 3.5]
         assert window.stats["weights_l2"] == 4
+
+
+def test_clip_global_norm_bound_on_the_trainer_is_refused_before_anything_is_written(
+        tmp_path):
+    """Bound in gin on the trainer class, the option is seen only in the built trainer."""
+    gin.clear_config()
+    try:
+        gin.parse_config(["RunConfig.trainer_class = @ReversibleSerialTrainer",
+                          "ReversibleSerialTrainer.clip_global_norm = 1.0",
+                          "RunConfig.accumulate_steps = 2"])
+        bound = configurables.run_configs()["run"]
+        run = dataclasses.replace(bound, model=DETERMINISTIC, inputs=_run(1).inputs)
+        out = str(tmp_path / "run")
+        with pytest.raises(ValueError, match=(
+                r"^RunConfig.accumulate_steps=2 with clip_global_norm=1.0 in "
+                r"ReversibleSerialTrainer's options would clip each micro-batch's gradient, "
+                r"not the accumulated one; bind optimizer_fn.clip_gradient_norm instead")):
+            _loop(run, out)
+        assert not os.path.exists(out)
+    finally:
+        gin.clear_config()
