@@ -53,8 +53,7 @@ def accumulating_optimizer(optimizer_fn: OptimizerFn, accumulate_steps: int) -> 
     Raises:
       ValueError: for an ``accumulate_steps`` that is not an int >= 1.
     """
-    check_accumulate_steps(accumulate_steps)
-    accumulate_steps = int(accumulate_steps)
+    accumulate_steps = check_accumulate_steps(accumulate_steps)
     if accumulate_steps == 1:
         return optimizer_fn
 
@@ -109,7 +108,9 @@ def accumulated_step(trainer: Any, batch: Sequence[Any], rng: jax.Array, step: i
     """One optimizer update from ``accumulate_steps`` calls of ``trainer.one_step``.
 
     ``trainer`` must have been built with `accumulating_optimizer` of the same
-    ``accumulate_steps`` (its last micro-step applies the update).
+    ``accumulate_steps`` (its last micro-step applies the update). For 1 this is
+    ``trainer.one_step(batch, rng, step=step, learning_rate=learning_rate)`` and nothing
+    else: no split, no key derived, the result returned as it is.
 
     Args:
       trainer: any trainer (``one_step(batch, rng, step=, learning_rate=)``).
@@ -128,6 +129,8 @@ def accumulated_step(trainer: Any, batch: Sequence[Any], rng: jax.Array, step: i
     Raises:
       ValueError: as `micro_batches`, and as ``trainer.one_step``.
     """
+    if accumulate_steps == 1:
+        return trainer.one_step(batch, rng, step=step, learning_rate=learning_rate)
     losses, stats = [], {}
     for micro, key in zip(micro_batches(batch, accumulate_steps),
                           micro_keys(rng, accumulate_steps), strict=True):
@@ -165,13 +168,14 @@ def check_no_global_clipping(accumulate_steps: int, clip_global_norm: float | No
                          f"RunConfig.accumulate_steps = 1")
 
 
-def check_accumulate_steps(accumulate_steps: Any) -> None:
-    """Raises a one-line ValueError naming ``accumulate_steps`` unless it is an int >= 1
-    (a numpy integer counts; a bool does not)."""
+def check_accumulate_steps(accumulate_steps: Any) -> int:
+    """``accumulate_steps`` as an int; a one-line ValueError naming it unless it is an
+    int >= 1 (a numpy integer counts; a bool does not)."""
     if isinstance(accumulate_steps, bool) or not isinstance(
             accumulate_steps, int | np.integer) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps={accumulate_steps!r} must be an int >= 1; set "
                          f"RunConfig.accumulate_steps to a whole number of micro-batches")
+    return int(accumulate_steps)
 
 
 __all__ = ["accumulated_step", "accumulating_optimizer", "check_accumulate_steps",

@@ -7,11 +7,7 @@ One step of the loop, at global step ``k`` (the number of steps already taken):
 2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``; the
    key is derived on the device from a step counter kept there (`step_key`), so a step
    sends nothing from the host to the devices but what the trainer sends;
-   with gradient accumulation (``accumulate_steps = k > 1``) the batch is split into
-   ``k`` micro-batches of consecutive rows and ``one_step`` runs on each, micro-batch
-   ``i`` with the key ``fold_in(step key, i)``; the trainer's optimizer
-   (``optax.MultiSteps``, `revtrain.training.accumulation`) updates once, on the last;
-   the step's loss is the mean of the micro-batches' losses;
+   with ``accumulate_steps > 1``, once per micro-batch (`accumulated_step`);
 3. stop with `NonFiniteLossError` if the loss is NaN or inf (nothing is saved after it);
 4. ``k += 1``; log train metrics every ``LogConfig.every`` steps, evaluate every
    ``EvalConfig.every`` steps and save a checkpoint every ``CheckpointConfig.every`` steps.
@@ -63,7 +59,6 @@ from revtrain.training.run_directory import PROFILE_DIR
 logger = logging.getLogger(__name__)
 
 
-
 @jax.jit
 def step_key(rng: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(fold_in(rng, step), step + 1)`` for a uint32 ``step`` that lives on the device:
@@ -99,10 +94,7 @@ class Loop:
         ``init_weights_only`` of `CheckpointConfig` (retention is the checkpointer's).
       log: train-metric interval, progress bar and profiled steps (`LogConfig`).
       seed: seeds the per-step rngs (as in `RunConfig`).
-      accumulate_steps: micro-batches per step (`RunConfig.accumulate_steps`); the
-        trainer must have been built with
-        `revtrain.training.accumulation.accumulating_optimizer` of the same number. 1
-        calls ``one_step`` once on the whole batch, as without accumulation.
+      accumulate_steps: micro-batches per step, one ``one_step`` each (`accumulated_step`).
 
     Attributes:
       step: the number of steps taken (restored from the checkpoint).
@@ -120,14 +112,12 @@ class Loop:
                  splits: Mapping[str, Inputs] | None = None, *,
                  checkpointer: Checkpointer | None = None,
                  init_checkpointer: Checkpointer | None = None,
-                 writer: MetricsWriter | None = None,
-                 schedule: optax.Schedule | None = None,
+                 writer: MetricsWriter | None = None, schedule: optax.Schedule | None = None,
                  eval_config: EvalConfig | None = None,
                  checkpoint: CheckpointConfig | None = None,
                  log: LogConfig | None = None, seed: int = 0, accumulate_steps: int = 1):
         self.trainer, self.inputs, self._built = trainer, inputs, model
-        check_accumulate_steps(accumulate_steps)
-        self.accumulate_steps = accumulate_steps
+        self.accumulate_steps = check_accumulate_steps(accumulate_steps)
         self.model = model.model
         self._evaluator = evaluator
         self._splits = dict(splits or {"eval": inputs})
@@ -252,12 +242,8 @@ class Loop:
             jax.profiler.start_trace(os.path.join(self.output_dir or ".", PROFILE_DIR))
             self._tracing = True
         with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
-            if self.accumulate_steps == 1:
-                loss, stats = self.trainer.one_step(batch, rng, step=self.step,
-                                                    learning_rate=lr)
-            else:
-                loss, stats = accumulated_step(self.trainer, batch, rng, self.step, lr,
-                                               self.accumulate_steps)
+            loss, stats = accumulated_step(self.trainer, batch, rng, self.step, lr,
+                                           self.accumulate_steps)
         self.step += 1
         window.add(self.step, loss, stats, tokens(batch), start)
         if self._tracing and self.step >= self._profile_steps[1]:

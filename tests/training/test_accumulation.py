@@ -110,3 +110,18 @@ def test_micro_keys_fold_the_index_into_the_step_key():
         np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(
             jax.random.fold_in(rng, i)))
     assert len({tuple(np.asarray(jax.random.key_data(k))) for k in keys}) == 3
+
+
+def test_one_accumulate_step_is_one_call_of_one_step_on_the_whole_batch():
+    """k = 1 is the old step: the batch, key, step and rate go through untouched and the
+    trainer's result comes back as it is."""
+    batch, rng, result, calls = make_batch(4), jax.random.key(3), object(), []
+
+    class Recorder:
+        def one_step(self, *args, **kwargs):
+            calls.append((args, kwargs))
+            return result
+
+    assert accumulated_step(Recorder(), batch, rng, 5, 0.1, 1) is result
+    (args, kwargs), = calls
+    assert args[0] is batch and args[1] is rng and kwargs == {"step": 5, "learning_rate": 0.1}
