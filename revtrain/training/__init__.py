@@ -7,6 +7,7 @@
 - `loop`: `Loop`, which trains, evaluates, saves and logs; `loop_metrics`: its metric
   window, progress bar and formatting; `interrupts`: a graceful stop on signals;
 - `optimizers`, `schedules`: the optax optimizer and learning-rate schedules;
+  `accumulation`: gradient accumulation over micro-batches (``optax.MultiSteps``);
 - `checkpoints/`: saving, retaining and restoring checkpoints (orbax);
 - `evaluation`: `Evaluator`; `eval_program`: ``revtrain-eval``'s continuous evaluation;
 - `decoding`: autoregressive decoding; `decode_program`: ``revtrain-decode``'s program;
@@ -19,6 +20,11 @@
   `build_loop`.
 """
 
+from revtrain.training.accumulation import (
+    accumulated_step,
+    accumulating_optimizer,
+    micro_batches,
+)
 from revtrain.training.builder import (
     BuiltModel,
     build_evaluator,
@@ -55,9 +61,10 @@ __all__ = [
     "CheckpointMismatchError", "CheckpointSaveError", "CheckpointUnreadableError",
     "Checkpointer", "CompilationCacheConfig", "Decoder",
     "EvalConfig", "Evaluator", "LogConfig", "Loop", "MetricsWriter", "NonFiniteLossError",
-    "RunConfig", "RunLock", "RunLockError", "RunWriteError", "StopOnSignals", "bits_per_byte",
+    "RunConfig", "RunLock", "RunLockError", "RunWriteError", "StopOnSignals",
+    "accumulated_step", "accumulating_optimizer", "bits_per_byte",
     "build_evaluator", "build_loop", "build_model", "build_trainer", "constant",
-    "decode_text", "flatten_tree", "optimizer_fn", "read_metrics", "train",
+    "decode_text", "flatten_tree", "micro_batches", "optimizer_fn", "read_metrics", "train",
     "unflatten_tree", "use_compilation_cache", "warmup_cosine_decay",
     "warmup_rsqrt_decay",
 ]

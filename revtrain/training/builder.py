@@ -32,6 +32,7 @@ from revtrain.layers import (
 from revtrain.layers.sequence_parallel import SequenceSplitError, trace_split
 from revtrain.parallel.placement import Placement
 from revtrain.trainers import blocks_to_layers, extract_reversible_blocks
+from revtrain.training.accumulation import check_no_global_clipping
 from revtrain.training.checkpoints.access import check_run_access
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.compile_cache import CompilationCacheConfig, use_compilation_cache
@@ -55,6 +56,7 @@ from revtrain.training.run_tokenizer import (
     write_run_tokenizer,
 )
 from revtrain.training.validation import (
+    check_accumulation_divides,
     check_batch_divides,
     check_first_batch,
     check_mesh_divides,
@@ -236,6 +238,10 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
                compilation_cache: CompilationCacheConfig | None = None) -> Loop:
     """Builds the training `Loop` of a run and restores ``output_dir``'s newest checkpoint.
 
+    The trainer gets `RunConfig.training_optimizer` (``optax.MultiSteps`` around
+    ``RunConfig.optimizer`` when ``RunConfig.accumulate_steps`` > 1) and the loop the
+    same ``accumulate_steps``.
+
     JAX's persistent compilation cache is turned on first (`use_compilation_cache`), so a
     restarted run loads its programs instead of compiling them.
 
@@ -252,9 +258,12 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
         else ``$XDG_CACHE_HOME/revtrain/jax`` (``~/.cache/revtrain/jax``).
 
     Raises:
-      ValueError: as `build_model` and `check_sequence_split`, for a tokenizer other than
-        the one the run in ``output_dir`` was trained with, or a checkpoint that does not
-        match the model.
+      ValueError: as `build_model` and `check_sequence_split`, for a batch that does not
+        split into ``RunConfig.accumulate_steps`` micro-batches over the devices
+        (`revtrain.training.validation.check_accumulation_divides`), for
+        ``accumulate_steps`` > 1 with a trainer's ``clip_global_norm``, for a tokenizer
+        other than the one the run in ``output_dir`` was trained with, or a checkpoint
+        that does not match the model.
       CheckpointPermissionError: this user may not write ``output_dir``, its files, or
         its checkpoints (`revtrain.training.checkpoints.access`); before any step.
     """
@@ -264,10 +273,16 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     built = build_model(run, inputs)
     check_sequence_split(run, built)
     placement = run.placement()
+    check_accumulation_divides(built.batch_signature[0].shape[0], run.accumulate_steps,
+                               placement.n_devices // placement.n_seq, inputs)
     start = time.perf_counter()
-    trainer = build_trainer(run.trainer_class, built.model, built.loss, run.optimizer,
-                            placement=placement, **run.trainer_arguments())
+    trainer = build_trainer(run.trainer_class, built.model, built.loss,
+                            run.training_optimizer(), placement=placement,
+                            **run.trainer_arguments())
     trainer_seconds = time.perf_counter() - start
+    # A clip_global_norm bound on the trainer class (gin) is known only now.
+    check_no_global_clipping(run.accumulate_steps, getattr(trainer, "clip_global_norm", None),
+                             f"{type(trainer).__name__}'s options")
     splits = eval_splits(inputs, eval_config)
     checkpoint = checkpoint or CheckpointConfig()
     # Validated before anything is created in output_dir.
@@ -301,7 +316,8 @@ def build_loop(run: RunConfig, eval_config: EvalConfig | None = None,
     return Loop(trainer, inputs, built, build_evaluator(run, built, inputs, placement), splits,
                 checkpointer=checkpointer, init_checkpointer=init, writer=writer,
                 schedule=_schedule(run), eval_config=eval_config, checkpoint=checkpoint,
-                log=log or LogConfig(), seed=run.seed)
+                log=log or LogConfig(), seed=run.seed,
+                accumulate_steps=run.accumulate_steps)
 
 
 def init_checkpointer(path: str) -> Checkpointer:

@@ -3,8 +3,8 @@
 A run is described once, by four values that `train`, ``revtrain-eval`` and
 ``revtrain-decode`` all build their programs from (`revtrain.training.builder`):
 
-* `RunConfig`: the model, data, loss, optimizer, learning-rate schedule, trainer, seed and
-  devices -- what makes two runs different models;
+* `RunConfig`: the model, data, loss, optimizer, learning-rate schedule, trainer, seed,
+  devices and gradient accumulation -- what makes two runs different models;
 * `EvalConfig`: how often and on what to evaluate;
 * `CheckpointConfig`: how often to save, what to keep, where to start from;
 * `LogConfig`: how often to write train metrics, and the progress bar.
@@ -31,6 +31,7 @@ from revtrain.layers import Layer
 from revtrain.parallel.mesh import check_mesh_shape, mesh_from_shape
 from revtrain.parallel.placement import Placement
 from revtrain.trainers import Trainer
+from revtrain.training.accumulation import accumulating_optimizer, check_no_global_clipping
 from revtrain.training.optimizers import optimizer_fn
 from revtrain.training.validation import check_arguments
 
@@ -86,13 +87,33 @@ class RunConfig:
         over this process's ``data x fsdp`` devices (not the length). Checkpoints
         restore across mesh shapes. None: ``n_devices`` and ``fsdp``.
       trainer_kwargs: extra keyword arguments of ``trainer_class``.
+      accumulate_steps: gradient accumulation: train each global batch as this many equal
+        micro-batches (consecutive rows), one ``trainer.one_step`` each, and update the
+        weights once per batch, through ``optax.MultiSteps(optimizer(),
+        every_k_schedule=accumulate_steps)`` (`revtrain.training.accumulation`). Peak
+        activation memory is that of one micro-batch; the optimizer slots gain one
+        gradient-sized accumulator (per layer in the block trainers). Steps, schedules,
+        checkpoints, evaluation and metrics count optimizer updates, as with 1. The
+        update is the mean of the micro-batches' gradients, each of its own weighted-mean
+        loss, so it equals one step on the whole batch when every micro-batch carries the
+        same total loss weight (an unpadded batch); the step's loss is the mean of the
+        micro-batches' losses. Micro-batch ``i`` of a step gets the key ``fold_in(step
+        key, i)``. The batch size must be a multiple of ``accumulate_steps`` x the devices
+        that hold distinct rows (checked before anything is written). Refused with a
+        block trainer's ``clip_global_norm`` (it would clip each micro-batch's gradient,
+        not the update's: bind ``optimizer_fn.clip_gradient_norm``, which clips the
+        accumulated gradient). A checkpoint restores across values above 1, not between
+        1 and more (the optimizer state differs). 1 (the default) runs exactly as
+        before.
 
     Raises:
       ValueError: for a negative ``seed``, ``n_devices`` < 1 or above the local device
         count, a float ``schedule`` that is not finite and > 0, a non-bool ``fsdp``,
         ``fsdp`` given both here and in ``trainer_kwargs``, a ``mesh_shape`` with an axis
-        outside ``data``/``fsdp``/``seq`` or a size < 1, or ``mesh_shape`` with ``fsdp`` or
-        a ``mesh`` in ``trainer_kwargs``.
+        outside ``data``/``fsdp``/``seq`` or a size < 1, ``mesh_shape`` with ``fsdp`` or
+        a ``mesh`` in ``trainer_kwargs``, an ``accumulate_steps`` that is not an int >= 1,
+        or ``accumulate_steps`` > 1 with a ``clip_global_norm`` in ``trainer_kwargs``
+        (or its ``options``).
     """
 
     model: Callable[..., Layer] | None = None
@@ -106,9 +127,11 @@ class RunConfig:
     fsdp: bool = False
     mesh_shape: Mapping[str, int] | None = None
     trainer_kwargs: Mapping[str, Any] | None = None
+    accumulate_steps: int = 1
 
     def __post_init__(self):
         check_arguments(_fields(self), "RunConfig")
+        self._check_accumulation()
         if self.fsdp and "fsdp" in (self.trainer_kwargs or {}):
             raise ValueError("RunConfig.fsdp=True and RunConfig.trainer_kwargs['fsdp'] are "
                              "both set; bind only RunConfig.fsdp")
@@ -121,6 +144,22 @@ class RunConfig:
                 raise ValueError(f"RunConfig.mesh_shape={dict(self.mesh_shape)!r} and "
                                  f"{clash[0]} are both set; with a mesh its 'fsdp' axis "
                                  f"shards the weights: bind only RunConfig.mesh_shape")
+
+    def _check_accumulation(self) -> None:
+        """Refuses gradient accumulation with a block trainer's ``clip_global_norm`` in
+        ``trainer_kwargs`` (`check_no_global_clipping`; one bound on the trainer class in
+        gin is refused when the trainer is built)."""
+        kwargs = self.trainer_kwargs or {}
+        clip = kwargs.get("clip_global_norm")
+        if clip is None:
+            clip = getattr(kwargs.get("options"), "clip_global_norm", None)
+        check_no_global_clipping(self.accumulate_steps, clip, "RunConfig.trainer_kwargs")
+
+    def training_optimizer(self) -> Callable[[], optax.GradientTransformation]:
+        """The ``optimizer_fn`` the run's trainer gets: ``optimizer`` itself, or with
+        ``accumulate_steps`` > 1 ``optimizer`` wrapped in ``optax.MultiSteps``
+        (`revtrain.training.accumulation.accumulating_optimizer`)."""
+        return accumulating_optimizer(self.optimizer, self.accumulate_steps)
 
     def mesh(self) -> Mesh | None:
         """The trainer's mesh of ``mesh_shape`` (None without one), over the first

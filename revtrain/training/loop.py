@@ -7,6 +7,7 @@ One step of the loop, at global step ``k`` (the number of steps already taken):
 2. ``trainer.one_step(batch, fold_in(rng, k), step=k, learning_rate=schedule(k))``; the
    key is derived on the device from a step counter kept there (`step_key`), so a step
    sends nothing from the host to the devices but what the trainer sends;
+   with ``accumulate_steps > 1``, once per micro-batch (`accumulated_step`);
 3. stop with `NonFiniteLossError` if the loss is NaN or inf (nothing is saved after it);
 4. ``k += 1``; log train metrics every ``LogConfig.every`` steps, evaluate every
    ``EvalConfig.every`` steps and save a checkpoint every ``CheckpointConfig.every`` steps.
@@ -44,6 +45,7 @@ import tqdm
 
 from revtrain.data.inputs import Inputs
 from revtrain.trainers.common.protocols import Trainer as TrainerProtocol
+from revtrain.training.accumulation import accumulated_step, check_accumulate_steps
 from revtrain.training.barriers import barrier
 from revtrain.training.checkpoints.checkpointer import Checkpointer
 from revtrain.training.checkpoints.resume import checkpoint_tree, restore_template, resume
@@ -55,7 +57,6 @@ from revtrain.training.metrics_writer import MetricsWriter
 from revtrain.training.run_directory import PROFILE_DIR
 
 logger = logging.getLogger(__name__)
-
 
 
 @jax.jit
@@ -93,6 +94,7 @@ class Loop:
         ``init_weights_only`` of `CheckpointConfig` (retention is the checkpointer's).
       log: train-metric interval, progress bar and profiled steps (`LogConfig`).
       seed: seeds the per-step rngs (as in `RunConfig`).
+      accumulate_steps: micro-batches per step, one ``one_step`` each (`accumulated_step`).
 
     Attributes:
       step: the number of steps taken (restored from the checkpoint).
@@ -110,12 +112,12 @@ class Loop:
                  splits: Mapping[str, Inputs] | None = None, *,
                  checkpointer: Checkpointer | None = None,
                  init_checkpointer: Checkpointer | None = None,
-                 writer: MetricsWriter | None = None,
-                 schedule: optax.Schedule | None = None,
+                 writer: MetricsWriter | None = None, schedule: optax.Schedule | None = None,
                  eval_config: EvalConfig | None = None,
                  checkpoint: CheckpointConfig | None = None,
-                 log: LogConfig | None = None, seed: int = 0):
+                 log: LogConfig | None = None, seed: int = 0, accumulate_steps: int = 1):
         self.trainer, self.inputs, self._built = trainer, inputs, model
+        self.accumulate_steps = check_accumulate_steps(accumulate_steps)
         self.model = model.model
         self._evaluator = evaluator
         self._splits = dict(splits or {"eval": inputs})
@@ -240,7 +242,8 @@ class Loop:
             jax.profiler.start_trace(os.path.join(self.output_dir or ".", PROFILE_DIR))
             self._tracing = True
         with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
-            loss, stats = self.trainer.one_step(batch, rng, step=self.step, learning_rate=lr)
+            loss, stats = accumulated_step(self.trainer, batch, rng, self.step, lr,
+                                           self.accumulate_steps)
         self.step += 1
         window.add(self.step, loss, stats, tokens(batch), start)
         if self._tracing and self.step >= self._profile_steps[1]:

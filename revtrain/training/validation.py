@@ -32,7 +32,7 @@ from revtrain.training.schedules import check_schedule
 _RANGES: dict[str, dict[str, tuple[str, float, bool]]] = {
     "train": {"steps": ("int", 1, False)},
     "RunConfig": {"seed": ("int", 0, False), "n_devices": ("int", 1, True),
-                  "fsdp": ("bool", 0, False)},
+                  "fsdp": ("bool", 0, False), "accumulate_steps": ("int", 1, False)},
     "EvalConfig": {"every": ("int", 0, False), "steps": ("int", 0, True),
                    "eval_train": ("bool", 0, False)},
     "CheckpointConfig": {
@@ -56,6 +56,7 @@ def check_arguments(arguments: Mapping[str, Any], prefix: str = "train") -> None
     """Range-checks the numeric arguments of ``prefix`` (those present in ``arguments``).
 
     ``prefix`` is a gin name: ``train`` (``steps >= 1``), ``RunConfig`` (``seed >= 0``,
+    ``accumulate_steps >= 1``,
     ``n_devices >= 1`` or None and at most the local device count, a float ``schedule``
     finite and > 0, a schedule function finite and >= 0 at its first steps and not all
     0 there: `revtrain.training.schedules.check_schedule`), ``EvalConfig`` (``every >=
@@ -244,3 +245,31 @@ def check_batch_divides(batch_size: int, n_devices: int | None, data: Any) -> No
                     what=f"{_name(data)}'s batch size",
                     fix=f"set {_name(data)}.batch_size to a multiple of {total} (or "
                         f"RunConfig.n_devices)")
+
+
+def check_accumulation_divides(batch_size: int, accumulate_steps: int, row_shards: int,
+                               data: Any) -> None:
+    """Checks a per-process batch of ``batch_size`` rows splits into ``accumulate_steps``
+    equal micro-batches that each split over the devices that hold distinct rows.
+
+    Args:
+      batch_size: rows of this process's batch.
+      accumulate_steps: micro-batches per step (``RunConfig.accumulate_steps``).
+      row_shards: this process's devices that hold distinct rows (``n_devices``, or
+        ``data x fsdp`` of a mesh's devices in this process).
+      data: the `Inputs` (named in the error).
+
+    Raises:
+      ValueError: one line naming the global batch size, ``accumulate_steps``, the
+        devices, their product and the bindings to change.
+    """
+    parts = accumulate_steps * row_shards
+    if batch_size % parts == 0:
+        return
+    processes = jax.process_count()
+    rows, shards, total = batch_size * processes, row_shards * processes, parts * processes
+    raise ValueError(f"{_name(data)}'s batch size {rows} does not split into "
+                     f"RunConfig.accumulate_steps={accumulate_steps} micro-batches over "
+                     f"{shards} devices: it must be a multiple of {accumulate_steps} x "
+                     f"{shards} = {total}; set {_name(data)}.batch_size to a multiple of "
+                     f"{total} or change RunConfig.accumulate_steps")

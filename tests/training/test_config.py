@@ -6,6 +6,7 @@ import gin
 import pytest
 
 from revtrain import configurables
+from revtrain.trainers import BlockOptions
 from revtrain.training import CheckpointConfig, EvalConfig, LogConfig, RunConfig
 from revtrain.training.config import LEGACY_BINDINGS, legacy_binding_error
 
@@ -28,6 +29,20 @@ from revtrain.training.config import LEGACY_BINDINGS, legacy_binding_error
     (lambda: LogConfig(progress=0), "LogConfig.progress=0 must be True or False or None"),
     (lambda: LogConfig(profile_steps=(1.5, 2)), "LogConfig.profile_steps=(1.5, 2) must be "
                                                 "(first, last) integers"),
+    (lambda: RunConfig(accumulate_steps=0), "RunConfig.accumulate_steps=0 must be >= 1; "
+                                            "change the gin binding RunConfig.accumulate_steps"),
+    (lambda: RunConfig(accumulate_steps=1.5), "RunConfig.accumulate_steps=1.5 must be an "
+                                              "integer; change the gin binding"),
+    (lambda: RunConfig(accumulate_steps=True), "RunConfig.accumulate_steps=True must be an "
+                                               "integer"),
+    # A block trainer's clip_global_norm would clip each micro-batch's gradient.
+    (lambda: RunConfig(accumulate_steps=2, trainer_kwargs={"clip_global_norm": 1.0}),
+     "RunConfig.accumulate_steps=2 with clip_global_norm=1.0 in RunConfig.trainer_kwargs "
+     "would clip each micro-batch's gradient, not the accumulated one; bind "
+     "optimizer_fn.clip_gradient_norm instead or set RunConfig.accumulate_steps = 1"),
+    (lambda: RunConfig(accumulate_steps=4, trainer_kwargs={
+        "options": BlockOptions(clip_global_norm=0.5)}),
+     "RunConfig.accumulate_steps=4 with clip_global_norm=0.5 in RunConfig.trainer_kwargs"),
 ])
 def test_fields_are_checked_when_built(build, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):
