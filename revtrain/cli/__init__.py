@@ -1,5 +1,5 @@
 """Command-line tools: ``revtrain-train``, ``revtrain-eval``, ``revtrain-decode``,
-``revtrain-tokenizer``.
+``revtrain-tokenizer``, ``revtrain-plan``.
 
 ``revtrain-train --config_file=configs/reversible_lm.gin [--config_file=...]
 --gin_bindings='train.steps=20' [--gin_bindings=...] --output_dir=runs/lm`` parses the gin
@@ -51,6 +51,8 @@ The programs, one module each, and what they share:
 - `evaluate`: ``revtrain-eval`` (`eval_main`);
 - `decode`: ``revtrain-decode`` (`decode_main`);
 - `tokenizer`: ``revtrain-tokenizer`` (`tokenizer_main`);
+- `plan`: ``revtrain-plan`` (`plan_main`): which trainer fits a memory budget, at what
+  batch and speed (`revtrain.planning`); its budget flags serve ``revtrain-train`` too;
 - `saved_run`: the run that eval and decode rebuild from ``output_dir/config.gin``;
 - `common`: the common flag set, absl logging, ``jax.distributed`` start-up, gin parsing,
   and `run`, which turns errors into one line and an exit status;
@@ -59,11 +61,12 @@ The programs, one module each, and what they share:
 - `app`: the console-script entry points (`run_train`, ...) under ``absl.app``.
 """
 
-from revtrain.cli.app import run_decode, run_eval, run_tokenizer, run_train
+from revtrain.cli.app import run_decode, run_eval, run_plan, run_tokenizer, run_train
 from revtrain.cli.decode import decode_main
 from revtrain.cli.evaluate import eval_main
+from revtrain.cli.plan import plan_main
 from revtrain.cli.tokenizer import tokenizer_main
 from revtrain.cli.train import train_main
 
-__all__ = ["decode_main", "eval_main", "run_decode", "run_eval", "run_tokenizer", "run_train",
-           "tokenizer_main", "train_main"]
+__all__ = ["decode_main", "eval_main", "plan_main", "run_decode", "run_eval", "run_plan",
+           "run_tokenizer", "run_train", "tokenizer_main", "train_main"]

@@ -12,6 +12,7 @@ from absl import app, flags
 from revtrain import host_heap
 from revtrain.cli.decode import decode_main
 from revtrain.cli.evaluate import eval_main
+from revtrain.cli.plan import plan_main
 from revtrain.cli.tokenizer import tokenizer_main
 from revtrain.cli.train import train_main
 
@@ -97,4 +98,9 @@ def run_tokenizer() -> None:
     _app_run(tokenizer_main, "revtrain-tokenizer")
 
 
-__all__ = ["run_decode", "run_eval", "run_tokenizer", "run_train"]
+def run_plan() -> None:
+    """Console script ``revtrain-plan``."""
+    _app_run(plan_main, "revtrain-plan")
+
+
+__all__ = ["run_decode", "run_eval", "run_plan", "run_tokenizer", "run_train"]

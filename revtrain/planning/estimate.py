@@ -25,10 +25,11 @@ import numpy as np
 
 from revtrain.layers.base import Layer
 from revtrain.memory import ResidentBytes, format_bytes, rss_bytes
-from revtrain.planning.cost import DeviceRates, Work, program_work
+from revtrain.planning.cost import DeviceRates, Work, jaxpr_work
 from revtrain.planning.ledger import AbstractLedger, LedgerRow
 from revtrain.trainers import MemoryEfficientTrainer, Trainer
 from revtrain.trainers.block.block_trainer import BlockTrainer
+from revtrain.trainers.common.base import is_abstract
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,9 +147,11 @@ def estimate(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
     if batch_size is not None:
         signature = with_batch_size(signature, batch_size)
     layers = [model, loss_layer]
-    with abstract_values(layers):
+    swap = (contextlib.nullcontext() if is_abstract([layer.weights for layer in layers])
+            else abstract_values(layers))  # An abstract model is used as it is.
+    with swap:
         trainer = trainer_class.from_model(model, loss_layer, optimizer_fn, **options)
-    ledger = AbstractLedger(trainer.placement, ResidentBytes, cost=program_work)
+    ledger = AbstractLedger(trainer.placement, ResidentBytes, cost=jaxpr_work)
     if isinstance(trainer, BlockTrainer):
         store = trainer.abstract_store(ledger.values)
         ledger.resident = store.resident_bytes

@@ -121,8 +121,8 @@ class AbstractLedger:
         position has: per device for an op's first argument, else replicated).
       resident: ``() -> ResidentBytes``, the trainer's bytes on the device now (an
         attribute: the caller may set it once the store is built).
-      cost: ``(jitted fn, abstract args) -> Work``, the per-device work of one call
-        (`revtrain.planning.cost.program_work`), or None.
+      cost: ``jaxpr -> Work``, the per-device work of one call of a program with that
+        jaxpr (`revtrain.planning.cost.jaxpr_work`), or None.
 
     Attributes:
       rows: one `LedgerRow` per dispatch and phase, in order.
@@ -134,7 +134,7 @@ class AbstractLedger:
     """
 
     def __init__(self, placement: Placement, resident: Callable[[], ResidentBytes],
-                 cost: Callable[[Callable, tuple], Work] | None = None):
+                 cost: Callable[[Any], Work] | None = None):
         self.rows: list[LedgerRow] = []
         self.values = LiveValues()
         self.work = Work()
@@ -162,11 +162,12 @@ class AbstractLedger:
             if isinstance(a, jax.ShapeDtypeStruct) else a for a in leaves))
         if key not in self._programs:
             start = time.perf_counter()
-            compiled = fn.lower(*args).compile()
+            traced = fn.trace(*args)  # Traced once: the work is counted on its jaxpr.
+            work = Work() if self._cost is None else self._cost(traced.jaxpr)
+            compiled = traced.lower().compile()
             self.compile_s += time.perf_counter() - start
             stats = compiled.memory_analysis()
             alias = getattr(stats, "alias_size_in_bytes", 0)
-            work = Work() if self._cost is None else self._cost(fn, args)
             self._programs[key] = _Program(int(stats.temp_size_in_bytes),
                                            int(max(stats.output_size_in_bytes - alias, 0)),
                                            compiled.out_info, work)

@@ -26,7 +26,9 @@ rates measured on the device), best first.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,6 +41,7 @@ from revtrain.parallel.placement import Placement
 from revtrain.planning.cost import DeviceRates, measure_rates
 from revtrain.planning.estimate import Estimate, estimate
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
+from revtrain.training.accumulation import accumulating_optimizer
 
 DEFAULT_MARGIN = 0.1
 
@@ -180,7 +183,9 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
         the signature's batch is the global batch of one optimizer update.
       memory_budget: bytes of one device's memory the step may use (positive).
       candidates: default `default_candidates`; a candidate whose trainer refuses its
-        options (e.g. remat of a model that is not a ``Serial``) is left out.
+        options (e.g. remat of a model that is not a ``Serial``) is left out. They are
+        estimated side by side in threads (the model's layers are only read: an abstract
+        model is used as it is).
       margin: the fraction of the budget kept free, in [0, 1).
       fixed_batch: keep the global batch (accumulating micro-batches where it does not
         fit); False: each candidate at the largest batch that fits, up to ``max_batch``.
@@ -211,19 +216,28 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
     placement = Placement.resolve() if placement is None else placement
     unit = placement.n_devices // placement.n_seq
     rates = measure_rates() if rates is None else rates
-    choices, errors = [], []
-    for candidate in candidates:
-        def at(rows: int, c: Candidate = candidate) -> Estimate:
-            return estimate(model, loss_layer, batch_signature, optimizer_fn,
-                            c.trainer_class, batch_size=rows, learning_rate=learning_rate,
-                            placement=placement, **c.options)
+
+    def search(candidate: Candidate) -> Choice | str:
+        def at(rows: int) -> Estimate:
+            # Micro-batches of a fixed batch are trained with MultiSteps, whose gradient
+            # accumulator is one more copy of the weights.
+            k = batch // rows if fixed_batch and rows < batch else 1
+            return estimate(model, loss_layer, batch_signature,
+                            accumulating_optimizer(optimizer_fn, k),
+                            candidate.trainer_class, batch_size=rows,
+                            learning_rate=learning_rate, placement=placement,
+                            **candidate.options)
         try:
-            choice = _search(candidate, at, batch, unit, limit, fixed_batch,
-                             max_batch or 64 * batch, rates, length)
+            return _search(candidate, at, batch, unit, limit, fixed_batch,
+                           max_batch or 64 * batch, rates, length)
         except (TypeError, ValueError) as error:
-            errors.append(f"{candidate.name}: {error}")
-            continue
-        choices.append(choice)
+            return f"{candidate.name}: {error}"
+
+    # The candidates side by side: XLA compiles without holding the GIL.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(search, candidates))
+    choices = [r for r in results if isinstance(r, Choice)]
+    errors = [r for r in results if isinstance(r, str)]
     if not choices:
         raise ValueError("no candidate could be estimated: " + "; ".join(errors))
     ranked = sorted(choices, key=lambda c: (not c.fits, -c.tokens_per_second if c.fits
@@ -235,43 +249,48 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
 def _search(candidate: Candidate, at: Callable[[int], Estimate], batch: int, unit: int,
             limit: int, fixed_batch: bool, max_batch: int, rates: DeviceRates,
             length: int) -> Choice:
-    """The candidate's `Choice` (module docstring: the peak is affine in the batch)."""
+    """The candidate's `Choice`: the configured batch if it fits (fixed batch), else the
+    largest batch predicted to fit -- the line through the last two estimates, or from one
+    estimate the peak less the trainer's own values growing in proportion to the batch --
+    estimated to check it, until the largest that fits sits next to the smallest that
+    does not (at most six more estimates)."""
     full = at(batch)
-    if fixed_batch and full.peak_bytes <= limit:
+    fits = full.peak_bytes <= limit
+    if fixed_batch and fits:
         return _choice(candidate, full, True, 1, rates, length)
-    small = full if batch == unit else at(unit)
-    if small.peak_bytes > limit:
-        return _choice(candidate, small, False, 1, rates, length)
-    other = full if batch != unit else at(2 * unit)
-    per_row = max((other.peak_bytes - small.peak_bytes) / (other.batch_size - unit), 1.0)
-    largest = unit + int((limit - small.peak_bytes) / per_row) // unit * unit
-    if fixed_batch:
-        sizes = [b for b in _divisors_in_units(batch, unit) if b <= largest] or [unit]
-    else:
-        sizes = list(range(min(largest, max_batch // unit * unit), unit - 1, -unit)) or [unit]
-    known = {e.batch_size: e for e in (small, other, full)}
-    k = 0
-    while True:  # The predicted size first; then steps down, doubling, to ``unit``.
-        rows = sizes[min(k, len(sizes) - 1)]
-        e = known.get(rows) or at(rows)
+    sizes = (_divisors_in_units(batch, unit) if fixed_batch
+             else list(range(max(max_batch // unit, 1) * unit, 0, -unit)))
+    points = [full]
+    low, high = (full, None) if fits else (None, full)
+    for _ in range(6):
+        last = points[-1]
+        per_row = _variable_bytes(last) / last.batch_size
+        if len(points) >= 2 and points[-2].batch_size != last.batch_size:
+            per_row = ((last.peak_bytes - points[-2].peak_bytes)
+                       / (last.batch_size - points[-2].batch_size))
+        predicted = last.batch_size + (limit - last.peak_bytes) / max(per_row, 1.0)
+        between = [b for b in sizes if (low is None or b > low.batch_size)
+                   and (high is None or b < high.batch_size)]
+        if not between:
+            break
+        rows = next((b for b in between if b <= predicted), between[-1])
+        e = at(rows)
+        points.append(e)
         if e.peak_bytes <= limit:
-            return _choice(candidate, e, True, batch // rows if fixed_batch else 1, rates,
-                           length)
-        k = 2 * k + 1
+            low = e
+        else:
+            high = e
+    if low is None:
+        return _choice(candidate, points[-1] if high is None else high, False, 1, rates,
+                       length)
+    return _choice(candidate, low, True, batch // low.batch_size if fixed_batch else 1,
+                   rates, length)
 
 
-def candidate_bindings(choice: Choice, trainer_kwargs: Mapping[str, Any] | None) -> list[str]:
-    """The gin bindings that apply ``choice`` to a run: the trainer class, its options
-    merged into the run's ``trainer_kwargs``, and the accumulation steps."""
-    kwargs = {k: v for k, v in (trainer_kwargs or {}).items()
-              if k not in ("remat", "remat_policy")}
-    kwargs.update(choice.candidate.options)
-    lines = [f"RunConfig.trainer_class = @{choice.candidate.trainer_class.__name__}"]
-    lines.append(f"RunConfig.trainer_kwargs = {kwargs!r}")
-    lines.append(f"RunConfig.accumulate_steps = {choice.accumulate_steps}")
-    return lines
+def _variable_bytes(e: Estimate) -> int:
+    """What grows with the batch at the peak: all but the trainer's own values."""
+    return e.activation_bytes + e.temp_bytes
 
 
-__all__ = ["DEFAULT_MARGIN", "Candidate", "Choice", "Plan", "candidate_bindings",
-           "default_candidates", "plan"]
+__all__ = ["DEFAULT_MARGIN", "Candidate", "Choice", "Plan", "default_candidates", "plan"]
 

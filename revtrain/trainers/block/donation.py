@@ -130,6 +130,11 @@ class Program:
         jitted, leaves, _ = self._entry(args, values, shared)
         return jitted.lower(*leaves)
 
+    def trace(self, args: Any, values: Any, shared: Any) -> Any:
+        """``jax.jit(...).trace`` of the call: its jaxpr, and ``lower()`` from it."""
+        jitted, leaves, _ = self._entry(args, values, shared)
+        return jitted.trace(*leaves)
+
     def donated(self, args: Any, values: Any, shared: Any) -> tuple[bool, ...]:
         """Per leaf of ``args`` (``jax.tree.leaves`` order), whether the call donates it."""
         return self._entry(args, values, shared)[2]
