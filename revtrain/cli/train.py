@@ -7,6 +7,7 @@ See `revtrain.cli` for the flags every program shares, signals and the conventio
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -25,7 +26,10 @@ from revtrain.cli.common import (
     print_metrics,
     run,
 )
+from revtrain.cli.plan import checked_budget, define_budget_flags
 from revtrain.training.run_directory import CHECKPOINT_DIR, TENSORBOARD_CONFIG_DIR
+
+logger = logging.getLogger(__name__)
 
 
 def _write_operative_config(output_dir: str) -> Callable:
@@ -56,6 +60,58 @@ def _print_summary(loop) -> None:
         print(loop.summary, flush=True)
 
 
+def _apply_memory_budget(fv: flags.FlagValues, output_dir: str) -> list[Callable]:
+    """With ``--memory_budget``: plans the run (`revtrain.planning.runs.plan_run`), applies
+    the pick's gin bindings, and returns the `Loop` callbacks that record them in
+    ``plan.gin`` and log the predicted peak beside the first step's measured one. A run
+    resumed with a ``plan.gin`` reapplies it (a new pick could change the trainer or the
+    accumulation under its checkpoints); nothing is written before the plan is made.
+
+    Raises:
+      UsageError: for a malformed budget, a budget nothing fits (one line naming the
+        smallest predicted peak and what would fit), or a run started without a budget.
+    """
+    if fv.memory_budget is None:
+        return []
+    budget = checked_budget(fv)
+    from revtrain import configurables
+    from revtrain.planning.runs import PLAN_FILE, FirstStepPeak, applied_bindings, plan_run
+    from revtrain.training.write_failures import checkpoint_steps
+
+    recorded = os.path.join(output_dir, PLAN_FILE)
+    if os.path.isfile(recorded):
+        gin.parse_config_file(recorded)
+        logger.info("resuming with the plan recorded in %s", recorded)
+        return []
+    if checkpoint_steps(os.path.join(output_dir, CHECKPOINT_DIR)):
+        raise UsageError(f"--memory_budget: the run in {output_dir} was started without a "
+                         f"plan, and a new pick could change its trainer under its "
+                         f"checkpoints; resume it without --memory_budget, or start a new "
+                         f"--output_dir")
+    run_config = configurables.run_configs()["run"]
+    result = plan_run(run_config, budget, margin=fv.memory_margin)
+    pick = result.pick
+    if pick is None:
+        raise UsageError(f"--memory_budget={fv.memory_budget}: {result.nothing_fits()}")
+    bindings = applied_bindings(pick, run_config)
+    logger.info("plan under %s:\n%s\npick: %s at batch %d x %d, predicted peak %d bytes",
+                fv.memory_budget, result.table(), pick.candidate.name,
+                pick.estimate.batch_size, pick.accumulate_steps, pick.estimate.peak_bytes)
+    gin.parse_config(bindings)
+
+    def record(loop) -> None:
+        if is_chief():
+            from revtrain.training.write_failures import reporting_write_failures
+            text = "\n".join([f"# revtrain-train --memory_budget={fv.memory_budget} "
+                              f"applied:", *bindings, ""])
+            with (reporting_write_failures(f"write {recorded}",
+                                           os.path.join(output_dir, CHECKPOINT_DIR)),
+                  open(recorded, "w", encoding="utf-8") as f):
+                f.write(text)
+        loop.trainer.observers.append(FirstStepPeak(pick.estimate.peak_bytes))
+    return [record]
+
+
 def _train(fv: flags.FlagValues) -> int:
     if not fv.output_dir:
         raise UsageError("--output_dir is required (checkpoints, metrics and config.gin go "
@@ -73,9 +129,10 @@ def _train(fv: flags.FlagValues) -> int:
         raise UsageError(str(legacy_binding_error(removed)))
     output_dir = os.path.abspath(fv.output_dir)
     use_flagged_cache(fv)
+    planned = _apply_memory_budget(fv, output_dir)
     loop = configurables.train(output_dir=output_dir,
                                callbacks=[_write_operative_config(output_dir),
-                                          _print_summary],
+                                          _print_summary, *planned],
                                **configurables.run_configs())
     if loop.interrupted_by is not None:
         name = signal.Signals(loop.interrupted_by).name
@@ -95,6 +152,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     fv = common_flags("Directory for checkpoints, metrics.jsonl, TensorBoard files and "
                        "config.gin; an existing run there is resumed.")
     define_cache_flags(fv)
+    define_budget_flags(fv)
     return run("revtrain-train", fv, argv, _train)
 
 

@@ -10,13 +10,21 @@ its ``accumulate_steps`` (the options that say where values live -- ``n_devices`
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import jax
+
+from revtrain import memory
+from revtrain.memory import MemoryLedger
 from revtrain.planning.plan import DEFAULT_MARGIN, Choice, Plan, plan
 from revtrain.training.builder import build_model, resolve_inputs
 from revtrain.training.config import RunConfig
 
 _PLACEMENT_OPTIONS = ("n_devices", "mesh", "fsdp", "placement")
+PLAN_FILE = "plan.gin"  # The bindings a planned run applied, reapplied on resume.
+
+logger = logging.getLogger(__name__)
 
 
 def plan_run(run: RunConfig, memory_budget: int, margin: float = DEFAULT_MARGIN,
@@ -50,4 +58,44 @@ def applied_bindings(choice: Choice, run: RunConfig) -> list[str]:
             f"RunConfig.accumulate_steps = {choice.accumulate_steps}"]
 
 
-__all__ = ["applied_bindings", "plan_run"]
+
+
+class FirstStepPeak:
+    """A trainer observer that logs the planned peak beside the measured one after the
+    first step, then does nothing more.
+
+    Measured: the allocator's peak (``memory_stats``, GPU/TPU) or, on a CPU, a
+    `revtrain.memory.MemoryLedger` of the first step (the planner's sum, measured).
+
+    Args:
+      predicted: the plan's predicted peak bytes.
+      device: the measured device (default the first local one).
+    """
+
+    def __init__(self, predicted: int, device: Any = None):
+        device = jax.local_devices()[0] if device is None else device
+        self.predicted = predicted
+        self.measured: int | None = None
+        self._device = device
+        self._ledger = MemoryLedger(device) if memory.peak_bytes(device) is None else None
+
+    def on_dispatch(self, label: str, fn: Any, args: tuple) -> None:
+        if self._ledger is not None and self.measured is None:
+            self._ledger.on_dispatch(label, fn, args)
+
+    def on_phase(self, label: str) -> None:
+        if self.measured is not None:
+            return
+        if self._ledger is not None:
+            self._ledger.on_phase(label)
+        if label == "step_end":
+            self.measured = (self._ledger.peak_bytes if self._ledger is not None
+                             else memory.peak_bytes(self._device) or 0)
+            method = "ledger" if self._ledger is not None else "memory_stats"
+            ratio = self.predicted / self.measured if self.measured else float("nan")
+            logger.info("first step: predicted peak %s, measured %s (%s): predicted/measured "
+                        "%.3f", memory.format_bytes(self.predicted),
+                        memory.format_bytes(self.measured), method, ratio)
+
+
+__all__ = ["PLAN_FILE", "FirstStepPeak", "applied_bindings", "plan_run"]
