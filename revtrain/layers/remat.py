@@ -42,7 +42,9 @@ class Remat(Layer):
 
     The saving is measured by ``benchmarks/memory_vs_depth.py`` (its "Trainer + remat"
     rows, docs/benchmarks.md): the peak stays well below `Trainer`'s, but it still grows
-    with depth, since one input per wrapped layer is stored.
+    with depth, since one input per wrapped layer is stored. ``Trainer(remat='layer')``
+    checkpoints a model's layers without wrapping them (weights keep their tree;
+    `RematSchedule`).
 
     Args:
       layer: the layer whose forward pass is recomputed in the backward pass.

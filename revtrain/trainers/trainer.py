@@ -89,24 +89,24 @@ class Trainer(TrainerBase):
         growing with depth). The public values and checkpoints stay one entry per layer.
         Element-wise optimizers give bitwise the unstacked results; global-norm ones
         agree to float rounding. False: per-layer leaves (the forward still scans).
-      remat: rematerialisation (``jax.checkpoint``, JAX's ``remat``): None (default)
-        stores every activation of the step for the backward pass. ``'layer'`` runs each
-        layer of ``model_with_loss`` -- a `Serial`: each of its sublayers, and in a run of
-        equal layers each repetition of the run's group, the scan body -- under
-        ``jax.checkpoint``, so the backward pass keeps one input per layer and recomputes
-        a layer's activations just before its own backward pass (about one more forward
-        pass per step). An int ``k >= 1`` checkpoints groups of ``k`` consecutive layers
-        (``1`` is ``'layer'``): a run is grouped on its own, as a scan over groups of
-        ``k`` repetitions, each an inner scan under one checkpoint; when ``k`` does not
-        divide the run's repeats the last group is the shorter remainder (its share of
-        the run's weights sliced off: a copy). Layers between runs are grouped ``k`` at a
-        time in order (`revtrain.layers.remat.RematSchedule`). The loss (the last
-        sublayer) runs without a checkpoint: its backward pass follows its forward pass
-        at once, so a checkpoint would add a recomputation and save nothing. Only the
-        top-level sublayers count: `Trainer.from_model` (and
-        `revtrain.training.build_trainer`) give the flat model; a nested model is one
-        layer. Losses and weights equal the non-remat step's to float rounding (bitwise
-        on CPU in the tests); weights, slots and checkpoints keep their layout.
+      remat: which layers run under ``jax.checkpoint`` (rematerialisation, JAX's
+        ``remat``), so the backward pass keeps only their inputs and recomputes their
+        activations: None (default) none, every activation is stored; ``'layer'`` each
+        layer; an int ``k >= 1`` each group of ``k`` consecutive layers (``1`` is
+        ``'layer'``). A layer is one sublayer of ``model_with_loss`` (a `Serial`), and in a
+        run of equal layers one repetition of the run's group: the scan body (for the
+        reversible LM, one attention + feed-forward block). A run is grouped on its own,
+        as a scan over groups of ``k`` repetitions, each an inner scan under one
+        checkpoint; when ``k`` does not divide the run's repeats the last group is the
+        shorter remainder (its share of the run's weights sliced off: a copy). Layers
+        between runs are grouped ``k`` at a time in order
+        (`revtrain.layers.remat.RematSchedule`). The loss (the last sublayer) runs without
+        a checkpoint: its backward pass follows its forward pass at once, so a checkpoint
+        would add a recomputation and save nothing. Only the top-level sublayers count:
+        `Trainer.from_model` (and `revtrain.training.build_trainer`) give the flat model;
+        a nested model is one layer. A step costs about one more forward pass. Losses and
+        weights equal the non-remat step's to float rounding (bitwise on CPU in the
+        tests); weights, slots and checkpoints keep their layout.
       remat_policy: with ``remat``, the ``jax.checkpoint`` policy deciding which values
         inside a checkpointed group are saved after all: a ``jax.checkpoint_policies``
         member or its name (for gin), e.g. ``'dots_with_no_batch_dims_saveable'``
