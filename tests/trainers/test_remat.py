@@ -11,7 +11,6 @@ import optax
 import pytest
 
 from revtrain import layers as tl
-from revtrain.memory import _abstract_leaf
 from revtrain.trainers import Trainer
 from tests.trainers.conftest import (
     adam,
@@ -99,7 +98,9 @@ class _StepTemp:
 
     def on_dispatch(self, label, fn, args):
         if label == "train_step" and self.bytes is None:
-            compiled = fn.lower(*jax.tree.map(_abstract_leaf, args)).compile()
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a, args)
+            compiled = fn.lower(*abstract).compile()
             self.bytes = compiled.memory_analysis().temp_size_in_bytes
 
 
