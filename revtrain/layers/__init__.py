@@ -5,7 +5,7 @@
   `structure_keys` (when two layers compute the same function);
 - combinators: `combinators` (`Serial`, `Branch`, `Parallel`, `Residual`, ...), `scan`
   (runs of equal layers as one ``lax.scan``), `run_layout` (those runs' weights stacked,
-  and back), `remat` (`Remat`), `fn` (`Fn`, `PureLayer`);
+  and back), `remat` (`Remat`, `RematSchedule`), `fn` (`Fn`, `PureLayer`);
 - core layers: `core` (`Dense`, `Embedding`, `Dropout`, ...), `activations`,
   `normalization`, `conv`, `dropout_masks`, `position_tables`;
 - reversibility: `reversible` (`ReversibleSwap`, `ReversibleHalfResidual`,
@@ -71,7 +71,7 @@ from revtrain.layers.metrics import (
 )
 from revtrain.layers.normalization import BatchNorm, LayerNorm
 from revtrain.layers.projected_loss import ProjectedCrossEntropy
-from revtrain.layers.remat import Remat
+from revtrain.layers.remat import Remat, RematSchedule, checkpoint_policy
 from revtrain.layers.reversible import (
     ReversibleHalfResidual,
     ReversibleLayer,
@@ -104,6 +104,8 @@ __all__ = [
     "sequence_parallel",
     "Chunk",
     "Remat",
+    "RematSchedule",
+    "checkpoint_policy",
     "ReversibleHalfResidual", "ReversibleLayer", "ReversibleReshape", "ReversibleSelect",
     "ReversibleSerial", "ReversibleSwap", "Block", "blocks_to_layers", "extract_reversible_blocks",
     "init_reversible_blocks", "nest_flat_values", "reconstruction_error",

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from revtrain.layers.layer import Layer
+from revtrain.layers.remat import RematSchedule
 from revtrain.layers.scan import run_in_series, serial_arity
 from revtrain.layers.sequence_parallel import check_not_split
 from revtrain.layers.stack import (
@@ -91,10 +92,14 @@ class Serial(Layer):
         """Whether repeated groups of sublayers run as one ``jax.lax.scan``."""
         return self._scan
 
-    def forward_with_state(self, x, weights, state, rng):
+    def forward_with_state(self, x, weights, state, rng, remat: RematSchedule | None = None):
+        """`Layer.forward_with_state`; ``remat`` runs groups of sublayers under
+        ``jax.checkpoint`` (`revtrain.layers.remat.RematSchedule`; the trainer's
+        ``Trainer(remat=...)``), with the same values to float rounding."""
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
-        return run_in_series(self.sublayers, x, weights, state, rng, scan=self._scan)
+        return run_in_series(self.sublayers, x, weights, state, rng, scan=self._scan,
+                             remat=remat)
 
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)

@@ -76,6 +76,7 @@ from revtrain.layers.combinators import Concatenate, Serial
 from revtrain.layers.core import Dense
 from revtrain.layers.layer import Layer
 from revtrain.layers.metrics import CrossEntropyLoss, WeightedCategoryCrossEntropy
+from revtrain.layers.remat import RematSchedule
 from revtrain.layers.scan import run_in_series
 from revtrain.layers.stack import check_n_items, check_per_sublayer
 
@@ -343,11 +344,13 @@ class FusedSerial(Serial):
         (`find_heads`)."""
         return self._heads
 
-    def forward_with_state(self, x, weights, state, rng):
+    def forward_with_state(self, x, weights, state, rng, remat: RematSchedule | None = None):
+        """`Serial.forward_with_state` of the rewritten layers (a fused head is one layer,
+        its stand-ins weightless)."""
         check_n_items(self, x)
         check_per_sublayer(self, weights=weights, state=state)
         return run_in_series(self._fused, x, _fused_weights(weights, self._heads), state, rng,
-                             scan=self.scan)
+                             scan=self.scan, remat=remat)
 
 
 def fuse_loss_heads(layer: Layer) -> Layer:

@@ -1,4 +1,8 @@
-"""`Remat`: a layer whose activations are recomputed in the backward pass (``jax.checkpoint``).
+"""Rematerialisation: activations recomputed in the backward pass (``jax.checkpoint``).
+
+`Remat` wraps one layer; `RematSchedule` says which groups of a `revtrain.layers.Serial`'s
+sublayers run under one checkpoint each (``Serial.forward_with_state(..., remat=...)``,
+`revtrain.layers.scan.run_in_series`; `revtrain.trainers.Trainer`'s ``remat`` option).
 
 Under ``jax.grad`` a `Remat` layer keeps only its inputs for the backward pass and runs its
 sublayer's forward computation again there, so the activations inside the sublayer are not
@@ -14,6 +18,8 @@ References: ``jax.checkpoint`` (also ``jax.remat``) and its ``policy`` argument
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +42,9 @@ class Remat(Layer):
 
     The saving is measured by ``benchmarks/memory_vs_depth.py`` (its "Trainer + remat"
     rows, docs/benchmarks.md): the peak stays well below `Trainer`'s, but it still grows
-    with depth, since one input per wrapped layer is stored.
+    with depth, since one input per wrapped layer is stored. ``Trainer(remat='layer')``
+    checkpoints a model's layers without wrapping them (weights keep their tree;
+    `RematSchedule`).
 
     Args:
       layer: the layer whose forward pass is recomputed in the backward pass.
@@ -73,4 +81,95 @@ class Remat(Layer):
         return (weights,), (state,)
 
 
-__all__ = ["Remat"]
+@dataclasses.dataclass(frozen=True)
+class RematSchedule:
+    """Which consecutive layers of a series run under one ``jax.checkpoint``.
+
+    A series (`revtrain.layers.scan.run_in_series`) is cut into *units*: one repetition of
+    a run's repeated group (a scanned run's scan body, e.g. a Transformer block's four
+    reversible layers) or one layer outside runs. Groups of ``every`` consecutive units
+    each run under one checkpoint, so the backward pass keeps one input per group and
+    recomputes a group's activations just before its own backward pass (Chen et al.,
+    2016). A run is grouped on its own (a scan over groups of ``every`` repetitions, each
+    group an inner scan under one checkpoint; when ``every`` does not divide the run's
+    repeats the last group is the shorter remainder); the layers between runs are grouped
+    ``every`` at a time in order, the last group shorter. A run whose group changes its
+    carry's types on the first repetition runs that repetition as a group of its own.
+
+    Args:
+      every: units per checkpoint, an int >= 1 (1: every layer).
+      policy: a ``jax.checkpoint`` policy (a ``jax.checkpoint_policies`` member such as
+        ``dots_with_no_batch_dims_saveable``): which values inside a group may be saved
+        after all; None saves nothing but each group's inputs (``nothing_saveable``).
+      include_last: False runs the series' last layer (a trainer's loss) without a
+        checkpoint when it is not part of a run: its backward pass follows its forward
+        pass at once, so checkpointing it would add a recomputation and save nothing.
+
+    Raises:
+      ValueError: for ``every`` that is not an int >= 1.
+      TypeError: for a ``policy`` that is not callable, or a non-bool ``include_last``.
+    """
+
+    every: int = 1
+    policy: Callable[..., Any] | None = None
+    include_last: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"RematSchedule every={self.every!r} must be an int >= 1 "
+                             f"(layers per checkpoint); use e.g. every=1")
+        if self.policy is not None and not callable(self.policy):
+            raise TypeError(f"RematSchedule policy={self.policy!r} is not callable; use a "
+                            f"jax.checkpoint_policies member or None")
+        if not isinstance(self.include_last, bool):
+            raise TypeError(f"RematSchedule include_last={self.include_last!r} must be True "
+                            f"or False")
+
+    def checkpointed(self, fn: Callable[..., Any], in_scan: bool = False) -> Callable[..., Any]:
+        """``jax.checkpoint(fn)`` with this policy; ``in_scan``: ``fn`` is a scan's body,
+        which needs no barrier against common-subexpression elimination
+        (``prevent_cse=False``, as the ``jax.checkpoint`` documentation advises)."""
+        return jax.checkpoint(fn, policy=self.policy, prevent_cse=not in_scan)
+
+
+def checkpoint_policy(policy: str | Callable[..., Any] | None,
+                      name: str = "remat_policy") -> Callable[..., Any] | None:
+    """A ``jax.checkpoint`` policy: ``policy`` itself, or the ``jax.checkpoint_policies``
+    member of that name (so a gin file can name one, e.g.
+    ``'dots_with_no_batch_dims_saveable'``); None stays None.
+
+    Raises:
+      ValueError: for a name that is not a policy of ``jax.checkpoint_policies`` (a factory
+        such as ``save_only_these_names`` is one only once called).
+      TypeError: for anything else that is not callable.
+    """
+    if policy is None or (callable(policy) and not isinstance(policy, str)):
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"{name}={policy!r} is not callable; use a jax.checkpoint_policies "
+                        f"member (or its name), e.g. {name}='dots_with_no_batch_dims_saveable'"
+                        f", or None")
+    member = getattr(jax.checkpoint_policies, policy, None)
+    if policy.startswith("_") or not _is_policy(member):
+        raise ValueError(f"{name}={policy!r} is not a policy of jax.checkpoint_policies; use "
+                         f"one of {_policy_names()}")
+    return member
+
+
+def _is_policy(member: Any) -> bool:
+    """A policy takes a primitive and its parameters (``**params``); a factory does not."""
+    if not callable(member):
+        return False
+    try:
+        parameters = inspect.signature(member).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _policy_names() -> list[str]:
+    return sorted(n for n in dir(jax.checkpoint_policies)
+                  if not n.startswith("_") and _is_policy(getattr(jax.checkpoint_policies, n)))
+
+
+__all__ = ["Remat", "RematSchedule", "checkpoint_policy"]

@@ -24,11 +24,17 @@ and its new state is returned in its own slot. Public weights and states keep th
 (one entry per layer); stacking happens inside the traced function, so it costs one
 transient copy of the run's weights and states.
 
-Reference: the flax ``nn.scan`` lifted transform and MaxText's ``scan_layers`` option.
+With a `revtrain.layers.remat.RematSchedule`, groups of layers run under one
+``jax.checkpoint`` each (a scanned run: its scan body, or an inner scan over a group of
+repetitions), so the backward pass keeps one input per group; values are unchanged.
+
+Reference: the flax ``nn.scan`` lifted transform and MaxText's ``scan_layers`` option
+(and its ``remat_policy``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -37,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from revtrain.layers.layer import Layer, State, Weights
+from revtrain.layers.remat import RematSchedule
 from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
 
 MIN_REPEATS = 2
@@ -161,10 +168,11 @@ def _stacked(trees: Sequence[Any]) -> Any:
 
 
 def _scan_run(layers: Sequence[Layer], repeats: int, stack: Any, per_position: tuple,
-              states: Sequence, keys: jax.Array | None) -> tuple[Any, list]:
+              states: Sequence, keys: jax.Array | None,
+              remat: RematSchedule | None = None) -> tuple[Any, list]:
     """Runs ``layers`` (one group) ``repeats`` times by ``lax.scan`` over ``per_position``
     (a `StackedRun`'s stacked weights); states and keys (an array, or None) are flat over
-    the run (``repeats * len(layers)`` entries)."""
+    the run (``repeats * len(layers)`` entries). ``remat``: `_scan_in_groups`."""
     p, (n_in, _) = len(layers), serial_arity(layers)
     stacked_states = tuple(_stacked(states[j::p]) for j in range(p))
     xs_keys = None if keys is None else keys.reshape((repeats, p) + keys.shape[1:])
@@ -175,11 +183,78 @@ def _scan_run(layers: Sequence[Layer], repeats: int, stack: Any, per_position: t
         return _run_group(layers, carry, group_weights, group_states, group_keys)
 
     xs = (tuple(per_position), stacked_states, xs_keys)
-    carry, new_states = jax.lax.scan(body, inputs_from_stack(stack, n_in), xs, length=repeats)
+    scan = jax.lax.scan if remat is None else functools.partial(_scan_in_groups, remat=remat)
+    carry, new_states = scan(body, inputs_from_stack(stack, n_in), xs, length=repeats)
     stack = outputs_onto_stack(carry, stack, n_in)
     flat_states = [jax.tree.map(lambda a, i=i: a[i], new_states[j])
                    for i in range(repeats) for j in range(p)]
     return stack, flat_states
+
+
+def _scan_in_groups(body: Callable, carry: Any, xs: Any, length: int,
+                    remat: RematSchedule) -> tuple[Any, Any]:
+    """``lax.scan(body, carry, xs, length=length)`` with ``remat.every`` iterations per
+    ``jax.checkpoint``: every iteration checkpointed (``every == 1``), else a scan over
+    groups (``xs`` reshaped to ``[length // every, every, ...]``), each group an inner
+    scan under one checkpoint, and the remainder (``length % every`` iterations, sliced
+    off: a copy of its share of ``xs``) one more, shorter group."""
+    every = min(remat.every, length)
+    if every == 1:
+        return jax.lax.scan(remat.checkpointed(body, in_scan=True), carry, xs, length=length)
+    n_groups, rest = divmod(length, every)
+
+    def group(carry, group_xs, size=every):
+        return jax.lax.scan(body, carry, group_xs, length=size)
+
+    head = xs if not rest else jax.tree.map(lambda a: a[:n_groups * every], xs)
+    grouped = jax.tree.map(lambda a: a.reshape((n_groups, every) + a.shape[1:]), head)
+    carry, ys = jax.lax.scan(remat.checkpointed(group, in_scan=True), carry, grouped,
+                             length=n_groups)
+    ys = jax.tree.map(lambda a: a.reshape((n_groups * every,) + a.shape[2:]), ys)
+    if rest:
+        tail = jax.tree.map(lambda a: a[n_groups * every:], xs)
+        carry, tail_ys = remat.checkpointed(functools.partial(group, size=rest))(carry, tail)
+        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, tail_ys)
+    return carry, ys
+
+
+class _Units:
+    """Units of a series (a layer outside runs, or one repetition of a run's group) that
+    wait to run unrolled, in order: together, or ``remat.every`` per ``jax.checkpoint``
+    (`revtrain.layers.remat.RematSchedule`); ``new_states`` collects the series' new
+    states, one per layer."""
+
+    def __init__(self, layers: Sequence[Layer], weights: list, state: list, keys: list,
+                 remat: RematSchedule | None):
+        self._values = (layers, weights, state, keys)  # ``weights`` is updated in place.
+        self._remat, self._units, self.new_states = remat, [], []
+
+    def add(self, start: int, end: int) -> None:
+        self._units.append((start, end))
+
+    def run(self, stack: Any) -> Any:
+        """Runs the waiting units on ``stack``; returns the new stack."""
+        for start, end, checkpoint in self._groups():
+            layers, weights, state, keys = (v[start:end] for v in self._values)
+            fn = functools.partial(_run_group, layers)
+            if checkpoint:
+                fn = self._remat.checkpointed(fn)
+            stack, states = fn(stack, weights, state, keys)
+            self.new_states += states
+        self._units = []
+        return stack
+
+    def _groups(self) -> list[tuple[int, int, bool]]:
+        """``(start, end, checkpointed)`` of each group of consecutive units."""
+        units, remat, n = self._units, self._remat, len(self._values[0])
+        if not units:
+            return []
+        if remat is None:
+            return [(units[0][0], units[-1][1], False)]
+        last = [] if remat.include_last or units[-1] != (n - 1, n) else [(n - 1, n, False)]
+        units = units[:len(units) - len(last)]
+        return [(units[i][0], units[min(i + remat.every, len(units)) - 1][1], True)
+                for i in range(0, len(units), remat.every)] + last
 
 
 def _segments(layers: Sequence[Layer], weights: list, state: list) -> list:
@@ -197,7 +272,8 @@ def _segments(layers: Sequence[Layer], weights: list, state: list) -> list:
 
 
 def run_in_series(layers: Sequence[Layer], stack: Any, weights: Weights, state: State,
-                  rng: jax.Array | None, scan: bool = True) -> tuple[Any, tuple]:
+                  rng: jax.Array | None, scan: bool = True,
+                  remat: RematSchedule | None = None) -> tuple[Any, tuple]:
     """Runs ``layers`` one after another on ``stack``, scanning repeated runs.
 
     Args:
@@ -209,44 +285,57 @@ def run_in_series(layers: Sequence[Layer], stack: Any, weights: Weights, state: 
       rng: split into one key per layer (``jax.random.split(rng, len(layers))``, as
         `Serial`); None gives every layer None.
       scan: False runs every layer unrolled (stacked runs are split first).
+      remat: run groups of layers under one ``jax.checkpoint`` each, as this
+        `revtrain.layers.remat.RematSchedule` says (the same groups scanned or unrolled);
+        None: no checkpoints.
 
     Returns:
       ``(stack, new_states)``, ``new_states`` one per layer: the values the unrolled
-      layers give.
+      layers give (with ``remat``, to float rounding: XLA may fuse a recomputation
+      differently).
     """
     weights, state = list(weights), list(state)
     all_keys = None if rng is None or not layers else jax.random.split(rng, len(layers))
     keys = [None] * len(layers) if all_keys is None else list(all_keys)
     segments = _segments(layers, weights, state)
     if not scan or len(layers) < MIN_REPEATS:
-        return _run_group(layers, stack, _split_stacked(weights), state, keys)
-    new_states: list = []
+        if remat is None:
+            return _run_group(layers, stack, _split_stacked(weights), state, keys)
+        weights, scan = _split_stacked(weights), False
+    units = _Units(layers, weights, state, keys, remat)
     for start, period, repeats in segments:
+        if repeats == 1:
+            units.add(start, start + period)
+            continue
+        stack = units.run(stack)  # A run is grouped on its own.
         while repeats:
             group = layers[start:start + period]
             end = start + period * repeats
             stacked = weights[start] if isinstance(weights[start], StackedRun) else None
             first = (weights[start:start + period] if stacked is None else
                      [jax.tree.map(lambda a: a[0], w) for w in stacked.per_position])
-            if repeats >= MIN_REPEATS and _scannable(group, stack, first,
-                                                     state[start:end], keys[start:end]):
+            if scan and repeats >= MIN_REPEATS and _scannable(
+                    group, stack, first, state[start:end], keys[start:end]):
                 per_position = (tuple(_stacked(weights[start + j:end:period])
                                       for j in range(period))
                                 if stacked is None else stacked.per_position)
                 run_keys = None if all_keys is None else all_keys[start:end]
                 stack, run_states = _scan_run(group, repeats, stack, per_position,
-                                              state[start:end], run_keys)
-                new_states += run_states
+                                              state[start:end], run_keys, remat)
+                units.new_states += run_states
                 break
-            # The first repetition runs unrolled; the rest may still be a run.
             if stacked is not None:  # Entries of a stacked run that is not scanned.
                 weights[start:end] = stacked.layer_values()
-            end = start + period
-            stack, run_states = _run_group(group, stack, weights[start:end],
-                                           state[start:end], keys[start:end])
-            new_states += run_states
-            start, repeats = end, repeats - 1
-    return stack, tuple(new_states)
+            if not scan:  # Every repetition unrolled, grouped as a scan would group them.
+                for t in range(repeats):
+                    units.add(start + t * period, start + (t + 1) * period)
+                stack = units.run(stack)
+                break
+            # The first repetition runs unrolled; the rest may still be a run.
+            units.add(start, start + period)
+            stack = units.run(stack)
+            start, repeats = start + period, repeats - 1
+    return units.run(stack), tuple(units.new_states)
 
 
 def _split_stacked(weights: Sequence) -> list:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import numbers
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -14,6 +17,7 @@ from revtrain.layers.base import Layer
 from revtrain.layers.blocks import blocks_to_layers, extract_reversible_blocks
 from revtrain.layers.combinators import Serial
 from revtrain.layers.fused_head import fuse_loss_heads
+from revtrain.layers.remat import RematSchedule, checkpoint_policy
 from revtrain.memory import ResidentBytes, abstract_device_bytes
 from revtrain.parallel import transfers
 from revtrain.parallel.batches import device_weight_total, for_n_devices
@@ -86,20 +90,49 @@ class Trainer(TrainerBase):
         growing with depth). The public values and checkpoints stay one entry per layer.
         Element-wise optimizers give bitwise the unstacked results; global-norm ones
         agree to float rounding. False: per-layer leaves (the forward still scans).
+      remat: which layers run under ``jax.checkpoint`` (rematerialisation, JAX's
+        ``remat``), so the backward pass keeps only their inputs and recomputes their
+        activations: None (default) none, every activation is stored; ``'layer'`` each
+        layer; an int ``k >= 1`` each group of ``k`` consecutive layers (``1`` is
+        ``'layer'``). A layer is one sublayer of ``model_with_loss`` (a `Serial`), and in a
+        run of equal layers one repetition of the run's group: the scan body (for the
+        reversible LM, one attention + feed-forward block). A run is grouped on its own,
+        as a scan over groups of ``k`` repetitions, each an inner scan under one
+        checkpoint; when ``k`` does not divide the run's repeats the last group is the
+        shorter remainder (its share of the run's weights sliced off: a copy). Layers
+        between runs are grouped ``k`` at a time in order
+        (`revtrain.layers.remat.RematSchedule`). The loss (the last sublayer) runs without
+        a checkpoint: its backward pass follows its forward pass at once, so a checkpoint
+        would add a recomputation and save nothing. Only the top-level sublayers count:
+        `Trainer.from_model` (and `revtrain.training.build_trainer`) give the flat model;
+        a nested model is one layer. A step costs about one more forward pass. Losses and
+        weights equal the non-remat step's to float rounding (bitwise on CPU in the
+        tests); weights, slots and checkpoints keep their layout.
+      remat_policy: with ``remat``, the ``jax.checkpoint`` policy deciding which values
+        inside a checkpointed group are saved after all: a ``jax.checkpoint_policies``
+        member or its name (for gin), e.g. ``'dots_with_no_batch_dims_saveable'``
+        (matmul outputs kept, the rest recomputed); None saves nothing but each group's
+        inputs (``nothing_saveable``).
 
     Raises:
-      ValueError: for an uninitialised model, an impossible ``n_devices``, or a mesh with
-        an axis outside ``data``/``fsdp``/``seq`` or that contradicts ``n_devices``.
-      TypeError: for a non-bool ``fsdp`` or ``scan_layers``, or a ``mesh`` that is not a
-        Mesh.
+      ValueError: for an uninitialised model, an impossible ``n_devices``, a mesh with
+        an axis outside ``data``/``fsdp``/``seq`` or that contradicts ``n_devices``, a
+        ``remat`` other than None, ``'layer'`` or an int >= 1 (or with a model that is
+        not a `Serial`), a ``remat_policy`` name that is not a ``jax.checkpoint_policies``
+        policy, or a ``remat_policy`` without ``remat``.
+      TypeError: for a non-bool ``fsdp`` or ``scan_layers``, a ``mesh`` that is not a
+        Mesh, or a ``remat_policy`` that is not callable.
     """
 
     def __init__(self, model_with_loss: Layer, optimizer_fn: OptimizerFn,
                  n_devices: int | None = None, mesh: Mesh | None = None, fsdp: bool = False,
-                 placement: Placement | None = None, scan_layers: bool = True):
+                 placement: Placement | None = None, scan_layers: bool = True,
+                 remat: str | int | None = None,
+                 remat_policy: str | Callable[..., Any] | None = None):
         super().__init__([model_with_loss], optimizer_fn, n_devices, mesh, fsdp, placement)
         if not isinstance(scan_layers, bool):
             raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
+        self._remat = self._remat_schedule(remat, remat_policy, model_with_loss)
         self._model = model_with_loss
         # Computed with its LM head and loss fused (no full logits; the same weights and
         # sublayers), found once here: `revtrain.layers.fuse_loss_heads`.
@@ -201,8 +234,42 @@ class Trainer(TrainerBase):
             self._slots = transfers.put_sharded(values.slots, self._shardings["slots"])
         self._init_learning_rate(self._slots)
 
+    @staticmethod
+    def _remat_schedule(remat: Any, remat_policy: Any,
+                        model: Layer) -> RematSchedule | None:
+        """The checkpoint groups of the ``remat`` and ``remat_policy`` arguments (checked)."""
+        policy = checkpoint_policy(remat_policy, "remat_policy")
+        if remat is None:
+            if policy is not None:
+                raise ValueError(f"remat_policy={remat_policy!r} has no effect without remat; "
+                                 f"also set remat='layer' (or remat=k), or drop remat_policy")
+            return None
+        if isinstance(remat, str) and remat == "layer":
+            every = 1
+        elif (isinstance(remat, numbers.Integral) and not isinstance(remat, bool)
+              and remat >= 1):
+            every = int(remat)
+        else:
+            raise ValueError(f"remat={remat!r} must be None, 'layer' (checkpoint every layer) "
+                             f"or an int k >= 1 (every k layers); use e.g. remat='layer' or "
+                             f"remat=2")
+        if not isinstance(model, Serial):
+            raise ValueError(f"remat={remat!r} checkpoints the sublayers of a Serial, and "
+                             f"model_with_loss is a {type(model).__name__}; pass "
+                             f"Serial(*layers, loss) or use Trainer.from_model")
+        return RematSchedule(every, policy, include_last=False)
+
+    def _forward(self) -> Callable[..., Any]:
+        """The computed model's pure function, ``(batch, weights, state, rng) -> (loss,
+        new_state)``; with ``remat``, `Serial.forward_with_state` with its layers grouped
+        under ``jax.checkpoint``."""
+        if self._remat is None:
+            return self._computed.pure_fn
+        return functools.partial(self._computed.forward_with_state, remat=self._remat)
+
     def _make_update(self):
         model, optimizer, placement = self._computed, self._optimizer, self.placement
+        forward = self._forward()
         shardings = self._shardings
         specs = jax.tree.map(lambda s: s.spec, shardings["weights"])
         axes, dev = placement.device_axes, placement.device_spec
@@ -215,7 +282,7 @@ class Trainer(TrainerBase):
                                                    axes), axes)
 
             def loss_fn(w):
-                loss, new_state = model.pure_fn(batch, w, state, rng)
+                loss, new_state = forward(batch, w, state, rng)
                 check_scalar_loss(model, loss)
                 return share * loss.astype(jnp.float32), (loss, new_state)
 

@@ -1,4 +1,5 @@
-"""Tests for revtrain.layers.remat: `Remat` computes its layer exactly, under jax.checkpoint."""
+"""Tests for revtrain.layers.remat: `Remat` computes its layer exactly, under jax.checkpoint;
+`RematSchedule` and `checkpoint_policy` name a bad argument and the fix."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +10,12 @@ from revtrain.layers import (
     Dropout,
     Relu,
     Remat,
+    RematSchedule,
     ReversibleHalfResidual,
     ReversibleLayer,
     Serial,
     ShapeDtype,
+    checkpoint_policy,
 )
 from revtrain.layers.normalization import BatchNorm, LayerNorm
 from tests.tree_utils import assert_trees_close
@@ -114,3 +117,39 @@ def test_wrong_weights_structure_names_the_fix():
     with pytest.raises(Exception, match=r"Remat expects 1 weights .* but got 2; pass the "
                                         r"tuple of its sublayers' weights"):
         remat.pure_fn(x, remat.weights[0], remat.state, None)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(every=0), ValueError, "RematSchedule every=0 must be an int >= 1"),
+    (dict(every=True), ValueError, "RematSchedule every=True must be an int >= 1"),
+    (dict(every="2"), ValueError, "RematSchedule every='2' must be an int >= 1"),
+    (dict(policy="dots_saveable"), TypeError, "RematSchedule policy='dots_saveable' is not "
+                                              "callable; use a jax.checkpoint_policies member"),
+    (dict(include_last=1), TypeError, "RematSchedule include_last=1 must be True or False"),
+])
+def test_remat_schedule_names_a_bad_field_and_the_fix(kwargs, error, message):
+    with pytest.raises(error, match=f"^{message}"):
+        RematSchedule(**kwargs)
+
+
+def test_checkpoint_policy_takes_a_policy_or_its_name():
+    policies = jax.checkpoint_policies
+    assert checkpoint_policy(None) is None
+    assert checkpoint_policy(policies.nothing_saveable) is policies.nothing_saveable
+    assert (checkpoint_policy("dots_with_no_batch_dims_saveable")
+            is policies.dots_with_no_batch_dims_saveable)
+    names = policies.save_only_these_names("x")  # A factory's result is a policy.
+    assert checkpoint_policy(names) is names
+
+
+@pytest.mark.parametrize("policy, error, message", [
+    ("save_only_these_names", ValueError,
+     r"remat_policy='save_only_these_names' is not a policy of jax.checkpoint_policies; use "
+     r"one of \[.*'dots_saveable'.*'nothing_saveable'"),
+    ("no_such_policy", ValueError, "remat_policy='no_such_policy' is not a policy of "),
+    (3, TypeError, "remat_policy=3 is not callable; use a jax.checkpoint_policies member "
+                   r"\(or its name\)"),
+])
+def test_checkpoint_policy_names_a_bad_policy_and_the_fix(policy, error, message):
+    with pytest.raises(error, match=f"^{message}"):
+        checkpoint_policy(policy)

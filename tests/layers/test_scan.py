@@ -18,6 +18,7 @@ from revtrain.layers import (
     ReversibleSwap,
     Serial,
 )
+from revtrain.layers.remat import RematSchedule
 from revtrain.layers.scan import plan_runs
 from tests.tree_utils import assert_trees_close
 
@@ -163,3 +164,72 @@ def test_a_run_of_weightless_layers_without_rng_is_scanned():
     assert "while" in lowered.as_text()
     np.testing.assert_array_equal(model.pure_fn(x, model.weights, model.state, None)[0],
                                   jax.nn.relu(x))
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else [value]:
+            if hasattr(item, "eqns"):
+                yield item
+            elif hasattr(getattr(item, "jaxpr", None), "eqns"):  # A ClosedJaxpr.
+                yield item.jaxpr
+
+
+def _times(eqn):
+    return eqn.params["length"] if eqn.primitive.name == "scan" else 1
+
+
+def _dots(jaxpr):
+    """Matmuls a jaxpr runs (a scan's body counted once per iteration)."""
+    return sum((eqn.primitive.name == "dot_general")
+               + _times(eqn) * sum(_dots(sub) for sub in _subjaxprs(eqn))
+               for eqn in jaxpr.eqns)
+
+
+def _checkpointed_dots(jaxpr):
+    """The matmuls inside each ``jax.checkpoint`` a jaxpr runs, in order, once per run
+    (a checkpoint in a scan's body once per iteration)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("checkpoint", "remat2"):  # The name varies by version.
+            out.append(_dots(eqn.params["jaxpr"]))
+            continue
+        for sub in _subjaxprs(eqn):
+            out += _times(eqn) * _checkpointed_dots(sub)
+    return out
+
+
+@pytest.mark.parametrize("every, include_last, groups", [
+    # Dense(8); 5 repetitions of a group of two Residuals (3 matmuls); Dense(3): the
+    # matmuls of each checkpoint.
+    (1, True, [1, 3, 3, 3, 3, 3, 1]),
+    (1, False, [1, 3, 3, 3, 3, 3]),  # The last layer without a checkpoint.
+    (2, True, [1, 6, 6, 3, 1]),  # The run on its own, 2 + 2 + the remainder 1.
+    (3, False, [1, 9, 6]),
+    (9, True, [1, 15, 1]),  # A run shorter than `every` is one group.
+])
+def test_remat_checkpoints_groups_of_layers_the_same_scanned_or_unrolled(every, include_last,
+                                                                          groups):
+    remat = RematSchedule(every, include_last=include_last)
+    x = jax.random.normal(jax.random.key(2), X.shape)
+    for scan in (True, False):
+        model = _serial(scan, depth=5)
+        model.init(X, rng=jax.random.key(1))
+        jaxpr = jax.make_jaxpr(lambda w, m=model: m.forward_with_state(
+            x, w, m.state, jax.random.key(3), remat=remat))(model.weights)
+        assert _checkpointed_dots(jaxpr.jaxpr) == groups, scan
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_remat_gives_the_values_and_gradients_of_the_plain_series_with_dropout(every):
+    x = jax.random.normal(jax.random.key(2), X.shape)
+    for scan in (True, False):
+        model = _serial(scan, depth=5)
+        model.init(X, rng=jax.random.key(1))
+
+        def loss(w, remat, m=model):
+            y, new_state = m.forward_with_state(x, w, m.state, jax.random.key(7), remat=remat)
+            return jnp.sum(jnp.sin(y)), (y, new_state)
+        run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+        assert_trees_close(run(model.weights, RematSchedule(every)),
+                           run(model.weights, None), rtol=1e-6, atol=1e-7)
