@@ -35,6 +35,7 @@ PACKAGES = [
     ("revtrain.training", "training.md", "Training loop, checkpoints, decoding"),
     ("revtrain.training.checkpoints", "checkpoints.md", "Checkpoints"),
     ("revtrain.data", "data.md", "Input streams"),
+    ("revtrain.planning", "planning.md", "Planning"),
     ("revtrain.cli", "cli.md", "Programs"),
 ]
 # Top-level modules without an ``__all__``: rendered whole (their public members).

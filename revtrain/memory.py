@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import psutil
 
 METHOD_MEMORY_STATS = "memory_stats"
@@ -117,39 +116,6 @@ def live_device_bytes(device: jax.Device | None = None, exclude: Iterable[Any] =
     for key in _device_buffers(jax.tree.leaves(exclude), device):
         buffers.pop(key, None)
     return sum(buffers.values())
-
-
-class ResidentBytes(NamedTuple):
-    """Bytes of a trainer's own values (weights, optimizer slots, layer state) on one
-    device."""
-
-    weights: int = 0
-    slots: int = 0
-    state: int = 0
-
-    @staticmethod
-    def total(parts: Iterable[ResidentBytes]) -> ResidentBytes:
-        """The column sums of ``parts``."""
-        return ResidentBytes(*(sum(column) for column in zip((0, 0, 0), *parts,
-                                                             strict=True)))
-
-
-def abstract_device_bytes(tree: Any) -> int:
-    """Bytes one device holds of the `jax.ShapeDtypeStruct` leaves of ``tree``: each leaf's
-    shard (``sharding.shard_shape``; the whole leaf without a sharding) times its item
-    size. The abstract twin of `live_device_bytes`, for values that do not exist yet."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = tuple(leaf.shape)
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None:
-            shape = tuple(sharding.shard_shape(shape))
-        try:
-            itemsize = np.dtype(leaf.dtype).itemsize
-        except TypeError:  # An extended dtype (a typed PRNG key): its key data's size.
-            itemsize = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).size * 4
-        total += int(np.prod(shape, dtype=np.int64)) * itemsize
-    return total
 
 
 def peak_rss_bytes() -> int:

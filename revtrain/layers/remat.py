@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +157,34 @@ def checkpoint_policy(policy: str | Callable[..., Any] | None,
     return member
 
 
+def remat_schedule(remat: Any, remat_policy: Any) -> RematSchedule | None:
+    """The `RematSchedule` of a trainer's ``remat`` and ``remat_policy`` arguments, checked
+    (`revtrain.trainers.Trainer`): None without remat; ``'layer'`` (every layer) or an int
+    ``k >= 1`` (groups of ``k``) over the sublayers of a `Serial`, its last (the loss) not
+    checkpointed.
+
+    Raises:
+      ValueError: for another ``remat``, or a ``remat_policy`` without ``remat`` or that
+        is not a policy (`checkpoint_policy`).
+      TypeError: as `checkpoint_policy`.
+    """
+    policy = checkpoint_policy(remat_policy, "remat_policy")
+    if remat is None:
+        if policy is not None:
+            raise ValueError(f"remat_policy={remat_policy!r} has no effect without remat; "
+                             f"also set remat='layer' (or remat=k), or drop remat_policy")
+        return None
+    if isinstance(remat, str) and remat == "layer":
+        every = 1
+    elif isinstance(remat, numbers.Integral) and not isinstance(remat, bool) and remat >= 1:
+        every = int(remat)
+    else:
+        raise ValueError(f"remat={remat!r} must be None, 'layer' (checkpoint every layer) "
+                         f"or an int k >= 1 (every k layers); use e.g. remat='layer' or "
+                         f"remat=2")
+    return RematSchedule(every, policy, include_last=False)
+
+
 def _is_policy(member: Any) -> bool:
     """A policy takes a primitive and its parameters (``**params``); a factory does not."""
     if not callable(member):
@@ -172,4 +201,4 @@ def _policy_names() -> list[str]:
                   if not n.startswith("_") and _is_policy(getattr(jax.checkpoint_policies, n)))
 
 
-__all__ = ["Remat", "RematSchedule", "checkpoint_policy"]
+__all__ = ["Remat", "RematSchedule", "checkpoint_policy", "remat_schedule"]

@@ -203,6 +203,24 @@ def device_bytes(tree: Any, device: jax.Device) -> int:
     return total
 
 
+def abstract_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of the `jax.ShapeDtypeStruct` leaves of ``tree``: each leaf's
+    shard (``sharding.shard_shape``; the whole leaf without a sharding) times its item
+    size: the abstract twin of `device_bytes`, for values that do not exist yet."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            shape = tuple(sharding.shard_shape(shape))
+        try:
+            itemsize = np.dtype(leaf.dtype).itemsize
+        except TypeError:  # An extended dtype (a typed PRNG key): its key data's size.
+            itemsize = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).size * 4
+        total += int(np.prod(shape, dtype=np.int64)) * itemsize
+    return total
+
+
 def delete_arrays(tree: Any) -> None:
     """Frees the device buffers of the jax arrays in ``tree`` (trainer-owned ones only)."""
     for leaf in jax.tree.leaves(tree):
@@ -259,7 +277,8 @@ def put_values(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(put, tree, shardings)
 
 
-__all__ = ["block_until_ready_live", "delete_arrays", "delete_quietly", "device_bytes",
-           "first_device_slice", "host_value", "local_rows", "on_accelerator", "on_cpu",
+__all__ = ["abstract_device_bytes", "block_until_ready_live", "delete_arrays",
+           "delete_quietly", "device_bytes", "first_device_slice", "host_value", "local_rows",
+           "on_accelerator", "on_cpu",
            "put_batched", "put_sharded", "put_values", "replicate", "shard_per_device",
            "unreplicate"]

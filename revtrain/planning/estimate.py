@@ -24,12 +24,13 @@ import jax
 import numpy as np
 
 from revtrain.layers.base import Layer
-from revtrain.memory import ResidentBytes, format_bytes, rss_bytes
+from revtrain.memory import format_bytes, rss_bytes
 from revtrain.planning.cost import DeviceRates, Work, jaxpr_work
 from revtrain.planning.ledger import AbstractLedger, LedgerRow
 from revtrain.trainers import MemoryEfficientTrainer, Trainer
 from revtrain.trainers.block.block_trainer import BlockTrainer
 from revtrain.trainers.common.base import is_abstract
+from revtrain.trainers.common.protocols import ResidentBytes
 
 
 @dataclasses.dataclass(frozen=True)

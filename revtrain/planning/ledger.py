@@ -30,10 +30,11 @@ from typing import Any, NamedTuple
 
 import jax
 
-from revtrain.memory import ResidentBytes, abstract_device_bytes
 from revtrain.parallel.placement import Placement
+from revtrain.parallel.transfers import abstract_device_bytes
 from revtrain.planning.cost import Work
 from revtrain.trainers.block.precompile import placed_arguments
+from revtrain.trainers.common.protocols import ResidentBytes
 
 
 class _Live(jax.ShapeDtypeStruct):

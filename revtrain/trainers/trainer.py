@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -17,16 +16,16 @@ from revtrain.layers.base import Layer
 from revtrain.layers.blocks import blocks_to_layers, extract_reversible_blocks
 from revtrain.layers.combinators import Serial
 from revtrain.layers.fused_head import fuse_loss_heads
-from revtrain.layers.remat import RematSchedule, checkpoint_policy
-from revtrain.memory import ResidentBytes, abstract_device_bytes
+from revtrain.layers.remat import remat_schedule
 from revtrain.parallel import transfers
 from revtrain.parallel.batches import device_weight_total, for_n_devices
 from revtrain.parallel.collectives import REP, gather_weights, reduce_gradients
 from revtrain.parallel.placement import Placement
 from revtrain.parallel.rngs import StepKeys
+from revtrain.parallel.transfers import abstract_device_bytes
 from revtrain.trainers.common.base import OptimizerFn, TrainerBase
 from revtrain.trainers.common.global_loss import check_scalar_loss, global_loss, loss_share
-from revtrain.trainers.common.protocols import DeviceFootprint, TrainState
+from revtrain.trainers.common.protocols import DeviceFootprint, ResidentBytes, TrainState
 from revtrain.trainers.common.scanned_values import ScannedValues
 from revtrain.trainers.common.updates import apply_optimizer
 
@@ -132,7 +131,11 @@ class Trainer(TrainerBase):
         super().__init__([model_with_loss], optimizer_fn, n_devices, mesh, fsdp, placement)
         if not isinstance(scan_layers, bool):
             raise TypeError(f"scan_layers={scan_layers!r} must be True or False")
-        self._remat = self._remat_schedule(remat, remat_policy, model_with_loss)
+        self._remat = remat_schedule(remat, remat_policy)
+        if self._remat is not None and not isinstance(model_with_loss, Serial):
+            raise ValueError(f"remat={remat!r} checkpoints the sublayers of a Serial, and "
+                             f"model_with_loss is a {type(model_with_loss).__name__}; pass "
+                             f"Serial(*layers, loss) or use Trainer.from_model")
         self._model = model_with_loss
         # Computed with its LM head and loss fused (no full logits; the same weights and
         # sublayers), found once here: `revtrain.layers.fuse_loss_heads`.
@@ -233,31 +236,6 @@ class Trainer(TrainerBase):
         else:
             self._slots = transfers.put_sharded(values.slots, self._shardings["slots"])
         self._init_learning_rate(self._slots)
-
-    @staticmethod
-    def _remat_schedule(remat: Any, remat_policy: Any,
-                        model: Layer) -> RematSchedule | None:
-        """The checkpoint groups of the ``remat`` and ``remat_policy`` arguments (checked)."""
-        policy = checkpoint_policy(remat_policy, "remat_policy")
-        if remat is None:
-            if policy is not None:
-                raise ValueError(f"remat_policy={remat_policy!r} has no effect without remat; "
-                                 f"also set remat='layer' (or remat=k), or drop remat_policy")
-            return None
-        if isinstance(remat, str) and remat == "layer":
-            every = 1
-        elif (isinstance(remat, numbers.Integral) and not isinstance(remat, bool)
-              and remat >= 1):
-            every = int(remat)
-        else:
-            raise ValueError(f"remat={remat!r} must be None, 'layer' (checkpoint every layer) "
-                             f"or an int k >= 1 (every k layers); use e.g. remat='layer' or "
-                             f"remat=2")
-        if not isinstance(model, Serial):
-            raise ValueError(f"remat={remat!r} checkpoints the sublayers of a Serial, and "
-                             f"model_with_loss is a {type(model).__name__}; pass "
-                             f"Serial(*layers, loss) or use Trainer.from_model")
-        return RematSchedule(every, policy, include_last=False)
 
     def _forward(self) -> Callable[..., Any]:
         """The computed model's pure function, ``(batch, weights, state, rng) -> (loss,

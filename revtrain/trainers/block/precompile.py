@@ -34,12 +34,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from revtrain.memory import ResidentBytes, abstract_device_bytes
 from revtrain.parallel.placement import Placement
+from revtrain.parallel.transfers import abstract_device_bytes
 from revtrain.trainers.block import stacked
 from revtrain.trainers.block.plan import OpKind, Run
 from revtrain.trainers.common.base import abstract_batch
-from revtrain.trainers.common.protocols import Params, TrainState
+from revtrain.trainers.common.protocols import Params, ResidentBytes, TrainState
 
 
 class CompileTimes(NamedTuple):

@@ -1,7 +1,7 @@
 """revtrain.trainers.common: what all three trainers share, one floor below them.
 
-- `protocols`: the vocabulary (`TrainState`, `DeviceFootprint`, `Params`) and the `Trainer`
-  and `Observer` protocols;
+- `protocols`: the vocabulary (`TrainState`, `DeviceFootprint`, `ResidentBytes`, `Params`)
+  and the `Trainer` and `Observer` protocols;
 - `base`: `TrainerBase`, optimizer set-up, batches, observers and the ownership of the
   training values;
 - `dispatch`: how a trainer calls its programs and tells observers (`Dispatcher`,

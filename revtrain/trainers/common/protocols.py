@@ -14,7 +14,7 @@ trainer (`revtrain.training.loop.Loop` is typed against it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -39,6 +39,21 @@ class TrainState(NamedTuple):
     weights: Any
     state: Any
     slots: Any
+
+
+class ResidentBytes(NamedTuple):
+    """Bytes of a trainer's own values (weights, optimizer slots, layer state) on one
+    device."""
+
+    weights: int = 0
+    slots: int = 0
+    state: int = 0
+
+    @staticmethod
+    def total(parts: Iterable[ResidentBytes]) -> ResidentBytes:
+        """The column sums of ``parts``."""
+        return ResidentBytes(*(sum(column) for column in zip((0, 0, 0), *parts,
+                                                             strict=True)))
 
 
 class DeviceFootprint(NamedTuple):
