@@ -132,7 +132,11 @@ class AbstractLedger:
       n_dispatches: programs dispatched in the step.
       n_programs: distinct programs compiled.
       compile_s: wall seconds spent lowering and compiling.
+      exact_donation: True: the block executor donates here what the programs donate (a
+        recording dispatcher gets a superset, to compile every copy a step can make).
     """
+
+    exact_donation = True
 
     def __init__(self, placement: Placement, resident: Callable[[], ResidentBytes],
                  cost: Callable[[Any], Work] | None = None):

@@ -68,6 +68,7 @@ def _measured(trainer_class, **options):
 
 @pytest.mark.parametrize("trainer_class, options", [
     (Trainer, {"n_devices": 1}),
+    (Trainer, {"n_devices": 1, "remat": "layer"}),
     (ReversibleSerialTrainer, {"n_devices": 1}),
     (MemoryEfficientTrainer, {"n_devices": 1}),
     (ReversibleSerialTrainer, {"n_devices": 4, "fsdp": True}),

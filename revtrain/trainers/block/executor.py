@@ -211,12 +211,13 @@ class _Walk(NamedTuple):
         the stack and ``n_ct`` of the cotangents (its arity), and what the carry says such
         a call must leave alone (`StepCarry.leave_alone`) keeps its buffers (a donated one
         that any of it also holds is copied first, by a ``copy/<label>`` dispatch)."""
-        # Precompiling sees every copy a step can make (a superset of the donations);
-        # running, and planning (which accounts for the bytes), see the program's own.
-        every_copy = getattr(self.dispatcher, "every_copy", False) and not any(
+        # On abstract values precompiling sees every copy a step can make (a superset of
+        # the donations); running, and planning (a dispatcher that accounts for the bytes,
+        # ``exact_donation``), see the program's own.
+        exact = getattr(self.dispatcher, "exact_donation", False) or any(
             isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(args))
-        donated = (donation.consumed_leaves(args) if every_copy
-                   else p.program.donated(args, values, shared))
+        donated = (p.program.donated(args, values, shared) if exact
+                   else donation.consumed_leaves(args))
         if any(donated):
             args = donation.owned(args, donated, c.leave_alone(n_stack, n_ct),
                                   lambda leaf: self.dispatcher.dispatch(

@@ -175,11 +175,7 @@ class RecordingDispatcher:
 
     Attributes:
       calls: ``{key: (program, abstract args)}``, one entry per distinct call.
-      every_copy: True: the executor donates every consumed leaf here (a superset of a
-        step's donations), so that every copy a step can make is recorded and compiled.
     """
-
-    every_copy = True
 
     def __init__(self, placement: Placement):
         self.calls: dict[Any, tuple[Callable, tuple]] = {}
