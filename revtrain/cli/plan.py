@@ -8,7 +8,9 @@ its batch (times accumulation steps), predicted peak and its split, whether it f
 budget less the margin, and its predicted tokens/s. Then it prints the pick and the gin
 bindings that apply it (``revtrain-train --memory_budget=...`` applies them itself). A
 budget nothing fits exits 1 with one line naming the smallest predicted peak and what
-would fit; a malformed budget exits 2. Nothing is written.
+would fit; a malformed budget exits 2. Nothing is written but JAX's persistent
+compilation cache (as ``revtrain-train``'s, `revtrain.cli.cache_flags`), so the programs
+planned for the pick are loaded, not compiled, by the run that follows.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from revtrain.cli.bounded_flags import define_real
+from revtrain.cli.cache_flags import define_cache_flags, use_flagged_cache
 from revtrain.cli.common import UsageError, add_tool_flags, parse_gin, run
 
 
@@ -52,6 +55,7 @@ def _plan(fv: flags.FlagValues) -> int:
         raise UsageError("--memory_budget is required, e.g. --memory_budget=12GiB")
     budget = checked_budget(fv)
     parse_gin(fv.config_file, fv.gin_bindings)
+    use_flagged_cache(fv)  # The programs planned are the ones a run then loads.
     from revtrain import configurables
     from revtrain.memory import format_bytes
     from revtrain.planning.runs import applied_bindings, plan_run
@@ -71,6 +75,11 @@ def _plan(fv: flags.FlagValues) -> int:
           f"{pick.accumulate_steps}, predicted peak "
           f"{format_bytes(pick.estimate.peak_bytes)} of "
           f"{format_bytes(result.budget_bytes)}, {pick.tokens_per_second:,.0f} tokens/s")
+    expected = result.expected_rss_bytes(pick)
+    if expected is not None:
+        print(f"on this CPU host device memory is RAM: expected process RSS about "
+              f"{format_bytes(expected)} (the runtime's {format_bytes(result.baseline_rss_bytes)}"
+              f" + the peak + values kept in host memory)")
     print("gin bindings:")
     for line in applied_bindings(pick, run_config):
         print(f"  {line}")
@@ -89,6 +98,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     define_budget_flags(fv)
     flags.DEFINE_boolean("largest_batch", False, "Plan each candidate at the largest batch "
                          "that fits instead of the configured global batch.", flag_values=fv)
+    define_cache_flags(fv)
     add_tool_flags(fv)
     return run("revtrain-plan", fv, argv, _plan)
 

@@ -50,6 +50,8 @@ class Estimate:
       peak_program: the label of the dispatch that holds the peak.
       all_values_bytes: the trainer's weights, slots and state of all layers per device
         (what a device would hold if they all lived there).
+      host_values_bytes: bytes of the trainer's values kept in host memory (all of them
+        for `MemoryEfficientTrainer`, else 0).
       host_bytes: bytes moved between host and device per step (values that live in host
         memory; 0 for `Trainer` and `ReversibleSerialTrainer`).
       work: the step's per-device `revtrain.planning.cost.Work`.
@@ -71,6 +73,7 @@ class Estimate:
     temp_bytes: int
     peak_program: str
     all_values_bytes: int
+    host_values_bytes: int
     host_bytes: int
     work: Work
     n_dispatches: int
@@ -165,8 +168,9 @@ def estimate(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
         trainer.walk_abstract(signature, ledger, learning_rate=learning_rate,
                               device=ledger.values)
     peak: LedgerRow = ledger.peak
-    host = 0
+    host, host_values = 0, 0
     if isinstance(trainer, MemoryEfficientTrainer):
+        host_values = sum(all_values)
         # Weights go up for the forward and the backward pass, slots once; both come back.
         host = 3 * all_values.weights + 2 * all_values.slots
     return Estimate(
@@ -175,7 +179,8 @@ def estimate(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
         weights_bytes=peak.resident.weights, slots_bytes=peak.resident.slots,
         state_bytes=peak.resident.state, activation_bytes=peak.transient,
         temp_bytes=peak.temp + peak.outputs, peak_program=peak.label,
-        all_values_bytes=sum(all_values), host_bytes=host, work=ledger.work,
+        all_values_bytes=sum(all_values), host_values_bytes=host_values, host_bytes=host,
+        work=ledger.work,
         n_dispatches=ledger.n_dispatches, n_programs=ledger.n_programs,
         seconds=time.perf_counter() - start,
         planner_rss_bytes=rss_bytes())

@@ -1,9 +1,11 @@
 """`plan`: which trainer, at what batch, fits a memory budget, and which is fastest there.
 
 The candidates (`default_candidates`) are the ways revtrain trades compute or transfers
-for memory: plain `Trainer`; `Trainer` with every layer rematerialised; every second
-layer; `ReversibleSerialTrainer` (inputs reconstructed by reversal); and
-`MemoryEfficientTrainer` (values in host memory). For each, `plan` estimates
+for memory: plain `Trainer`; `Trainer` with every layer rematerialised (``remat='layer'``;
+groups of ``k`` layers store fewer inputs but hold ``k`` layers' activations at once in
+the backward pass, which on the reversible LM peaks higher than ``'layer'``, so they are
+left to ``candidates=``); `ReversibleSerialTrainer` (inputs reconstructed by reversal);
+and `MemoryEfficientTrainer` (values in host memory). For each, `plan` estimates
 (`revtrain.planning.estimate`) the peak of one step on one device:
 
 * with the global batch fixed (the default, what a run's learning rate was tuned for), at
@@ -65,7 +67,6 @@ def default_candidates() -> tuple[Candidate, ...]:
     """The candidates `plan` compares (module docstring)."""
     return (Candidate("Trainer", Trainer),
             Candidate("Trainer + remat", Trainer, {"remat": "layer"}),
-            Candidate("Trainer + remat every 2", Trainer, {"remat": 2}),
             Candidate("ReversibleSerialTrainer", ReversibleSerialTrainer),
             Candidate("MemoryEfficientTrainer", MemoryEfficientTrainer))
 
@@ -106,6 +107,9 @@ class Plan:
       rates: the `revtrain.planning.cost.DeviceRates` the speeds were predicted with.
       seconds: wall seconds of planning.
       planner_rss_bytes: the planning process's RSS at the end.
+      baseline_rss_bytes: the process's RSS when planning began (the Python and JAX
+        runtime a training process holds too).
+      host_is_device: whether the devices are the host's CPU (device memory is RAM).
     """
 
     budget_bytes: int
@@ -114,6 +118,18 @@ class Plan:
     rates: DeviceRates
     seconds: float
     planner_rss_bytes: int
+    baseline_rss_bytes: int = 0
+    host_is_device: bool = False
+
+    def expected_rss_bytes(self, choice: Choice) -> int | None:
+        """On a CPU backend, the RSS a training process is expected to reach with
+        ``choice``: the runtime's baseline, the step's peak (device memory is host RAM)
+        and, for values kept in host memory, all of them. None on an accelerator.
+        An estimate: the compiler's own memory while compiling is not in it."""
+        if not self.host_is_device:
+            return None
+        e = choice.estimate
+        return self.baseline_rss_bytes + e.peak_bytes + e.host_values_bytes
 
     @property
     def pick(self) -> Choice | None:
@@ -208,7 +224,7 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
                          f"bytes; parse '12GiB' with revtrain.planning.parse_memory_budget")
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin={margin!r} must be in [0, 1); e.g. 0.1 keeps 10% free")
-    start = time.perf_counter()
+    start, baseline_rss = time.perf_counter(), rss_bytes()
     candidates = default_candidates() if candidates is None else tuple(candidates)
     batch = int(np.shape(batch_signature[0])[0])
     length = int(np.prod(np.shape(batch_signature[0])[1:2] or (1,)))
@@ -243,7 +259,7 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
     ranked = sorted(choices, key=lambda c: (not c.fits, -c.tokens_per_second if c.fits
                                             else c.estimate.peak_bytes))
     return Plan(memory_budget, margin, tuple(ranked), rates, time.perf_counter() - start,
-                rss_bytes())
+                rss_bytes(), baseline_rss, placement.first_local_device.platform == "cpu")
 
 
 def _search(candidate: Candidate, at: Callable[[int], Estimate], batch: int, unit: int,

@@ -22,6 +22,7 @@ def test_plan_prints_every_candidate_the_pick_and_its_bindings(capsys):
         assert name in out
     assert "pick: " in out and "RunConfig.trainer_class = @" in out
     assert "RunConfig.accumulate_steps = 1" in out
+    assert "on this CPU host device memory is RAM: expected process RSS about" in out
 
 
 @pytest.mark.parametrize("budget", ["12 GB", "-1", "0", "12"])
