@@ -156,15 +156,16 @@ def estimate(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
     with swap:
         trainer = trainer_class.from_model(model, loss_layer, optimizer_fn, **options)
     ledger = AbstractLedger(trainer.placement, ResidentBytes, cost=jaxpr_work)
+    all_values = trainer.values_bytes()
+    # Values that stay on the device throughout, unless the store moves them (and then
+    # says what it holds now: `MemoryEfficientTrainer`'s window).
+    ledger.resident = lambda: all_values
     if isinstance(trainer, BlockTrainer):
         store = trainer.abstract_store(ledger.values)
-        ledger.resident = store.resident_bytes
-        all_values = store.all_bytes()
+        ledger.resident = getattr(store, "resident_bytes", ledger.resident)
         trainer.walk_abstract(signature, ledger, store=store, learning_rate=learning_rate,
                               device=ledger.values)
     else:
-        all_values = trainer.resident_bytes()
-        ledger.resident = lambda: all_values
         trainer.walk_abstract(signature, ledger, learning_rate=learning_rate,
                               device=ledger.values)
     peak: LedgerRow = ledger.peak

@@ -207,9 +207,9 @@ class Trainer(TrainerBase):
                             lr)
         dispatcher.phase("step_end")
 
-    def resident_bytes(self) -> ResidentBytes:
+    def values_bytes(self) -> ResidentBytes:
         """Bytes of the held weights, slots and per-device state on one device (values or,
-        on an abstract model, shapes in their shardings)."""
+        on an abstract model, shapes in their shardings): all on the device throughout."""
         def shapes(tree):
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                sharding=a.sharding), tree)

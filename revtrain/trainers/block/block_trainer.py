@@ -41,6 +41,7 @@ from revtrain.trainers.block.options import BlockOptions
 from revtrain.trainers.block.plan import build_plan, build_schedule, runs_of, windows
 from revtrain.trainers.block.precompile import (
     AbstractStore,
+    AbstractValues,
     CompileTimes,
     RecordingDispatcher,
     compile_all,
@@ -50,7 +51,7 @@ from revtrain.trainers.block.programs import ProgramCache, lone
 from revtrain.trainers.block.scan_programs import find_runs
 from revtrain.trainers.block.stores import ParamStore, StoreFactory
 from revtrain.trainers.common.base import OptimizerFn, TrainerBase
-from revtrain.trainers.common.protocols import DeviceFootprint, TrainState
+from revtrain.trainers.common.protocols import DeviceFootprint, ResidentBytes, TrainState
 
 
 def _checked_blocks(blocks: Sequence[Block]) -> list[tuple[Layer, list[Layer]]]:
@@ -331,6 +332,11 @@ class BlockTrainer(TrainerBase):
         """
         del device
         return AbstractStore(self.placement, self._signature, self.runs)
+
+    def values_bytes(self) -> ResidentBytes:
+        """Bytes of every layer's weights, slots and state on one device, were they all
+        there (a scanned run's stacked once): what `ReversibleSerialTrainer` keeps."""
+        return AbstractValues(self.placement, self._signature, self.runs).total()
 
     def walk_abstract(self, batch_signature: Sequence[Any], dispatcher: Any,
                       store: Any = None, learning_rate: float | None = None,

@@ -64,23 +64,23 @@ def _sds(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
                                                        a.dtype, sharding=sharding), tree)
 
 
-class AbstractStore:
-    """A `revtrain.trainers.block.stores.StepValues` of abstract values (no buffers): what
-    the executor reads of a store, and nothing else (it holds no values to read back).
+class AbstractValues:
+    """Every layer's weights, slots and state as `jax.ShapeDtypeStruct` trees in the
+    shardings the stores give them, keyed as the stores key them: by flat layer, and by
+    `Run` for the layers of a scanned run, stacked (`revtrain.trainers.block.stacked`).
 
-    Weights and slots are `jax.ShapeDtypeStruct` trees in the stores' sharding
-    (`Placement.weight_shardings`: replicated, or FSDP-sharded), states
-    per device (``[devices of the mesh, ...]``), as the real stores hand them to the
-    compiled functions; new states are kept so that reverse ops see them; updates are
-    dropped (their shapes do not change). Stashing is the identity.
-
-    The layers of each scanned run are one stacked entry keyed by the `Run`
-    (`revtrain.trainers.block.stacked`), as in `revtrain.trainers.block.device_store.DeviceStore`.
+    Weights and slots are in `Placement.weight_shardings` (replicated, or FSDP-sharded),
+    states per device (``[devices of the mesh, ...]``), as the real stores hand them to
+    the compiled functions.
 
     Args:
       placement: the trainer's placement.
       signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
       runs: the runs the trainer's plan scans.
+
+    Attributes:
+      weights, slots, states: ``{layer index or Run: tree}``.
+      keys: the keys a store holds values under: the layers outside runs, then the runs.
     """
 
     def __init__(self, placement: Placement, signature: TrainState,
@@ -91,41 +91,59 @@ class AbstractStore:
                 placement.weight_shardings(tree))
 
         rows = (placement.n_global_devices,)
-        self._weights = {i: placed(w) for i, w in enumerate(signature.weights)}
-        self._slots = {i: placed(s) for i, s in enumerate(signature.slots)}
-        self._states = {i: _sds(s, placement.per_device, rows)
-                        for i, s in enumerate(signature.state)}
+        self.weights = {i: placed(w) for i, w in enumerate(signature.weights)}
+        self.slots = {i: placed(s) for i, s in enumerate(signature.slots)}
+        self.states = {i: _sds(s, placement.per_device, rows)
+                       for i, s in enumerate(signature.state)}
         for run in runs:
             first = [run.start + j for j in range(run.period)]
-            self._weights[run] = tuple(stacked.stacked_signature(
+            self.weights[run] = tuple(stacked.stacked_signature(
                 signature.weights[i], run.repeats, placement) for i in first)
-            self._slots[run] = tuple(stacked.stacked_signature(
+            self.slots[run] = tuple(stacked.stacked_signature(
                 signature.slots[i], run.repeats, placement) for i in first)
-            self._states[run] = tuple(jax.tree.map(
-                lambda a, n=run.repeats: jax.ShapeDtypeStruct((*rows, n, *np.shape(a)), a.dtype,
-                                               sharding=placement.per_device),
+            self.states[run] = tuple(jax.tree.map(
+                lambda a, n=run.repeats: jax.ShapeDtypeStruct(
+                    (*rows, n, *np.shape(a)), a.dtype, sharding=placement.per_device),
                 signature.state[i]) for i in first)
-        self._new_states: dict[Any, Any] = {}
         in_runs = {i for run in runs for i in range(run.start, run.stop)}
-        self._keys = [i for i in range(len(signature.weights)) if i not in in_runs]
-        self._keys += list(runs)
+        self.keys = [i for i in range(len(signature.weights)) if i not in in_runs]
+        self.keys += list(runs)
 
-    def value_bytes(self, key: Any, with_slots: bool = True,
-                    with_state: bool = True) -> ResidentBytes:
+    def bytes(self, key: Any, with_slots: bool = True,
+              with_state: bool = True) -> ResidentBytes:
         """Bytes one device holds of a layer's (or a run's) weights, slots and state."""
-        return ResidentBytes(abstract_device_bytes(self._weights[key]),
-                             abstract_device_bytes(self._slots[key]) if with_slots else 0,
-                             abstract_device_bytes(self._states[key]) if with_state else 0)
+        return ResidentBytes(abstract_device_bytes(self.weights[key]),
+                             abstract_device_bytes(self.slots[key]) if with_slots else 0,
+                             abstract_device_bytes(self.states[key]) if with_state else 0)
 
-    def all_bytes(self) -> ResidentBytes:
-        """Bytes one device would hold of every layer's weights, slots and state, each
-        run's once (stacked)."""
-        return ResidentBytes.total(self.value_bytes(key) for key in self._keys)
+    def total(self) -> ResidentBytes:
+        """Bytes one device holds of every layer's values, each run's once (stacked): what
+        a `revtrain.trainers.block.device_store.DeviceStore` keeps throughout."""
+        return ResidentBytes.total(self.bytes(key) for key in self.keys)
 
-    def resident_bytes(self) -> ResidentBytes:
-        """`all_bytes`: what a `revtrain.trainers.block.device_store.DeviceStore` keeps on
-        the device throughout."""
-        return self.all_bytes()
+
+class AbstractStore:
+    """A `revtrain.trainers.block.stores.StepValues` of abstract values (no buffers): what
+    the executor reads of a store, and nothing else (it holds no values to read back).
+
+    The values are `AbstractValues`' (stacked runs keyed by the `Run`, as in
+    `revtrain.trainers.block.device_store.DeviceStore`); new states are kept so that
+    reverse ops see them; updates are dropped (their shapes do not change). Stashing is
+    the identity.
+
+    Args:
+      placement: the trainer's placement.
+      signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
+      runs: the runs the trainer's plan scans.
+    """
+
+    def __init__(self, placement: Placement, signature: TrainState,
+                 runs: Sequence[Run] = ()):
+        self._values = AbstractValues(placement, signature, runs)
+        self._weights = self._values.weights
+        self._slots = self._values.slots
+        self._states = self._values.states
+        self._new_states: dict[Any, Any] = {}
 
     def begin_step(self) -> None:
         pass
@@ -234,6 +252,7 @@ class AbstractHostStore(AbstractStore):
         self._pending: list[Any] = []
 
     def resident_bytes(self) -> ResidentBytes:
+        """Bytes one device holds of the values in the window now."""
         return ResidentBytes.total(self._window.values())
 
     def prepare(self, position: int) -> None:
@@ -247,10 +266,10 @@ class AbstractHostStore(AbstractStore):
             forward = op.kind in (OpKind.FORWARD, OpKind.SCAN_FORWARD)
             with_slots = not forward and op.finisher.donates_values
             key = op.layer
-            store_key = next((run for run in self._keys if isinstance(run, Run)
+            store_key = next((run for run in self._values.keys if isinstance(run, Run)
                               and run.start == key), key)
             held = self._window.get(key, ResidentBytes())
-            self._window[key] = ResidentBytes(*map(max, held, self.value_bytes(
+            self._window[key] = ResidentBytes(*map(max, held, self._values.bytes(
                 store_key, with_slots=with_slots, with_state=False)))
 
     def keep_params(self, i: Any, params: Params) -> None:
@@ -345,5 +364,5 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-__all__ = ["AbstractHostStore", "AbstractStore", "CompileTimes", "RecordingDispatcher",
-           "abstract_batch", "compile_all", "placed_arguments", "timed"]
+__all__ = ["AbstractHostStore", "AbstractStore", "AbstractValues", "CompileTimes",
+           "RecordingDispatcher", "abstract_batch", "compile_all", "placed_arguments", "timed"]
