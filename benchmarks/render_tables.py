@@ -29,6 +29,7 @@ from typing import Any
 if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import first_step as first_step_runs  # noqa: E402
 from benchmarks import quality as quality_runs  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks import sequence_length as lengths  # noqa: E402
@@ -391,6 +392,14 @@ def sequence_mesh() -> str:
     return _with_sources(mesh_runs.tables(payload), _source("sequence_mesh", payload, settings))
 
 
+def first_step() -> str:
+    """Time to first step by trainer and depth, cold and warm compilation cache; scanned
+    against unrolled `Trainer` steps; a deep plain Serial (`benchmarks.first_step`)."""
+    payload = load("first_step")
+    return _with_sources(first_step_runs.tables(payload),
+                         _source("first_step", payload, first_step_runs.settings(payload)))
+
+
 def quality() -> str:
     """Held-out bits per byte per configuration, mean ± std over seeds, and the targets."""
     payload = load("quality")
@@ -409,7 +418,7 @@ TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
         summary, memory_by_depth, memory_by_depth_gpu, memory_breakdown, memory_targets, step_time,
         step_time_depths, step_time_system_allocator, step_time_targets, step_time_fsdp,
-        host_memory, host_overhead, memory_efficient_windows, reconstruction_drift,
+        first_step, host_memory, host_overhead, memory_efficient_windows, reconstruction_drift,
         sequence_length, ring_attention, ring_balance, sequence_mesh, quality,
         quality_summary)}
 

@@ -95,7 +95,7 @@ class _DispatchCounter:
         self.n_dispatches += 1
 
 
-def _busy_cpu_seconds() -> float | None:
+def busy_cpu_seconds() -> float | None:
     """CPU-seconds all cores spent busy since boot (Linux ``/proc/stat``), else None.
 
     Busy is user + nice + system + irq + softirq + steal (steal: taken by the hypervisor).
@@ -107,7 +107,7 @@ def _busy_cpu_seconds() -> float | None:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def _timed_step(trainer: Any, batch: tuple, step: int) -> dict[str, float]:
+def timed_step(trainer: Any, batch: tuple, step: int) -> dict[str, float]:
     """Runs one step until its loss and stats are ready.
 
     Returns ``wall_s``; ``cpu_s``, the CPU time of this process (all its threads) in the
@@ -115,11 +115,11 @@ def _timed_step(trainer: Any, batch: tuple, step: int) -> dict[str, float]:
     the CPU time the rest of the machine used meanwhile (NaN where unknown); and ``loss``.
     """
     import jax
-    busy, cpu, start = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    busy, cpu, start = busy_cpu_seconds(), time.process_time(), time.perf_counter()
     loss, _ = trainer.one_step(batch, jax.random.key(step))
     trainer.block_until_ready()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    busy_after = _busy_cpu_seconds()
+    busy_after = busy_cpu_seconds()
     others = math.nan if busy is None else max(busy_after - busy - cpu, 0.0)
     return {"wall_s": wall, "cpu_s": cpu, "others_cpu_s": others, "loss": float(loss)}
 
@@ -138,14 +138,14 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     try:
         counter = _DispatchCounter()
         trainer.observers.append(counter)
-        first = _timed_step(trainer, batch, 0)
+        first = timed_step(trainer, batch, 0)
         trainer.observers.remove(counter)
         first_compile_s = sum(d for _, d in compile_events)
         n_first_compiles = sum(e == COMPILE_EVENTS[-1] for e, _ in compile_events)
         compile_events.clear()
         for step in range(1, config["warmup"]):
-            _timed_step(trainer, batch, step)
-        timed = [_timed_step(trainer, batch, config["warmup"] + k)
+            timed_step(trainer, batch, step)
+        timed = [timed_step(trainer, batch, config["warmup"] + k)
                  for k in range(config["steps"])]
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
