@@ -4,7 +4,7 @@ With ``fsdp=True`` (ZeRO-3, Rajbhandari et al. 2020; PyTorch FSDP) a layer's wei
 optimizer slots are stored sharded by `revtrain.parallel.placement.fsdp_spec` over the
 placement's weight axis (``batch``, or a named mesh's ``fsdp`` axis: replicated over
 ``data``, hybrid sharding as PyTorch's ``HYBRID_SHARD``). Each of the
-layer's functions (`revtrain.trainers.block.layer_programs`) takes the weights into
+layer's functions (`revtrain.trainers.block.programs`) takes the weights into
 ``shard_map`` with those per-leaf specs and all-gathers them as its first op (`gather_weights`);
 the gathered copy lives only inside the function. The per-device weight gradient is reduce-scattered
 (``psum_scatter``, the transpose of the gather; `reduce_gradients`) instead of summed, so

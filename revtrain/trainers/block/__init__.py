@@ -3,12 +3,12 @@
 - `plan`: the ops of a step (`Op`, `OpKind`, `Run`), built once per trainer;
 - `contract`: what each op's program takes and gives, typed both ways, and what it
   donates (`CONSUMED`);
-- `bodies`: the per-device bodies both program families share;
+- `bodies`: the per-device bodies a lone layer's and a scanned run's programs share;
 - `finishers`: what a backward op does with its gradient (`UPDATE`, or `NORM` for
   exact global-norm clipping's first pass), a value on the op;
 - `programs`: the one builder and cache of programs over runs (a lone layer is a run of
-  one repetition), with a lone layer's programs in `layer_programs` and a scanned run's,
-  one ``lax.scan`` each way, in `scan_programs`;
+  one repetition, its body called once), a scanned run's, one ``lax.scan`` each way, in
+  `scan_programs`;
 - `executor`: `run_step`, the one loop that runs a plan;
 - `stores`: where a step's values live (`ParamStore`, `StepValues`), with `DeviceStore`
   (`device_store`), `HostStore` (`host_store`) and stacked runs (`stacked`);

@@ -10,7 +10,7 @@ known (Trax's ``ReversibleSerialTrainer`` design). Where values live is a `Param
 
 With ``fsdp=True`` (ZeRO-3 / FSDP) the store keeps each layer's weights and slots sharded
 over the mesh; each of the layer's functions all-gathers its weights first, reduce-scatters
-its gradient and updates only the local shard (see `revtrain.trainers.block.layer_programs`), so
+its gradient and updates only the local shard (see `revtrain.trainers.block.programs`), so
 a device holds ``(weights + slots) / n_devices`` plus one layer's gathered weights.
 """
 
@@ -41,13 +41,13 @@ from revtrain.trainers.block.options import BlockOptions
 from revtrain.trainers.block.plan import build_plan, build_schedule, runs_of, windows
 from revtrain.trainers.block.precompile import (
     AbstractStore,
-    AbstractValues,
     CompileTimes,
+    CountedStore,
     RecordingDispatcher,
     compile_all,
     timed,
 )
-from revtrain.trainers.block.programs import ProgramCache, lone
+from revtrain.trainers.block.programs import ProgramCache
 from revtrain.trainers.block.scan_programs import find_runs
 from revtrain.trainers.block.stores import ParamStore, StoreFactory
 from revtrain.trainers.common.base import OptimizerFn, TrainerBase
@@ -114,7 +114,7 @@ class BlockTrainer(TrainerBase):
       options: how the step runs (`revtrain.trainers.block.options.BlockOptions`: freeing,
         ``keep_every``, ``clip_global_norm``, ``scan_layers``, ``scan_window``); default
         ``BlockOptions()``. Scanning needs a store factory that accepts runs
-        (``make_store`` is given the schedule, whose scan ops name them).
+        (``make_store`` is given the schedule, whose ops name the runs).
 
     Raises:
       TypeError: for a block member that is not a `ReversibleLayer`.
@@ -185,8 +185,7 @@ class BlockTrainer(TrainerBase):
         return cls(blocks, loss, optimizer_fn, **options)
 
     def _program(self, op: Any, layer: Layer) -> Any:
-        run = lone(op)
-        return self._programs.get(op, self.layers[run.start:run.start + run.period])
+        return self._programs.get(op, self.layers[op.run.start:op.run.start + op.run.period])
 
     # ----------------------------------------------------------------------------------
     # The training values.
@@ -321,9 +320,10 @@ class BlockTrainer(TrainerBase):
         self.compile_times = CompileTimes(trace_s, compile_s, math.nan, len(calls))
         return self.compile_times
 
-    def abstract_store(self, device: Any = None) -> AbstractStore:
-        """An abstract store of this trainer's values, where its store keeps them: here
-        all on the devices (`AbstractStore`); `MemoryEfficientTrainer` keeps a window.
+    def abstract_store(self, device: Any = None) -> CountedStore:
+        """An abstract store of this trainer's values that counts their bytes, where its
+        store keeps them: here all on the devices (`CountedStore`);
+        `MemoryEfficientTrainer` keeps a window.
 
         Args:
           device: what accounts for the device copies a store makes and frees
@@ -331,12 +331,12 @@ class BlockTrainer(TrainerBase):
             unused here, where no value moves.
         """
         del device
-        return AbstractStore(self.placement, self._signature, self.runs)
+        return CountedStore(self.placement, self._signature, self.runs)
 
     def values_bytes(self) -> ResidentBytes:
         """Bytes of every layer's weights, slots and state on one device, were they all
         there (a scanned run's stacked once): what `ReversibleSerialTrainer` keeps."""
-        return AbstractValues(self.placement, self._signature, self.runs).total()
+        return CountedStore(self.placement, self._signature, self.runs).all_bytes()
 
     def walk_abstract(self, batch_signature: Sequence[Any], dispatcher: Any,
                       store: Any = None, learning_rate: float | None = None,
@@ -349,7 +349,7 @@ class BlockTrainer(TrainerBase):
           batch_signature: the global batch, as `precompile`'s.
           dispatcher: a `revtrain.trainers.common.dispatch.Dispatcher` that runs nothing.
           store: the `revtrain.trainers.block.stores.StepValues` the walk reads (default
-            an `AbstractStore` of the trainer's signature and runs).
+            `abstract_store`'s).
           learning_rate: as `one_step`'s (only whether one is passed matters).
           device: accounts for the step's inputs as device values (``track``, the
             planner's `revtrain.planning.ledger.LiveValues`), or None.

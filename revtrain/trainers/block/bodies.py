@@ -2,9 +2,9 @@
 
 The bodies (`forward`, `std_grads`, `reverse_grads`, `loss_grads`) run inside
 ``shard_map`` on one device's values (`revtrain.parallel.collectives.gathering_shard_map`);
-both program families call them (`revtrain.trainers.block.layer_programs`,
-`revtrain.trainers.block.scan_programs`), so one layer computes the same thing in a
-per-layer program and inside a scan. Each takes its op's typed arguments
+a lone layer's program and a scanned run's call them (`revtrain.trainers.block.programs`,
+`revtrain.trainers.block.scan_programs`), so one layer computes the same thing alone and
+inside a scan. Each takes its op's typed arguments
 (`revtrain.trainers.block.contract`) and returns its outputs typed, the fields that only
 the update fills (``new_params``, ``stats``) None, and the per-device weight cotangent
 beside them. `update` is the optimizer step on global arrays, after the bodies (the update

@@ -1,27 +1,31 @@
 """What each op of a block step takes and gives, typed both ways: the op contract.
 
-Every program of a block step -- one layer's (`revtrain.trainers.block.layer_programs`) or
-a scanned run's (`revtrain.trainers.block.scan_programs`) -- takes one of the argument
+Every program of a block step -- a run's (`revtrain.trainers.block.programs`: a lone
+layer's, or a scanned run's, `revtrain.trainers.block.scan_programs`) -- takes one of the argument
 types below and returns one of the output types; the executor
 (`revtrain.trainers.block.executor`) reads outputs by field name, never by position:
 
-========================  ==================  ===========  ================================
-op kind                   arguments           donates      outputs
-========================  ==================  ===========  ================================
-``FORWARD``               `ForwardArgs`       ``x``        `ForwardOut` (``copies`` None)
-``SCAN_FORWARD``          `ForwardArgs`       ``x``        `ForwardOut` (``copies``:
-                                                           ``keep_every``)
-``FBO``                   `FboArgs`           ``ct_y``     `FboOut`
-``REVERSE``               `ReverseArgs`       ``y``,       `ReverseOut`
-                                              ``ct_y``
-``SCAN_REVERSE``          `ScanReverseArgs`   ``y``,       `ReverseOut` (stats as ``[n]``
-                                              ``ct_y``     vectors)
-``LOSS``                  `LossArgs`          nothing      `LossOut`
-any of the last four,     as above            as above     `NormOut` (no update; ``x`` None
-norm finisher                                              for ``FBO`` and ``LOSS``)
-========================  ==================  ===========  ================================
+============================  ==============  ===========  ==============================
+op (its run)                  arguments       donates      outputs
+============================  ==============  ===========  ==============================
+``FORWARD``                   `ForwardArgs`   ``x``        `ForwardOut` (``copies``: a
+                                                           scan's ``keep_every``, or None)
+``BACKWARD``, input from its  `ReverseArgs`   ``y``,       `ReverseOut` (a scan's stats
+output (``kept`` a scan's                     ``ct_y``     as ``[n]`` vectors)
+copies, or None)
+``BACKWARD``, input from the  `FboArgs`       ``ct_y``     `FboOut`
+stash (`Run.from_stash`)
+``LOSS``                      `LossArgs`      nothing      `LossOut`
+a backward or loss op, norm   as above        as above     `NormOut` (no update; ``x``
+finisher                                                   None but for `ReverseArgs`)
+============================  ==============  ===========  ==============================
 
-What a backward op (the last four kinds) does with its gradient is its finisher
+A backward op's run says where its input comes from
+(`revtrain.trainers.block.plan.Run.from_stash`): a lone layer whose input stack was
+stashed recomputes the layer from it (`FboArgs`); any other reconstructs its input from
+its output (`ReverseArgs`), a scanned run's kept layers from the copies in ``kept``.
+
+What a backward or loss op does with its gradient is its finisher
 (`revtrain.trainers.block.finishers`): the update finisher's program takes the layer's
 `Params`, donates them (its ``new_params`` output reuses their buffers) and returns the
 kind's output; the norm finisher's (exact global-norm clipping's first pass) takes the
@@ -71,7 +75,7 @@ class ForwardArgs(NamedTuple):
 
 
 class FboArgs(NamedTuple):
-    """A standard layer's fbo (recomputed from its stashed input ``x``): `ForwardArgs`
+    """A lone layer's backward op, recomputed from its stashed input ``x``: `ForwardArgs`
     plus ``ct_y``, the cotangent of the layer's outputs."""
 
     x: Any
@@ -81,15 +85,28 @@ class FboArgs(NamedTuple):
 
 
 class ReverseArgs(NamedTuple):
-    """A reversible layer's reverse-and-fbo: its outputs ``y`` (from which the input is
-    reconstructed), their cotangent ``ct_y``, the state before (``state``) and after
-    (``new_state``) its forward pass, and the step's ``rngs``."""
+    """A reversible layer's (or a scanned run's) backward op, its input reconstructed from
+    its output (leading device axis on every leaf).
+
+    Attributes:
+      y: the output stack items (a run's top ``n_items``: the scan's carry), from which
+        the input is reconstructed.
+      ct_y: their cotangents (a scan carries them too).
+      state: the state before the forward pass (a run's: per group position, stacked over
+        repetitions, ``[devices, repeats, ...]``).
+      new_state: likewise, after it.
+      rngs: the step's key data ``[devices, n_layers, *key]``.
+      kept: a scanned run's ``keep_every`` copies (per carry item ``[devices,
+        len(run.kept), ...]``), from which its kept layers are recomputed instead; None
+        for a lone layer or a run without any.
+    """
 
     y: Any
     ct_y: Any
     state: Any
     new_state: Any
     rngs: jax.Array
+    kept: Any = None
 
 
 class LossArgs(NamedTuple):
@@ -103,47 +120,22 @@ class LossArgs(NamedTuple):
     batch_weights: Any
 
 
-class ScanReverseArgs(NamedTuple):
-    """Per-device arguments of a run's reverse scan (leading device axis on every leaf).
-
-    Attributes:
-      y: the run's output stack items (its top ``n_items``): the scan's carry, from which
-        each layer's input is reconstructed.
-      ct_y: their cotangents (carried too).
-      state: per group position, the stacked states before the forward pass
-        ``[devices, repeats, ...]``.
-      new_state: likewise, after it.
-      rngs: the step's key data ``[devices, n_layers, *key]``.
-      kept: the forward scan's ``keep_every`` copies (per carry item ``[devices,
-        len(run.kept), ...]``), or None for a run without any.
-    """
-
-    y: Any
-    ct_y: Any
-    state: Any
-    new_state: Any
-    rngs: jax.Array
-    kept: Any = None
-
-
 CONSUMED: dict[type, tuple[str, ...]] = {
     ForwardArgs: ("x",),
     FboArgs: ("ct_y",),
     ReverseArgs: ("y", "ct_y"),
-    ScanReverseArgs: ("y", "ct_y"),
     LossArgs: (),
 }
 """Per argument type, the fields its programs consume and donate (the table above). What
 moves on is not consumed: a ``LOSS`` op's ``x`` (the final stack) is the first backward
-op's ``y``, an ``FBO`` op's ``x`` (its stash) the stack below it, so of those two only the
-``FBO`` op's ``ct_y`` is."""
+op's ``y``, a recomputing backward op's ``x`` (its stash) the stack below it, so of an
+`FboArgs` only ``ct_y`` is."""
 
 
 STACK: dict[type, str] = {
     ForwardArgs: "x",
     FboArgs: "x",
     ReverseArgs: "y",
-    ScanReverseArgs: "y",
     LossArgs: "x",
 }
 """Per argument type, the field that holds the layer's stack (its input, or its output
@@ -237,7 +229,7 @@ class NormOut(NamedTuple):
     moves the pass on and the squared norm of the global gradient; nothing is updated.
 
     Attributes:
-      x: the reconstructed input (``REVERSE``, ``SCAN_REVERSE``), or None.
+      x: the reconstructed input (of a `ReverseArgs` op), or None.
       ct_x: the input's cotangent.
       squared_norm: float32, the layer's squared gradient norm (a scanned run's ``[n]``
         vector, last layer first).
@@ -249,5 +241,5 @@ class NormOut(NamedTuple):
 
 
 __all__ = ["CONSUMED", "STACK", "FboArgs", "FboOut", "ForwardArgs", "ForwardOut", "LayerStats",
-           "LossArgs", "LossOut", "NormOut", "ReverseArgs", "ReverseOut", "ScanReverseArgs",
-           "Shared", "stack_of"]
+           "LossArgs", "LossOut", "NormOut", "ReverseArgs", "ReverseOut", "Shared",
+           "stack_of"]

@@ -29,9 +29,10 @@ class DeviceStore:
     """All values on the devices: weights and slots replicated (or sharded), states per
     device; the layers of each run stacked.
 
-    Values are keyed by flat layer index, or by `Run` for the layers of a run: then each
-    value is a tuple over the group's positions of stacked trees
-    (`revtrain.trainers.block.stacked`).
+    Values are keyed by `Run`: a lone layer's (one repetition) are its own, a scanned
+    run's a tuple over the group's positions of stacked trees
+    (`revtrain.trainers.block.stacked`). Inside, both are held under the run's first
+    flat layer.
 
     Args:
       placement: the trainer's placement; with ``placement.fsdp`` weights and slots are
@@ -70,14 +71,14 @@ class DeviceStore:
                     kept[i] = transfers.put_values(values, sharding)
         for (run, part), position_writers in writers.items():
             kept = self._weights if part == "weights" else self._slots
-            kept[run] = tuple(w.buffers for w in position_writers)
+            kept[run.start] = tuple(w.buffers for w in position_writers)
         states = [for_n_devices(transfers.host_values(s), self._placement.n_devices)
                   for s in train_state.state]
         self._n_layers = len(states)
         self._states = {i: self._per_device(s) for i, s in enumerate(states)
                         if i not in self._positions}
         for run in self._runs:
-            self._states[run] = tuple(
+            self._states[run.start] = tuple(
                 self._per_device(stacked.stack_states([states[i] for i in run.members(j)]))
                 for j in range(run.period))
         self._new_states: dict[Any, Any] = {}
@@ -94,23 +95,23 @@ class DeviceStore:
     def prepare(self, position: int) -> None:
         del position
 
-    def weights(self, i: int | Run) -> Any:
-        return self._weights[i]
+    def weights(self, run: Run) -> Any:
+        return self._weights[run.start]
 
-    def params(self, i: int | Run) -> Params:
-        return Params(self._weights[i], self._slots[i])
+    def params(self, run: Run) -> Params:
+        return Params(self._weights[run.start], self._slots[run.start])
 
-    def keep_params(self, i: int | Run, params: Params) -> None:
-        self._weights[i], self._slots[i] = params
+    def keep_params(self, run: Run, params: Params) -> None:
+        self._weights[run.start], self._slots[run.start] = params
 
-    def state(self, i: int | Run) -> Any:
-        return self._states[i]
+    def state(self, run: Run) -> Any:
+        return self._states[run.start]
 
-    def new_state(self, i: int | Run) -> Any:
-        return self._new_states[i]
+    def new_state(self, run: Run) -> Any:
+        return self._new_states[run.start]
 
-    def keep_state(self, i: int | Run, new_state: Any) -> None:
-        self._new_states[i] = new_state
+    def keep_state(self, run: Run, new_state: Any) -> None:
+        self._new_states[run.start] = new_state
 
     def stash(self, stack: Any) -> Any:
         device = self._placement.first_local_device
@@ -130,7 +131,6 @@ class DeviceStore:
         self._states = self._new_states
 
     def block_until_ready(self) -> None:
-        # Lists of the values: dict keys mix layer indices and runs (not sortable).
         transfers.block_until_ready_live([list(d.values()) for d in
                                           (self._weights, self._slots, self._states)])
 
@@ -144,14 +144,16 @@ class DeviceStore:
 
     def host_values(self, part: str) -> tuple:
         if part == "state":
-            host = {run: tuple(transfers.first_device_slice(s) for s in self._states[run])
-                    for run in self._runs}
+            host = {run: tuple(transfers.first_device_slice(s)
+                               for s in self._states[run.start]) for run in self._runs}
             flat = {i: transfers.first_device_slice(s) for i, s in self._states.items()
-                    if not isinstance(i, Run)}
+                    if i not in self._positions}
             return self._per_layer(flat, lambda run, j, t: stacked.entry(host[run][j], t))
         values = {"weights": self._weights, "slots": self._slots}[part]
-        host = {run: tuple(transfers.host_values(v) for v in values[run]) for run in self._runs}
-        flat = {i: transfers.host_values(v) for i, v in values.items() if not isinstance(i, Run)}
+        host = {run: tuple(transfers.host_values(v) for v in values[run.start])
+                for run in self._runs}
+        flat = {i: transfers.host_values(v) for i, v in values.items()
+                if i not in self._positions}
         return self._per_layer(flat, lambda run, j, t: stacked.entry(host[run][j], t))
 
     def saved_values(self, part: str) -> tuple:
@@ -162,7 +164,8 @@ class DeviceStore:
         for run in self._runs:
             for j in range(run.period):
                 shardings = [self._shardings[part][i] for i in run.members(j)]
-                split[run, j] = self._unstack((run, j, part), values[run][j], shardings)
+                split[run, j] = self._unstack((run, j, part), values[run.start][j],
+                                              shardings)
         return self._per_layer(values, lambda run, j, t: split[run, j][t])
 
 
@@ -170,7 +173,7 @@ class DeviceStore:
         if part == "state":  # Host values: no sharding (the tree alone, nothing copied).
             nothing = lambda tree: jax.tree.map(lambda _: None, tree)
             return self._per_layer({i: nothing(s) for i, s in self._states.items()},
-                                   lambda run, j, t: nothing(self._states[run][j]))
+                                   lambda run, j, t: nothing(self._states[run.start][j]))
         return tuple(self._shardings[part])
 
     def device_footprint(self) -> DeviceFootprint:

@@ -3,25 +3,25 @@
 Read this module with `revtrain.trainers.block.plan` (what the ops are),
 `revtrain.trainers.block.contract` (what each op's program takes and gives) and
 `revtrain.trainers.block.finishers` (what a backward op does with its gradient): together
-they are the whole step. `run_step` hands each op to its kind's handler (`HANDLERS`, the one place
-that tells op kinds apart), which asks a `revtrain.trainers.block.stores.StepValues` for
-the op's values, calls its program through a `revtrain.trainers.common.dispatch.Dispatcher`, reads
-the program's typed outputs by name and hands the new values back. The
-`revtrain.trainers.common.dispatch.LiveDispatcher` runs the programs and tells the observers;
-precompilation passes a recording one
+they are the whole step. `run_step` hands each op to its kind's handler (`HANDLERS`, the
+one place that tells the three op kinds apart), which asks a
+`revtrain.trainers.block.stores.StepValues` for the op's values, calls its program through
+a `revtrain.trainers.common.dispatch.Dispatcher`, reads the program's typed outputs by name
+and hands the new values back. The `revtrain.trainers.common.dispatch.LiveDispatcher` runs
+the programs and tells the observers; precompilation passes a recording one
 (`revtrain.trainers.block.precompile.RecordingDispatcher`) and an abstract store, and the
 same walk traces every program without running anything.
 
-The step: forward ops move the stack up (stashing block inputs and ``keep_every`` copies);
-the loss op gives the final stack's cotangent; backward ops move the stack and its
-cotangent down, each reconstructing (``REVERSE``) or recomputing (``FBO``) its layer's
-input and updating the layer at once. A scanned run of layers
-(`revtrain.trainers.block.plan.Run`) is one op each way, its values one stacked key of the
-store (`revtrain.trainers.block.scan_programs`). With exact global-norm clipping a
-norm pass (the `NORM` finisher) first walks the backward ops without updating, and its
-global norm scales every update; the handlers ask an op's finisher which values to fetch,
-whether it consumes the stashes and how its results are read, and never test it. What
-the ops hand on to each other is one `StepCarry`.
+The step: every op runs a `revtrain.trainers.block.plan.Run` (a lone layer is a run of
+one repetition; a scanned run is one op each way, `revtrain.trainers.block.scan_programs`),
+and the store's values are keyed by it. Forward ops move the stack up (stashing block
+inputs and ``keep_every`` copies); the loss op gives the final stack's cotangent; backward
+ops move the stack and its cotangent down, each reconstructing its input from its output
+or recomputing it from the stash, as its run says, and updating its layers at once. With
+exact global-norm clipping a norm pass (the `NORM` finisher) first walks the backward ops
+without updating, and its global norm scales every update; the handlers ask an op's
+finisher which values to fetch, whether it consumes the stashes and how its results are
+read, and never test it. What the ops hand on to each other is one `StepCarry`.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ from revtrain.trainers.block.contract import (
     LayerStats,
     LossArgs,
     ReverseArgs,
-    ScanReverseArgs,
     Shared,
 )
-from revtrain.trainers.block.plan import Op, OpKind, PlannedOp
+from revtrain.trainers.block.plan import Op, OpKind, PlannedOp, Run
 from revtrain.trainers.block.stores import StepValues
 from revtrain.trainers.common.dispatch import Dispatcher
 
@@ -195,9 +194,9 @@ class _Walk(NamedTuple):
         self.store.prepare(position)
         return Shared(self.step.indices[p.op.layer], self.inputs.lr, c.clip)
 
-    def values(self, op: Op, key: Any) -> Any:
+    def values(self, op: Op, run: Run) -> Any:
         """The values the op's finisher takes: weights or (donated) params."""
-        return op.finisher.values(self.store, key)
+        return op.finisher.values(self.store, run)
 
     def unstash(self, c: StepCarry, op: Op, key: int) -> Any:
         """The stash the op reads; consumed unless its finisher leaves it to a later pass."""
@@ -224,45 +223,37 @@ class _Walk(NamedTuple):
                                       f"copy/{p.op.label}", donation.copy, leaf))
         return self.dispatcher.dispatch(p.op.label, p.program, args, values, shared)
 
-    def take(self, c: StepCarry, op: Op, key: Any, out: Any) -> None:
+    def take(self, c: StepCarry, op: Op, run: Run, out: Any) -> None:
         """Reads the op's results as its finisher says (new params and stats, or a norm)."""
-        op.finisher.take(out, key, op.layer, self.store, c)
+        op.finisher.take(out, run, self.store, c)
 
 
 def _forward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
-    op, layer, i = p.op, p.layer, p.op.layer
+    """A run's forward op. A lone layer whose input is kept (`Run.from_stash`: a block's
+    standard layer, a ``keep_every`` layer) stashes its whole input stack first; a scanned
+    run's ``keep_every`` copies are stashed under its first layer."""
+    run, (n_in, _) = p.op.run, p.arity
     shared = w.begin(p, position, c)
-    if op.starts_block or op.keep_point:
-        c.kept[i] = w.store.stash(c.stack)
-    x = inputs_from_stack(c.stack, layer.n_in)
+    if run.from_stash:
+        c.kept[run.start] = w.store.stash(c.stack)
+    x = inputs_from_stack(c.stack, n_in)
     if p.program is None:  # Reorders stack items only: no program.
-        y, _ = layer.pure_fn(x, (), (), None)
-        w.store.keep_state(i, w.store.state(i))
+        y, _ = p.layer.pure_fn(x, (), (), None)
+        w.store.keep_state(run, w.store.state(run))
     else:
-        out = w.run(c, p, ForwardArgs(x, w.store.state(i), w.inputs.rngs), w.store.weights(i),
-                    shared, n_stack=layer.n_in)
+        out = w.run(c, p, ForwardArgs(x, w.store.state(run), w.inputs.rngs),
+                    w.store.weights(run), shared, n_stack=n_in)
         y = out.y
-        w.store.keep_state(i, out.new_state)
-    c.stack = outputs_onto_stack(y, c.stack, layer.n_in)
-
-
-def _scan_forward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
-    """A run's forward scan; its ``keep_every`` copies are stashed under its first layer."""
-    run = p.op.run
-    shared = w.begin(p, position, c)
-    args = ForwardArgs(inputs_from_stack(c.stack, run.n_items), w.store.state(run),
-                       w.inputs.rngs)
-    out = w.run(c, p, args, w.store.weights(run), shared, n_stack=run.n_items)
-    w.store.keep_state(run, out.new_state)
-    if out.copies is not None:
-        c.kept[run.start] = w.store.stash(out.copies)
-    c.stack = outputs_onto_stack(out.y, c.stack, run.n_items)
+        w.store.keep_state(run, out.new_state)
+        if out.copies is not None:
+            c.kept[run.start] = w.store.stash(out.copies)
+    c.stack = outputs_onto_stack(y, c.stack, n_in)
 
 
 def _loss(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
     """The loss op: the final activations leave the forward pass (once), the norm pass's
     global norm (once it ran) sets the clipping of the updates that follow."""
-    op, layer, i = p.op, p.layer, p.op.layer
+    op, layer, run = p.op, p.layer, p.op.run
     c.final = w.store.end_forward(c.stack) if c.final is None else c.final
     c.reread = None if op.finisher.consumes_kept else c.final
     if c.squared_norms and c.global_norm is None:
@@ -276,60 +267,42 @@ def _loss(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
                          f"the model leaves {n_items}; make the loss layer consume the "
                          f"whole stack")
     batch_weights = None if c.kept_weights is None else w.store.unstash(c.kept_weights)
-    args = LossArgs(c.stack, w.store.state(i), w.inputs.rngs, batch_weights)
-    out = w.run(c, p, args, w.values(op, i), shared, n_stack=n_items)
-    op.finisher.take_loss(out, i, w.store, c)
+    args = LossArgs(c.stack, w.store.state(run), w.inputs.rngs, batch_weights)
+    out = w.run(c, p, args, w.values(op, run), shared, n_stack=n_items)
+    op.finisher.take_loss(out, run, w.store, c)
     c.ct = out.ct_x
 
 
-def _fbo(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
-    """A standard layer (or a kept position): recomputed from its stashed input."""
-    op, layer, i = p.op, p.layer, p.op.layer
+def _backward(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
+    """A run's backward op: its input and the input's cotangent move down the stack, each
+    layer's gradient goes to the op's finisher. Where the input comes from is the run's
+    (`revtrain.trainers.block.contract`): a lone layer whose input stack was stashed
+    (`Run.from_stash`) is recomputed from it, and the stash is the stack below; any other
+    reconstructs its input from its output (a scanned run's kept layers from the copies
+    its forward op stashed)."""
+    op, run, (n_in, n_out) = p.op, p.op.run, p.arity
     shared = w.begin(p, position, c)
-    c.stack = w.unstash(c, op, i)
-    args = FboArgs(inputs_from_stack(c.stack, layer.n_in), w.store.state(i), w.inputs.rngs,
-                   inputs_from_stack(c.ct, layer.n_out))
-    out = w.run(c, p, args, w.values(op, i), shared, n_stack=layer.n_in, n_ct=layer.n_out)
-    w.take(c, op, i, out)
-    c.ct = outputs_onto_stack(out.ct_x, c.ct, layer.n_out)
-
-
-def _reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
-    """A reversible layer: its input reconstructed from its output."""
-    op, layer, i = p.op, p.layer, p.op.layer
-    shared = w.begin(p, position, c)
-    args = ReverseArgs(inputs_from_stack(c.stack, layer.n_out),
-                       inputs_from_stack(c.ct, layer.n_out), w.store.state(i),
-                       w.store.new_state(i), w.inputs.rngs)
-    out = w.run(c, p, args, w.values(op, i), shared, n_stack=layer.n_out, n_ct=layer.n_out)
-    w.take(c, op, i, out)
-    c.stack = outputs_onto_stack(out.x, c.stack, layer.n_out)
-    c.ct = outputs_onto_stack(out.ct_x, c.ct, layer.n_out)
-
-
-def _scan_reverse(w: _Walk, c: StepCarry, p: PlannedOp, position: int) -> None:
-    """A run's reverse scan (each layer's gradient to the op's finisher): it donates its
-    carry, the run's output items and their cotangents (`_Walk.run`)."""
-    op, run = p.op, p.op.run
-    shared = w.begin(p, position, c)
-    copies = w.unstash(c, op, run.start) if run.kept else None
-    n = run.n_items
-    args = ScanReverseArgs(inputs_from_stack(c.stack, n), inputs_from_stack(c.ct, n),
-                           w.store.state(run), w.store.new_state(run), w.inputs.rngs, copies)
-    out = w.run(c, p, args, w.values(op, run), shared, n_stack=n, n_ct=n)
+    kept = w.unstash(c, op, run.start) if run.kept else None
+    ct_y, state = inputs_from_stack(c.ct, n_out), w.store.state(run)
+    if run.from_stash:  # Its input, and the stack below it from here on.
+        c.stack, n_stack = kept, n_in
+        args = FboArgs(inputs_from_stack(kept, n_in), state, w.inputs.rngs, ct_y)
+    else:
+        n_stack = n_out
+        args = ReverseArgs(inputs_from_stack(c.stack, n_out), ct_y, state,
+                           w.store.new_state(run), w.inputs.rngs, kept)
+    out = w.run(c, p, args, w.values(op, run), shared, n_stack=n_stack, n_ct=n_out)
     w.take(c, op, run, out)
-    c.stack = outputs_onto_stack(out.x, c.stack, n)
-    c.ct = outputs_onto_stack(out.ct_x, c.ct, n)
+    if isinstance(args, ReverseArgs):
+        c.stack = outputs_onto_stack(out.x, c.stack, n_out)
+    c.ct = outputs_onto_stack(out.ct_x, c.ct, n_out)
 
 
 # The one place that tells op kinds apart: each kind's handler.
 HANDLERS: dict[OpKind, Callable[[_Walk, StepCarry, PlannedOp, int], None]] = {
     OpKind.FORWARD: _forward,
-    OpKind.SCAN_FORWARD: _scan_forward,
     OpKind.LOSS: _loss,
-    OpKind.FBO: _fbo,
-    OpKind.REVERSE: _reverse,
-    OpKind.SCAN_REVERSE: _scan_reverse,
+    OpKind.BACKWARD: _backward,
 }
 
 

@@ -1,7 +1,7 @@
 """What a backward op does with its layer's gradient: its *finisher*, a value on the op.
 
-A backward op (``LOSS``, ``FBO``, ``REVERSE``, ``SCAN_REVERSE``) computes a layer's input
-cotangent and weight gradient (`revtrain.trainers.block.bodies`); its finisher says what
+A backward op (and the ``LOSS`` op) computes each of its layers' input cotangent and
+weight gradient (`revtrain.trainers.block.bodies`); its finisher says what
 happens to the gradient, as an optax ``GradientTransformation`` says what happens to a
 model's:
 
@@ -11,7 +11,7 @@ model's:
   weights (not donated: the update pass reads them again) and returns the squared norm of
   the gradient in a `NormOut`; nothing is updated.
 
-The programs (`revtrain.trainers.block.layer_programs`,
+The programs (`revtrain.trainers.block.programs`,
 `revtrain.trainers.block.scan_programs`) and the executor
 (`revtrain.trainers.block.executor`) ask the op's finisher instead of testing a flag:
 which values to fetch (`Finisher.values`), whether the program donates them
@@ -55,8 +55,9 @@ class Finisher(Protocol):
     donates_values: bool
     consumes_kept: bool
 
-    def values(self, store: Any, key: Any) -> Any:
-        """The values the op's program takes from ``store`` (a `StepValues`)."""
+    def values(self, store: Any, run: Any) -> Any:
+        """The values the op's program takes from ``store`` (a `StepValues`) for its
+        ``run``."""
 
     def weights(self, values: Any) -> Any:
         """The weights among a program's ``values``."""
@@ -66,11 +67,11 @@ class Finisher(Protocol):
         """A per-layer program's output from its body's typed ``out`` and global
         gradient ``grads``."""
 
-    def take(self, out: Any, key: Any, first: int, store: Any, carry: Any) -> None:
-        """Reads a program's results: into ``store`` (a `StepValues`, under ``key``) and
-        ``carry`` (the executor's `StepCarry`, by ``first`` flat layer)."""
+    def take(self, out: Any, run: Any, store: Any, carry: Any) -> None:
+        """Reads a program's results: into ``store`` (a `StepValues`, under the op's
+        ``run``) and ``carry`` (the executor's `StepCarry`, by the run's first layer)."""
 
-    def take_loss(self, out: Any, key: Any, store: Any, carry: Any) -> None:
+    def take_loss(self, out: Any, run: Any, store: Any, carry: Any) -> None:
         """`take` for the loss op's program."""
 
     # A scanned run (`revtrain.trainers.block.scan_programs`).
@@ -108,8 +109,8 @@ class Update:
     donates_values: bool = True
     consumes_kept: bool = True
 
-    def values(self, store: Any, key: Any) -> Params:
-        return store.params(key)
+    def values(self, store: Any, run: Any) -> Params:
+        return store.params(run)
 
     def weights(self, values: Params) -> Any:
         return values.weights
@@ -118,14 +119,14 @@ class Update:
         new_params, stats = bodies.update(optimizer, grads, values, shared, placement)
         return out._replace(new_params=new_params, stats=stats)
 
-    def take(self, out, key, first, store, carry) -> None:
-        store.keep_params(key, out.new_params)
-        carry.stats[first] = out.stats
+    def take(self, out, run, store, carry) -> None:
+        store.keep_params(run, out.new_params)
+        carry.stats[run.start] = out.stats
 
-    def take_loss(self, out, key, store, carry) -> None:
-        self.take(out, key, key, store, carry)
+    def take_loss(self, out, run, store, carry) -> None:
+        self.take(out, run, store, carry)
         carry.loss = out.loss
-        store.keep_state(key, out.new_state)
+        store.keep_state(run, out.new_state)
 
     def carried(self, values: Params) -> Params:
         return Params(tuple(values.weights), tuple(values.slots))
@@ -161,8 +162,8 @@ class Norm:
     donates_values: bool = False
     consumes_kept: bool = False
 
-    def values(self, store: Any, key: Any) -> Any:
-        return store.weights(key)
+    def values(self, store: Any, run: Any) -> Any:
+        return store.weights(run)
 
     def weights(self, values: Any) -> Any:
         return values
@@ -170,11 +171,11 @@ class Norm:
     def finish(self, out, grads, values, shared, optimizer, placement) -> NormOut:
         return NormOut(getattr(out, "x", None), out.ct_x, squared_norm(grads))
 
-    def take(self, out, key, first, store, carry) -> None:
+    def take(self, out, run, store, carry) -> None:
         carry.squared_norms.append(out.squared_norm)
 
-    def take_loss(self, out, key, store, carry) -> None:
-        self.take(out, key, key, store, carry)
+    def take_loss(self, out, run, store, carry) -> None:
+        self.take(out, run, store, carry)
 
     def carried(self, values: Any) -> None:
         return None

@@ -74,18 +74,17 @@ def _copy_into(host: Any, result: Any) -> None:
 class HostStore:
     """Values in host memory; the values of ``1 + n_async_layers`` ops on the devices.
 
-    Values are keyed by flat layer index, or by `Run` (its first layer) for the layers of
-    a run the schedule scans: each value of a run is then a tuple over the group's
-    positions of stacked trees, as `revtrain.trainers.block.device_store.DeviceStore` keeps
-    them.
+    Values are keyed by `Run` (held under its first layer): a lone layer's (one
+    repetition) are its own, a scanned run's a tuple over the group's positions of stacked
+    trees, as `revtrain.trainers.block.device_store.DeviceStore` keeps them.
 
     Args:
       placement: the trainer's placement (with ``placement.fsdp``, see below).
       train_state: the initial values (host trees, one entry per flat layer).
-      schedule: the trainer's ops; `prepare` looks ahead in it, and the runs its scan ops
-        name are kept stacked.
+      schedule: the trainer's ops; `prepare` looks ahead in it, and the scanned runs its
+        ops name are kept stacked.
       n_async_layers: how many upcoming ops' weights (and, for backward ops that
-        update, slots) to prefetch: layers, or whole runs for scan ops.
+        update, slots) to prefetch: layers, or whole scanned runs.
       free_accelerators_on_step: after the forward pass and at the end of the step,
         delete every device buffer this store holds; the final activations wait on the
         host for the loss op.
@@ -159,9 +158,6 @@ class HostStore:
             per_position.append(buffers)
         return tuple(per_position)
 
-    def _key(self, i: int | Run) -> int:
-        return i.start if isinstance(i, Run) else i
-
     def _n_flat(self, key: int) -> int:
         run = self._runs.get(key)
         return 1 if run is None else run.stop - run.start
@@ -212,7 +208,7 @@ class HostStore:
         for i in [i for i in self._resident if i not in wanted]:
             delete_arrays(self._resident.pop(i))
         for op in window:
-            forward = op.kind in (OpKind.FORWARD, OpKind.SCAN_FORWARD)
+            forward = op.kind == OpKind.FORWARD
             self._fetch(op.layer, with_slots=not forward and op.finisher.donates_values)
         self.max_resident_layers = max(self.max_resident_layers,
                                        sum(map(self._n_flat, self._resident)))
@@ -220,15 +216,15 @@ class HostStore:
     # ----------------------------------------------------------------------------------
     # Values of one op.
 
-    def weights(self, i: int | Run) -> Any:
-        return self._fetch(self._key(i), with_slots=False)[0]
+    def weights(self, run: Run) -> Any:
+        return self._fetch(run.start, with_slots=False)[0]
 
-    def params(self, i: int | Run) -> Params:
-        weights, slots = self._fetch(self._key(i), with_slots=True)
+    def params(self, run: Run) -> Params:
+        weights, slots = self._fetch(run.start, with_slots=True)
         return Params(weights, slots)
 
-    def keep_params(self, i: int | Run, params: Params) -> None:
-        key = self._key(i)
+    def keep_params(self, run: Run, params: Params) -> None:
+        key = run.start
         self._resident.pop(key, None)  # Donated: the old buffers are gone.
         for leaf in jax.tree.leaves(params):
             leaf.copy_to_host_async()
@@ -238,24 +234,24 @@ class HostStore:
         return tuple(stacked.stack_states([states[i] for i in run.members(j)])
                      for j in range(run.period))
 
-    def state(self, i: int | Run) -> Any:
-        host = (self._stacked_states(self._states, i) if isinstance(i, Run)
-                else self._states[i])
+    def state(self, run: Run) -> Any:
+        host = (self._stacked_states(self._states, run) if run.repeats > 1
+                else self._states[run.start])
         return transfers.shard_per_device(host, self._placement)
 
-    def new_state(self, i: int | Run) -> Any:
-        host = (self._stacked_states(self._new_states, i) if isinstance(i, Run)
-                else self._new_states[i])
+    def new_state(self, run: Run) -> Any:
+        host = (self._stacked_states(self._new_states, run) if run.repeats > 1
+                else self._new_states[run.start])
         return transfers.shard_per_device(host, self._placement)
 
-    def keep_state(self, i: int | Run, new_state: Any) -> None:
+    def keep_state(self, run: Run, new_state: Any) -> None:
         host = transfers.local_rows(new_state)
         delete_arrays(new_state)
-        if not isinstance(i, Run):
-            self._new_states[i] = host
+        if run.repeats == 1:  # A lone layer: its own state.
+            self._new_states[run.start] = host
             return
-        for j in range(i.period):  # [devices, repeats, ...] -> each layer's [devices, ...]
-            for t, layer in enumerate(i.members(j)):
+        for j in range(run.period):  # [devices, repeats, ...] -> each layer's [devices, ...]
+            for t, layer in enumerate(run.members(j)):
                 self._new_states[layer] = stacked.entry(host[j], t, axis=1)
 
     def stash(self, stack: Any) -> Any:

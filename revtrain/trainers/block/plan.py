@@ -1,19 +1,23 @@
 """The plan of a block trainer's step: its ops, in order, each with the program it runs.
 
-For the flat layers ``[std_0, *rev_0, std_1, *rev_1, ..., loss]`` one step is: a
-``FORWARD`` op for every layer but the loss, in order (the first op of each block stashes
-the block's input stack, and so does every ``keep_every``-th reversible layer's); one
-``LOSS`` op (the loss layer's fbo); then, block by block in reverse, a ``REVERSE`` op
-(reverse-and-fbo) for each reversible layer from the last to the first -- an ``FBO`` op
-instead for a reversible layer whose input was stashed -- and an ``FBO`` op for the block's
-standard layer (which unstashes the block input).
+Every op runs a `Run`: ``period`` layers repeated ``repeats`` times. A lone layer is a run
+of one repetition of itself; consecutive reversible layers of equal structure
+(`revtrain.trainers.block.scan_programs.find_runs`) are one run of two or more, which
+runs as one ``lax.scan`` each way (`revtrain.trainers.block.scan_programs`), so the number
+of ops of a step does not grow with depth. Three kinds of op run them:
 
-A `Run` of consecutive reversible layers of equal structure (a group of ``period`` layers
-repeated ``repeats`` times; `revtrain.trainers.block.scan_programs.find_runs`) is one
-``SCAN_FORWARD`` op and one ``SCAN_REVERSE`` op instead of one op per layer: each runs the
-whole run as one ``lax.scan`` (`revtrain.trainers.block.scan_programs`), so the number of ops of
-a step does not grow with depth. Its ``keep_every`` copies are the scan's: the forward op
-stashes them all at once, the reverse op recomputes those layers from them.
+* ``FORWARD``, for every run but the loss, in order;
+* ``LOSS``, the loss layer's fbo;
+* ``BACKWARD``, block by block in reverse, for each run from the last to the first: its
+  input and the input's cotangent, and its gradient handed to the op's finisher.
+
+Where a backward op's input comes from is its run's ``kept``: the offsets of the layers
+whose input the forward pass kept. A lone layer whose input is kept -- every block's
+standard layer (the block's input) and every ``keep_every``-th reversible layer -- has its
+whole input stack stashed before its forward op, and its backward op recomputes the layer
+from that stash (`Run.from_stash`); any other layer's backward op reconstructs its input
+from its output (RevNet), a scanned run's kept layers excepted, which recompute from the
+copies its forward scan kept.
 
 Each backward op carries its finisher (`revtrain.trainers.block.finishers`): what it does
 with its layer's gradient. With exact global-norm clipping the loss and backward ops run
@@ -36,40 +40,40 @@ from typing import Any, NamedTuple
 from revtrain.layers.base import Layer
 from revtrain.layers.blocks import is_keep_point
 from revtrain.layers.reversible import ReversibleSelect
+from revtrain.layers.scan import serial_arity
 from revtrain.trainers.block.finishers import NORM, UPDATE, Finisher
 
 
 class OpKind(enum.StrEnum):
     """What an op runs (a string enum: ``OpKind.FORWARD == 'forward'``)."""
 
-    FORWARD = "forward"  # The layer's forward pass.
+    FORWARD = "forward"  # A run's forward pass (a lone layer's, or one lax.scan).
     LOSS = "loss"  # The loss layer's fbo.
-    REVERSE = "reverse"  # A reversible layer's reverse-and-fbo (input reconstructed).
-    FBO = "fbo"  # A layer's fbo, recomputed from its stashed input.
-    SCAN_FORWARD = "scan_forward"  # A run's forward passes, one lax.scan.
-    SCAN_REVERSE = "scan_reverse"  # A run's reverse-and-fbos (and kept-copy fbos), one scan.
+    BACKWARD = "backward"  # A run's input and its cotangent, each gradient to the finisher.
 
 
 class Run(NamedTuple):
-    """Consecutive reversible layers of one block run as one scan: ``period`` layers (the
-    group) repeated ``repeats`` times, each repetition of the same structure, shapes and
-    dtypes as the first (`revtrain.layers.scan`'s rule).
+    """What an op runs: ``period`` layers (the group) repeated ``repeats`` times. A lone
+    layer is a run of one repetition of itself (``Run(i, 1, 1)``); a run of two or more
+    repetitions is consecutive reversible layers of one block, each repetition of the same
+    structure, shapes and dtypes as the first (`revtrain.layers.scan`'s rule), run as one
+    scan.
 
     Attributes:
       start: the first flat layer of the run.
       period: layers in the group.
-      repeats: repetitions of the group (>= 2).
-      n_items: stack items the group takes and leaves (the scan's carry); the items
-        below them pass through untouched.
-      kept: offsets from ``start`` of the layers whose input is kept (``keep_every``),
-        filled in by `build_schedule`; the scan's ``k``-th copy is the input of layer
-        ``start + kept[k]``.
+      repeats: repetitions of the group (>= 1).
+      n_items: stack items a scanned group takes and leaves (the scan's carry; the items
+        below them pass through untouched); 0 for a lone layer, whose arity is its own.
+      kept: offsets from ``start`` of the layers whose input is kept (block inputs and
+        ``keep_every``), filled in by `build_schedule`; a scan's ``k``-th copy is the
+        input of layer ``start + kept[k]``.
     """
 
     start: int
     period: int
     repeats: int
-    n_items: int
+    n_items: int = 0
     kept: tuple[int, ...] = ()
 
     @property
@@ -85,6 +89,13 @@ class Run(NamedTuple):
     def members(self, j: int) -> range:
         """The flat layers at position ``j`` of the group, one per repetition."""
         return range(self.start + j, self.stop, self.period)
+
+    @property
+    def from_stash(self) -> bool:
+        """A lone layer whose input is kept: its whole input stack is stashed before its
+        forward op and its backward op recomputes the layer from it (a scanned run keeps
+        copies of its kept layers' inputs instead, which its own programs take)."""
+        return self.repeats == 1 and bool(self.kept)
 
 
 def windows(runs: Sequence[Run], window: int) -> tuple[Run, ...]:
@@ -120,30 +131,26 @@ class Op(NamedTuple):
 
     Attributes:
       kind: an `OpKind`.
-      layer: the flat layer index.
+      run: the `Run` it runs (a lone layer's: ``Run(i, 1, 1)``), ``kept`` filled in.
       block: the block index (``-1`` for the loss).
       label: what observers see, e.g. ``'forward/layer3'``, ``'backward/layer3'``,
-        ``'norm/backward/layer3'``.
-      starts_block: True for the forward op of a block's standard layer (stash first).
-      keep_point: True for the forward op of a reversible layer whose input is stashed
-        (every ``keep_every``-th of a block) and for its ``FBO`` op, which recomputes the
-        layer from that exact copy instead of reversing it.
+        ``'norm/backward/layer3'``, ``'forward/layers2-5'``.
       finisher: what a backward op does with its layer's gradient: `UPDATE` (the
         optimizer step), or `NORM` for the ops of the gradient-norm pass (exact
         global-norm clipping), which compute its squared norm and update nothing; forward
         ops carry `UPDATE` and never ask it.
-      run: the `Run` of a ``SCAN_FORWARD`` or ``SCAN_REVERSE`` op (``layer`` is its
-        first layer), else None.
     """
 
     kind: OpKind
-    layer: int
+    run: Run
     block: int
     label: str
-    starts_block: bool = False
-    keep_point: bool = False
     finisher: Finisher = UPDATE
-    run: Run | None = None
+
+    @property
+    def layer(self) -> int:
+        """The run's first flat layer."""
+        return self.run.start
 
 
 def _runs_by_start(runs: Sequence[Run], block_sizes: Sequence[int]) -> dict[int, Run]:
@@ -166,10 +173,6 @@ def _runs_by_start(runs: Sequence[Run], block_sizes: Sequence[int]) -> dict[int,
     return by_start
 
 
-def _run_label(run: Run) -> str:
-    return f"layers{run.start}-{run.stop - 1}"
-
-
 def build_schedule(block_sizes: Sequence[int], keep_every: int | None = None,
                    clip_global_norm: bool = False, runs: Sequence[Run] = ()) -> tuple[Op, ...]:
     """The ops of one step for blocks of ``block_sizes[b]`` reversible layers each.
@@ -181,8 +184,9 @@ def build_schedule(block_sizes: Sequence[int], keep_every: int | None = None,
         when ``p > 0`` and ``p % keep_every == 0``; None keeps only block inputs.
       clip_global_norm: prepend the norm pass (loss and backward ops with the `NORM`
         finisher) to the update pass.
-      runs: `Run` s of reversible layers to scan (``kept`` is filled in here): each is one
-        ``SCAN_FORWARD`` and one ``SCAN_REVERSE`` op instead of an op per layer.
+      runs: `Run` s of two or more repetitions of reversible layers to scan (``kept`` is
+        filled in here): each is one ``FORWARD`` and one ``BACKWARD`` op; every other
+        layer is a run of one.
 
     Returns:
       A tuple of `Op`: forward ops, the loss op, then the backward ops (twice, the first
@@ -197,36 +201,34 @@ def build_schedule(block_sizes: Sequence[int], keep_every: int | None = None,
     by_start = _runs_by_start(runs, block_sizes)
     forward, backward, i = [], [], 0
     for b, n_rev in enumerate(block_sizes):
-        forward.append(Op(OpKind.FORWARD, i, b, f"forward/layer{i}", starts_block=True))
-        block_backward, p = [], 0
+        block_ops = [_ops(Run(i, 1, 1, 0, kept=(0,)), b)]  # The block input, stashed.
+        p = 0
         while p < n_rev:
-            j = i + 1 + p
-            run = by_start.get(j)
-            if run is not None:
-                n = run.stop - run.start
-                run = run._replace(kept=tuple(
-                    q for q in range(n) if is_keep_point(p + q, keep_every)))
-                forward.append(Op(OpKind.SCAN_FORWARD, j, b, f"forward/{_run_label(run)}",
-                                  run=run))
-                block_backward.insert(0, Op(OpKind.SCAN_REVERSE, j, b,
-                                            f"backward/{_run_label(run)}", run=run))
-                p += n
-                continue
-            keep = is_keep_point(p, keep_every)
-            forward.append(Op(OpKind.FORWARD, j, b, f"forward/layer{j}", keep_point=keep))
-            kind = OpKind.FBO if keep else OpKind.REVERSE
-            block_backward.insert(0, Op(kind, j, b, f"backward/layer{j}", keep_point=keep))
-            p += 1
-        backward = block_backward + [Op(OpKind.FBO, i, b, f"backward/layer{i}")] + backward
+            run = by_start.get(i + 1 + p, Run(i + 1 + p, 1, 1, 0))
+            n = run.stop - run.start
+            run = run._replace(kept=tuple(
+                q for q in range(n) if is_keep_point(p + q, keep_every)))
+            block_ops.append(_ops(run, b))
+            p += n
+        forward += [f for f, _ in block_ops]
+        backward = [g for _, g in reversed(block_ops)] + backward
         i += 1 + n_rev
-    update = [Op(OpKind.LOSS, i, -1, f"loss/layer{i}")] + backward
+    update = [Op(OpKind.LOSS, Run(i, 1, 1, 0), -1, f"loss/layer{i}")] + backward
     norm = [op._replace(finisher=NORM, label=f"{NORM.label}{op.label}") for op in update]
     return tuple(forward + (norm if clip_global_norm else []) + update)
 
 
+def _ops(run: Run, block: int) -> tuple[Op, Op]:
+    """The forward and backward op of ``run`` in ``block``."""
+    name = f"layer{run.start}" if run.repeats == 1 else f"layers{run.start}-{run.stop - 1}"
+    return (Op(OpKind.FORWARD, run, block, f"forward/{name}"),
+            Op(OpKind.BACKWARD, run, block, f"backward/{name}"))
+
+
 def runs_of(schedule: Sequence[Op]) -> tuple[Run, ...]:
-    """The runs ``schedule`` scans (``kept`` filled in), in order, each once."""
-    return tuple(dict.fromkeys(op.run for op in schedule if op.run is not None))
+    """The runs ``schedule`` scans (two or more repetitions, ``kept`` filled in), in order,
+    each once."""
+    return tuple(dict.fromkeys(op.run for op in schedule if op.run.repeats > 1))
 
 
 class PlannedOp(NamedTuple):
@@ -234,23 +236,28 @@ class PlannedOp(NamedTuple):
 
     Attributes:
       op: the `Op`.
-      layer: the flat layer it runs (``layers[op.layer]``; a scan op's first layer).
+      layer: the flat layer it runs (``layers[op.layer]``; a scanned run's first layer).
       program: its compiled function, or None for a forward op that only reorders stack
         items (a `ReversibleSelect`: no weights, no state, no rng), which the executor
         does on the arrays without dispatching anything.
       phase: the observer phase that begins with this op (``'loss_start'``,
         ``'backward_start'``) or None.
+      arity: ``(n_in, n_out)``, the stack items the run takes and leaves
+        (`revtrain.layers.scan.serial_arity` of its layers).
     """
 
     op: Op
     layer: Layer
     program: Callable[..., Any] | None
     phase: str | None
+    arity: tuple[int, int]
 
 
 def reorders_only(op: Op, layer: Layer) -> bool:
-    """A forward op that only permutes stack items: run on the host, no program."""
-    return op.kind == OpKind.FORWARD and isinstance(layer, ReversibleSelect)
+    """A lone layer's forward op that only permutes stack items: run on the host, no
+    program."""
+    return (op.kind == OpKind.FORWARD and op.run.repeats == 1
+            and isinstance(layer, ReversibleSelect))
 
 
 def build_plan(layers: Sequence[Layer], schedule: Sequence[Op],
@@ -260,8 +267,8 @@ def build_plan(layers: Sequence[Layer], schedule: Sequence[Op],
     Args:
       layers: the flat layers.
       schedule: from `build_schedule`.
-      program: ``(op, layer) -> compiled function`` (e.g. ``ProgramCache.get``; for a scan
-        op, ``layer`` is its run's first layer and ``op.run`` says which layers it runs).
+      program: ``(op, layer) -> compiled function`` (``layer`` is its run's first layer
+        and ``op.run`` says which layers it runs).
 
     Returns:
       One `PlannedOp` per op, in order; the first ``LOSS`` op starts ``'loss_start'``
@@ -272,7 +279,7 @@ def build_plan(layers: Sequence[Layer], schedule: Sequence[Op],
     return tuple(
         PlannedOp(op, layers[op.layer],
                   None if reorders_only(op, layers[op.layer]) else program(op, layers[op.layer]),
-                  phases.get(k))
+                  phases.get(k), serial_arity(layers[op.run.start:op.run.stop]))
         for k, op in enumerate(schedule))
 
 

@@ -64,23 +64,24 @@ def _sds(tree: Any, sharding: Any, lead: tuple[int, ...] = ()) -> Any:
                                                        a.dtype, sharding=sharding), tree)
 
 
-class AbstractValues:
-    """Every layer's weights, slots and state as `jax.ShapeDtypeStruct` trees in the
-    shardings the stores give them, keyed as the stores key them: by flat layer, and by
-    `Run` for the layers of a scanned run, stacked (`revtrain.trainers.block.stacked`).
+class AbstractStore:
+    """A `revtrain.trainers.block.stores.StepValues` of abstract values (no buffers): what
+    the executor reads of a store, and nothing else (it holds no values to read back).
 
-    Weights and slots are in `Placement.weight_shardings` (replicated, or FSDP-sharded),
-    states per device (``[devices of the mesh, ...]``), as the real stores hand them to
-    the compiled functions.
+    Weights and slots are `jax.ShapeDtypeStruct` trees in the stores' sharding
+    (`Placement.weight_shardings`: replicated, or FSDP-sharded), states
+    per device (``[devices of the mesh, ...]``), as the real stores hand them to the
+    compiled functions; new states are kept so that reverse ops see them; updates are
+    dropped (their shapes do not change). Stashing is the identity.
+
+    Values are keyed by `Run`, as in `revtrain.trainers.block.device_store.DeviceStore`:
+    a lone layer's are its own, the layers of each scanned run one stacked entry
+    (`revtrain.trainers.block.stacked`).
 
     Args:
       placement: the trainer's placement.
       signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
       runs: the runs the trainer's plan scans.
-
-    Attributes:
-      weights, slots, states: ``{layer index or Run: tree}``.
-      keys: the keys a store holds values under: the layers outside runs, then the runs.
     """
 
     def __init__(self, placement: Placement, signature: TrainState,
@@ -91,59 +92,23 @@ class AbstractValues:
                 placement.weight_shardings(tree))
 
         rows = (placement.n_global_devices,)
-        self.weights = {i: placed(w) for i, w in enumerate(signature.weights)}
-        self.slots = {i: placed(s) for i, s in enumerate(signature.slots)}
-        self.states = {i: _sds(s, placement.per_device, rows)
-                       for i, s in enumerate(signature.state)}
+        in_runs = {i for run in runs for i in run.layers}
+        lone = [i for i in range(len(signature.weights)) if i not in in_runs]
+        # Keyed by each run's first layer: a lone layer's own values, a run's stacked.
+        self._weights = {i: placed(signature.weights[i]) for i in lone}
+        self._slots = {i: placed(signature.slots[i]) for i in lone}
+        self._states = {i: _sds(signature.state[i], placement.per_device, rows) for i in lone}
         for run in runs:
             first = [run.start + j for j in range(run.period)]
-            self.weights[run] = tuple(stacked.stacked_signature(
+            self._weights[run.start] = tuple(stacked.stacked_signature(
                 signature.weights[i], run.repeats, placement) for i in first)
-            self.slots[run] = tuple(stacked.stacked_signature(
+            self._slots[run.start] = tuple(stacked.stacked_signature(
                 signature.slots[i], run.repeats, placement) for i in first)
-            self.states[run] = tuple(jax.tree.map(
-                lambda a, n=run.repeats: jax.ShapeDtypeStruct(
-                    (*rows, n, *np.shape(a)), a.dtype, sharding=placement.per_device),
+            self._states[run.start] = tuple(jax.tree.map(
+                lambda a, n=run.repeats: jax.ShapeDtypeStruct((*rows, n, *np.shape(a)), a.dtype,
+                                               sharding=placement.per_device),
                 signature.state[i]) for i in first)
-        in_runs = {i for run in runs for i in range(run.start, run.stop)}
-        self.keys = [i for i in range(len(signature.weights)) if i not in in_runs]
-        self.keys += list(runs)
-
-    def bytes(self, key: Any, with_slots: bool = True,
-              with_state: bool = True) -> ResidentBytes:
-        """Bytes one device holds of a layer's (or a run's) weights, slots and state."""
-        return ResidentBytes(abstract_device_bytes(self.weights[key]),
-                             abstract_device_bytes(self.slots[key]) if with_slots else 0,
-                             abstract_device_bytes(self.states[key]) if with_state else 0)
-
-    def total(self) -> ResidentBytes:
-        """Bytes one device holds of every layer's values, each run's once (stacked): what
-        a `revtrain.trainers.block.device_store.DeviceStore` keeps throughout."""
-        return ResidentBytes.total(self.bytes(key) for key in self.keys)
-
-
-class AbstractStore:
-    """A `revtrain.trainers.block.stores.StepValues` of abstract values (no buffers): what
-    the executor reads of a store, and nothing else (it holds no values to read back).
-
-    The values are `AbstractValues`' (stacked runs keyed by the `Run`, as in
-    `revtrain.trainers.block.device_store.DeviceStore`); new states are kept so that
-    reverse ops see them; updates are dropped (their shapes do not change). Stashing is
-    the identity.
-
-    Args:
-      placement: the trainer's placement.
-      signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
-      runs: the runs the trainer's plan scans.
-    """
-
-    def __init__(self, placement: Placement, signature: TrainState,
-                 runs: Sequence[Run] = ()):
-        self._values = AbstractValues(placement, signature, runs)
-        self._weights = self._values.weights
-        self._slots = self._values.slots
-        self._states = self._values.states
-        self._new_states: dict[Any, Any] = {}
+        self._new_states: dict[int, Any] = {}
 
     def begin_step(self) -> None:
         pass
@@ -151,23 +116,23 @@ class AbstractStore:
     def prepare(self, position: int) -> None:
         pass
 
-    def weights(self, i: int) -> Any:
-        return self._weights[i]
+    def weights(self, run: Run) -> Any:
+        return self._weights[run.start]
 
-    def params(self, i: int) -> Params:
-        return Params(self._weights[i], self._slots[i])
+    def params(self, run: Run) -> Params:
+        return Params(self._weights[run.start], self._slots[run.start])
 
-    def keep_params(self, i: int, params: Params) -> None:
+    def keep_params(self, run: Run, params: Params) -> None:
         pass
 
-    def state(self, i: int) -> Any:
-        return self._states[i]
+    def state(self, run: Run) -> Any:
+        return self._states[run.start]
 
-    def new_state(self, i: int) -> Any:
-        return self._new_states[i]
+    def new_state(self, run: Run) -> Any:
+        return self._new_states[run.start]
 
-    def keep_state(self, i: int, new_state: Any) -> None:
-        self._new_states[i] = new_state
+    def keep_state(self, run: Run, new_state: Any) -> None:
+        self._new_states[run.start] = new_state
 
     def stash(self, stack: Any) -> Any:
         return stack
@@ -182,6 +147,31 @@ class AbstractStore:
         pass
 
 
+class CountedStore(AbstractStore):
+    """An `AbstractStore` that counts the bytes of its values, for the memory planner
+    (`revtrain.planning`): `resident_bytes` is what stays on the device throughout --
+    here every value, as a `revtrain.trainers.block.device_store.DeviceStore` keeps them.
+    """
+
+    def value_bytes(self, key: int, with_slots: bool = True,
+                    with_state: bool = True) -> ResidentBytes:
+        """Bytes one device holds of a lone layer's (or a run's, by its first layer)
+        weights, slots and state."""
+        return ResidentBytes(abstract_device_bytes(self._weights[key]),
+                             abstract_device_bytes(self._slots[key]) if with_slots else 0,
+                             abstract_device_bytes(self._states[key]) if with_state else 0)
+
+    def all_bytes(self) -> ResidentBytes:
+        """Bytes one device would hold of every layer's weights, slots and state, each
+        run's once (stacked)."""
+        return ResidentBytes.total(self.value_bytes(key) for key in self._weights)
+
+    def resident_bytes(self) -> ResidentBytes:
+        """`all_bytes`: what a `revtrain.trainers.block.device_store.DeviceStore` keeps on
+        the device throughout."""
+        return self.all_bytes()
+
+
 class RecordingDispatcher:
     """A `revtrain.trainers.common.dispatch.Dispatcher` that runs nothing: it records each call
     and returns ``jax.eval_shape`` of it.
@@ -193,7 +183,11 @@ class RecordingDispatcher:
 
     Attributes:
       calls: ``{key: (program, abstract args)}``, one entry per distinct call.
+      every_copy: True: the executor donates every consumed leaf here (a superset of a
+        step's donations), so that every copy a step can make is recorded and compiled.
     """
+
+    every_copy = True
 
     def __init__(self, placement: Placement):
         self.calls: dict[Any, tuple[Callable, tuple]] = {}
@@ -221,8 +215,8 @@ class RecordingDispatcher:
         del tree
 
 
-class AbstractHostStore(AbstractStore):
-    """An `AbstractStore` whose values live in host memory except a window of ops', as a
+class AbstractHostStore(CountedStore):
+    """A `CountedStore` whose values live in host memory except a window of ops', as a
     `revtrain.trainers.block.host_store.HostStore` keeps them: `resident_bytes` counts the
     weights (and, for a backward op that updates, the slots) of the current op and the
     next ``n_async_layers`` ops; an op's new weights and slots stay on the devices until
@@ -252,7 +246,6 @@ class AbstractHostStore(AbstractStore):
         self._pending: list[Any] = []
 
     def resident_bytes(self) -> ResidentBytes:
-        """Bytes one device holds of the values in the window now."""
         return ResidentBytes.total(self._window.values())
 
     def prepare(self, position: int) -> None:
@@ -263,27 +256,23 @@ class AbstractHostStore(AbstractStore):
         wanted = {op.layer for op in window}
         self._window = {k: v for k, v in self._window.items() if k in wanted}
         for op in window:
-            forward = op.kind in (OpKind.FORWARD, OpKind.SCAN_FORWARD)
-            with_slots = not forward and op.finisher.donates_values
-            key = op.layer
-            store_key = next((run for run in self._values.keys if isinstance(run, Run)
-                              and run.start == key), key)
-            held = self._window.get(key, ResidentBytes())
-            self._window[key] = ResidentBytes(*map(max, held, self._values.bytes(
-                store_key, with_slots=with_slots, with_state=False)))
+            with_slots = op.kind != OpKind.FORWARD and op.finisher.donates_values
+            held = self._window.get(op.layer, ResidentBytes())
+            self._window[op.layer] = ResidentBytes(*map(max, held, self.value_bytes(
+                op.layer, with_slots=with_slots, with_state=False)))
 
-    def keep_params(self, i: Any, params: Params) -> None:
-        self._window.pop(i.start if isinstance(i, Run) else i, None)  # Donated.
+    def keep_params(self, run: Run, params: Params) -> None:
+        self._window.pop(run.start, None)  # Donated.
         self._pending.append(params)
 
-    def state(self, i: Any) -> Any:
-        return self._device.track(super().state(i))
+    def state(self, run: Run) -> Any:
+        return self._device.track(super().state(run))
 
-    def new_state(self, i: Any) -> Any:
-        return self._device.track(super().new_state(i))
+    def new_state(self, run: Run) -> Any:
+        return self._device.track(super().new_state(run))
 
-    def keep_state(self, i: Any, new_state: Any) -> None:
-        super().keep_state(i, _Host(new_state).tree)  # Copied home; the device copy freed.
+    def keep_state(self, run: Run, new_state: Any) -> None:
+        super().keep_state(run, _Host(new_state).tree)  # Copied home; the device copy freed.
         self._device.drop(new_state)
 
     def stash(self, stack: Any) -> Any:
@@ -364,5 +353,6 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-__all__ = ["AbstractHostStore", "AbstractStore", "AbstractValues", "CompileTimes",
-           "RecordingDispatcher", "abstract_batch", "compile_all", "placed_arguments", "timed"]
+__all__ = ["AbstractHostStore", "AbstractStore", "CompileTimes", "CountedStore",
+           "RecordingDispatcher",
+           "abstract_batch", "compile_all", "placed_arguments", "timed"]

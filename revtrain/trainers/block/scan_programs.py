@@ -5,7 +5,7 @@ A reversible model repeats one group of layers (a `ReversibleTransformerLM` bloc
 half-residuals and two swaps). `find_runs` finds, in each block, the consecutive
 repetitions that provably compute the same function -- `revtrain.layers.scan`'s rule for
 `Serial`: equal non-None `Layer.structure_key` s and equal weight and state signatures --
-and the plan runs each as one ``SCAN_FORWARD`` and one ``SCAN_REVERSE`` op
+and the plan runs each as one ``FORWARD`` and one ``BACKWARD`` op
 (`revtrain.trainers.block.plan.Run`), so the number of programs a step dispatches does not grow
 with depth (the scan-over-layers technique of flax ``nn.scan`` and MaxText, applied to
 the reverse pass too).
@@ -26,12 +26,13 @@ own shards), so per layer everything is what its own program computes:
   `NORM` nothing), all donated (the norm finisher's program donates the items and
   cotangents only); the loop runs in their buffers, and the reconstructed items and their
   cotangents leave in them. Each layer reconstructs its input (``reverse_and_grad``) --
-  or, at a kept position, recomputes from its copy, as an ``FBO`` op does -- and hands its
-  gradient to the finisher (`revtrain.trainers.block.finishers`): `UPDATE` applies *its
-  own* optimizer update (`revtrain.trainers.block.bodies.update` on global arrays: the
-  learning rate injected, per-layer clipping inside the optimizer, exact global-norm
-  clipping by the given norm) to entry ``t`` of the stacked weights and slots, updated in
-  place (``dynamic_update_slice`` on the donated carry: the run's values exist once);
+  or, at a kept position, recomputes from its copy, as a lone layer does from its stash
+  -- and hands its gradient to the finisher (`revtrain.trainers.block.finishers`):
+  `UPDATE` applies *its own* optimizer update (`revtrain.trainers.block.bodies.update` on
+  global arrays: the learning rate injected, per-layer clipping inside the optimizer,
+  exact global-norm clipping by the given norm) to entry ``t`` of the stacked weights and
+  slots, updated in place (``dynamic_update_slice`` on the donated carry: the run's
+  values exist once);
   `NORM` (exact global-norm clipping) gives each layer's squared gradient norm and
   updates nothing.
 
@@ -68,7 +69,6 @@ from revtrain.trainers.block.contract import (
     ForwardOut,
     ReverseArgs,
     ReverseOut,
-    ScanReverseArgs,
     Shared,
     stack_of,
 )
@@ -238,7 +238,8 @@ class _ReverseScan:
                 outputs_onto_stack(out.ct_x, ct, layer.n_out), grads)
 
     def _recompute(self, args, j, t, index, y, ct, weights):
-        """A kept position: the layer's fbo from its exact input, as an ``FBO`` op."""
+        """A kept position: the layer's fbo from its exact input, as a lone layer's from
+        its stash."""
         layer, x = self.group[j], self.table.read(args.kept, j, t)
         out, grads = self.fbos[j](FboArgs(
             inputs_from_stack(x, layer.n_in), bodies.at(args.state[j], t, axis=1),
@@ -281,7 +282,7 @@ class _ReverseScan:
             carry, outs[j] = self.layer(args, values, shared, carry, j, t)
         return carry, tuple(outs)
 
-    def __call__(self, args: ScanReverseArgs, values: Any, shared: Shared) -> Any:
+    def __call__(self, args: ReverseArgs, values: Any, shared: Shared) -> Any:
         carry = _ReverseCarry(args.y, args.ct_y, self.finisher.carried(values))
         carry, outs = _loop(functools.partial(self.body, args, values, shared), carry,
                             self.run.repeats, reverse=True)
@@ -296,10 +297,10 @@ class _ReverseScan:
 
 
 def scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
-                      optimizer: optax.GradientTransformation, placement: Placement,
-                      finisher: Finisher = UPDATE) -> tuple[Callable, Callable]:
-    """The jitted ``SCAN_FORWARD`` or ``SCAN_REVERSE`` program of ``run`` (whose group is
-    ``group``) and its trace-counted function.
+                 optimizer: optax.GradientTransformation, placement: Placement,
+                 finisher: Finisher = UPDATE) -> tuple[Callable, Callable]:
+    """The jitted ``FORWARD`` or ``BACKWARD`` program of ``run`` (two or more repetitions
+    of ``group``) and its trace-counted function.
 
     The program is a `revtrain.trainers.block.donation.Program`, called as
     ``program(args, weights_or_params, shared)``, ``shared.index`` the run's first flat
@@ -308,28 +309,28 @@ def scan_program(kind: OpKind, group: Sequence[Layer], run: Run,
     to their buffers, `revtrain.trainers.block.donation.owned`). Outputs by kind
     (`revtrain.trainers.block.contract`):
 
-    * ``SCAN_FORWARD`` (``args`` a `ForwardArgs` of the carry items and the stacked
+    * ``FORWARD`` (``args`` a `ForwardArgs` of the carry items and the stacked
       states, stacked weights, not donated): a `ForwardOut` whose ``copies`` are the
       ``keep_every`` copies, or None; donates ``x``, in whose buffers ``y`` leaves.
-    * ``SCAN_REVERSE`` with `UPDATE` (``args`` a `ScanReverseArgs`, stacked `Params`): a
-      `ReverseOut`,
-      its ``stats`` a `LayerStats` of float32 ``[n]`` vectors over the run's ``n`` flat
-      layers, in order (two outputs whatever the run's length); donates the carry ``y``
+    * ``BACKWARD`` with `UPDATE` (``args`` a `ReverseArgs` whose ``kept`` are the forward
+      scan's copies, stacked `Params`): a `ReverseOut`, its ``stats`` a `LayerStats` of
+      float32 ``[n]`` vectors over the run's ``n`` flat layers, in order (two outputs
+      whatever the run's length); donates the carry ``y``
       and ``ct_y`` (the loop runs in their buffers, and ``x`` and ``ct_x`` leave in
       them) and the params (updated in place).
-    * ``SCAN_REVERSE`` with `NORM` (stacked weights, not donated: the updating pass that
+    * ``BACKWARD`` with `NORM` (stacked weights, not donated: the updating pass that
       follows reads them): a `NormOut`, its ``squared_norm`` a float32 ``[n]``
       vector, last layer first; donates ``y`` and ``ct_y`` as above.
 
     Raises:
       ValueError: for another kind.
     """
-    if kind == OpKind.SCAN_FORWARD:
+    if kind == OpKind.FORWARD:
         counted = eqx.debug.assert_max_traces(_forward_program(group, run, placement),
                                               max_traces=None)
         return Program(counted, donate_values=False), counted
-    if kind != OpKind.SCAN_REVERSE:
-        raise ValueError(f"kind={kind!r} is not a scan op; use layer_program")
+    if kind != OpKind.BACKWARD:
+        raise ValueError(f"kind={kind!r} has no scanned program; the loss is a lone layer")
     counted = eqx.debug.assert_max_traces(
         _ReverseScan(group, run, optimizer, placement, finisher), max_traces=None)
     return Program(counted, donate_values=finisher.donates_values), counted

@@ -11,12 +11,12 @@ memory, a prefetch window: `MemoryEfficientTrainer`) and, for precompilation,
 `revtrain.trainers.block.precompile.AbstractStore` (shapes only). A custom store plugs into
 `revtrain.trainers.BlockTrainer` through a `StoreFactory`.
 
-Keys: the per-layer methods take a flat layer index ``i``; a store that holds a scanned
-`revtrain.trainers.block.plan.Run` stacked (`revtrain.trainers.block.device_store.DeviceStore`) also
-takes the run itself, for which each value is a tuple over the group's positions of
-stacked trees (`revtrain.trainers.block.stacked`). A store is given the runs by its
-`StoreFactory`'s schedule (`revtrain.trainers.block.plan.runs_of`); one that cannot hold them
-is built with a plan that has none (``scan_layers=False``).
+Keys: the methods that read or keep an op's values take the op's
+`revtrain.trainers.block.plan.Run`. A lone layer is a run of one repetition, whose values
+are the layer's own; a scanned run's (two or more repetitions) are each a tuple over the
+group's positions of stacked trees (`revtrain.trainers.block.stacked`). A store is given
+the scanned runs by its `StoreFactory`'s schedule (`revtrain.trainers.block.plan.runs_of`);
+one that cannot hold them is built with a plan that has none (``scan_layers=False``).
 
 Donation: values given by `StepValues.params` are donated to the layer's fbo and must not
 be used again, so a layer's update cannot be taken back. A step that raises before its
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from revtrain.parallel.placement import Placement
-from revtrain.trainers.block.plan import Op
+from revtrain.trainers.block.plan import Op, Run
 from revtrain.trainers.common.protocols import (
     DeviceFootprint,
     Params,
@@ -52,23 +52,23 @@ class StepValues(Protocol):
         """Called before op ``position`` of the schedule (the store may look ahead in it:
         `HostStore` prefetches the next ops' weights here)."""
 
-    def weights(self, i: int) -> Weights:
-        """Layer ``i``'s weights, on the devices in the stored sharding; not donated."""
+    def weights(self, run: Run) -> Weights:
+        """The run's weights, on the devices in the stored sharding; not donated."""
 
-    def params(self, i: int) -> Params:
-        """Layer ``i``'s weights and slots for its fbo, which donates them."""
+    def params(self, run: Run) -> Params:
+        """The run's weights and slots for its backward op, which donates them."""
 
-    def keep_params(self, i: int, params: Params) -> None:
-        """Takes layer ``i``'s updated weights and slots (the fbo's outputs)."""
+    def keep_params(self, run: Run, params: Params) -> None:
+        """Takes the run's updated weights and slots (the backward op's outputs)."""
 
-    def state(self, i: int) -> State:
-        """Layer ``i``'s state before this step, per device (``[devices, ...]``)."""
+    def state(self, run: Run) -> State:
+        """The run's state before this step, per device (``[devices, ...]``)."""
 
-    def new_state(self, i: int) -> State:
-        """Layer ``i``'s state after this step's forward op (kept by `keep_state`)."""
+    def new_state(self, run: Run) -> State:
+        """The run's state after this step's forward op (kept by `keep_state`)."""
 
-    def keep_state(self, i: int, new_state: State) -> None:
-        """Takes layer ``i``'s state after its forward op; it becomes current at
+    def keep_state(self, run: Run, new_state: State) -> None:
+        """Takes the run's state after its forward op; it becomes current at
         `finish_step`."""
 
     def stash(self, stack: Stack) -> Any:

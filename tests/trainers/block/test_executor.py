@@ -32,6 +32,19 @@ def _layers(block_sizes, loss_n_in=4):
     return layers
 
 
+class _Fake:
+    """A fake program that donates nothing (names have no buffers)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, args, values, shared):
+        return self.fn(args, values, shared)
+
+    def donated(self, args, values, shared):
+        return ()
+
+
 def _program(op, layer):
     """A fake program: typed outputs computed by name from the op's arguments."""
     i = op.layer
@@ -47,15 +60,16 @@ def _program(op, layer):
         x = (f"x{i}a", f"x{i}b") if layer.n_in == 2 else f"x{i}"
         ct_x = tuple(f"ct_x{i}{s}" for s in "ab") if layer.n_in == 2 else f"ct_x{i}"
         if op.finisher == NORM:
-            return contract.NormOut(x if op.kind == OpKind.REVERSE else None, ct_x, f"sq{i}")
-        if op.kind == OpKind.REVERSE:
-            return contract.ReverseOut(x, ct_x, ("new", values), f"stats{i}")
-        return contract.FboOut(ct_x, ("new", values), f"stats{i}")
-    return program
+            return contract.NormOut(None if op.run.from_stash else x, ct_x, f"sq{i}")
+        if op.run.from_stash:
+            return contract.FboOut(ct_x, ("new", values), f"stats{i}")
+        return contract.ReverseOut(x, ct_x, ("new", values), f"stats{i}")
+    return _Fake(program)
 
 
 class FakeStore:
-    """A `StepValues` of names; records every call that changes something."""
+    """A `StepValues` of names, keyed by each op's run (named by its first layer here);
+    records every call that changes something."""
 
     def __init__(self):
         self.log = []
@@ -66,23 +80,23 @@ class FakeStore:
     def prepare(self, position):
         pass
 
-    def weights(self, i):
-        return f"w{i}"
+    def weights(self, run):
+        return f"w{run.start}"
 
-    def params(self, i):
-        return f"params{i}"
+    def params(self, run):
+        return f"params{run.start}"
 
-    def keep_params(self, i, params):
-        self.log.append(("keep_params", i, params))
+    def keep_params(self, run, params):
+        self.log.append(("keep_params", run.start, params))
 
-    def state(self, i):
-        return f"state{i}"
+    def state(self, run):
+        return f"state{run.start}"
 
-    def new_state(self, i):
-        return f"state{i}'"
+    def new_state(self, run):
+        return f"state{run.start}'"
 
-    def keep_state(self, i, new_state):
-        self.log.append(("keep_state", i, new_state))
+    def keep_state(self, run, new_state):
+        self.log.append(("keep_state", run.start, new_state))
 
     def stash(self, stack):
         self.log.append(("stash", stack))
@@ -170,7 +184,7 @@ def test_a_reversed_layer_hands_its_reconstructed_input_and_cotangent_down():
         def wrapped(args, values, shared):
             seen.append((op.label, args))
             return inner(args, values, shared)
-        return wrapped
+        return _Fake(wrapped)
     layers, schedule = _layers([2], loss_n_in=3), build_schedule([2])
     step = dataclasses.replace(_step([2]), plan=build_plan(layers, schedule, program))
     run_step(step, FakeStore(), RecordingDispatcher(),
@@ -209,7 +223,7 @@ def test_a_final_stack_the_loss_layer_does_not_take_is_refused_before_any_update
 
 
 def test_every_op_kind_has_one_handler():
-    assert set(HANDLERS) == set(OpKind)
+    assert set(HANDLERS) == set(OpKind) and len(OpKind) == 3  # Forward, loss, backward.
 
 
 def test_the_carry_says_what_a_donating_call_must_leave_alone():

@@ -1,5 +1,6 @@
 """Tests for revtrain.trainers.block.finishers: what a backward op does with its gradient,
-on one standard layer's fbo program (`layer_programs.layer_program`), and that the flag
+on one standard layer's fbo program (`programs.make_program` of a run of one whose input
+was stashed), and that the flag
 the finishers replaced is gone from the package."""
 import pathlib
 
@@ -14,8 +15,8 @@ from revtrain.parallel.placement import Placement
 from revtrain.trainers.block import finishers
 from revtrain.trainers.block.contract import FboArgs, FboOut, NormOut, Shared
 from revtrain.trainers.block.finishers import NORM, UPDATE
-from revtrain.trainers.block.layer_programs import layer_program
-from revtrain.trainers.block.plan import OpKind
+from revtrain.trainers.block.plan import OpKind, Run
+from revtrain.trainers.block.programs import make_program
 from revtrain.trainers.common.protocols import Params
 
 D = 8
@@ -27,7 +28,8 @@ def _fbo(finisher):
     layer = tl.Dense(D)
     layer.init(jax.ShapeDtypeStruct((2, 3, D), jnp.float32), rng=jax.random.key(0))
     sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
-    program, _ = layer_program(OpKind.FBO, layer, sgd, placement, finisher=finisher)
+    program, _ = make_program(OpKind.BACKWARD, [layer], Run(0, 1, 1, 0, kept=(0,)), sgd,
+                              placement, finisher=finisher)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(1, 2, 3, D)), jnp.float32)
     args = FboArgs(x, jax.tree.map(lambda a: a[None], layer.state),

@@ -1,5 +1,7 @@
 """Tests for revtrain.trainers.block.scan_programs: a run of equal reversible layers as one forward
 and one reverse-and-fbo scan, with the per-layer programs' results and public values."""
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -63,8 +65,10 @@ def test_scanned_runs_give_what_one_program_per_layer_gives(case, stepped):
     test_reversible.py, test_block.py, test_fsdp_block.py and test_invariance.py, which
     scan by default."""
     scanned, per_layer, got, want = stepped(case)
-    assert any(name.startswith("scan_reverse/") for name in scanned.trace_counts())
-    assert not any(name.startswith("scan_") for name in per_layer.trace_counts())
+    scan = re.compile(r"x\d+x\d+#")  # A scan's name: 'kind/layer x period x repeats#k'.
+    assert any(name.startswith("backward/") and scan.search(name)
+               for name in scanned.trace_counts())
+    assert not any(scan.search(name) for name in per_layer.trace_counts())
     for g, w in zip(got, want, strict=True):
         assert g.keys() == w.keys()
         np.testing.assert_allclose([g[k] for k in w], list(w.values()), rtol=1e-5, atol=1e-6)
