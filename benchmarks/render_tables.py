@@ -30,6 +30,8 @@ if __package__ in (None, ""):  # Run as a script: make the `benchmarks` package 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import first_step as first_step_runs  # noqa: E402
+from benchmarks import memory_budget as budget_runs  # noqa: E402
+from benchmarks import memory_budget_caps as caps_runs  # noqa: E402
 from benchmarks import quality as quality_runs  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks import sequence_length as lengths  # noqa: E402
@@ -414,13 +416,55 @@ def quality_summary() -> str:
     return _with_sources(table, _source("quality", payload, quality_runs.settings(payload)))
 
 
+def _not_measured(name: str, part: str) -> str | None:
+    """None when ``benchmarks/results/<name>.json`` exists, else what its table says until
+    a run writes it."""
+    if (RESULTS_DIR / f"{name}.json").exists():
+        return None
+    return (f"Not measured yet: `python benchmarks/memory_budget.py --part={part}` writes "
+            f"`benchmarks/results/{name}.json`, and `python benchmarks/render_tables.py` "
+            f"then fills this table.\n")
+
+
+def memory_budget() -> str:
+    """Predicted against measured peak per configuration, and the worst case."""
+    pending = _not_measured(budget_runs.NAME, "accuracy")
+    if pending:
+        return pending
+    payload = load(budget_runs.NAME)
+    return _with_sources(budget_runs.accuracy_table(payload),
+                         _source(budget_runs.NAME, payload, budget_runs.settings(payload)))
+
+
+def memory_budget_caps() -> str:
+    """Tokens/s of each trainer at memory caps, the planner's pick against the measured
+    best."""
+    pending = _not_measured(caps_runs.NAME, "caps")
+    if pending:
+        return pending
+    payload = load(caps_runs.NAME)
+    return _with_sources(caps_runs.table(payload),
+                         _source(caps_runs.NAME, payload, caps_runs.settings(payload)))
+
+
+def memory_budget_deep() -> str:
+    """Bytes per token per model dimension at depth 12 and 32, 16K and 64K tokens."""
+    pending = _not_measured(budget_runs.DEEP_NAME, "deep")
+    if pending:
+        return pending
+    payload = load(budget_runs.DEEP_NAME)
+    return _with_sources(budget_runs.deep_table(payload),
+                         _source(budget_runs.DEEP_NAME, payload,
+                                 budget_runs.deep_settings(payload)))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     fn.__name__: fn for fn in (
         summary, memory_by_depth, memory_by_depth_gpu, memory_breakdown, memory_targets, step_time,
         step_time_depths, step_time_system_allocator, step_time_targets, step_time_fsdp,
         first_step, host_memory, host_overhead, memory_efficient_windows, reconstruction_drift,
         sequence_length, ring_attention, ring_balance, sequence_mesh, quality,
-        quality_summary)}
+        quality_summary, memory_budget, memory_budget_caps, memory_budget_deep)}
 
 
 # ------------------------------------------------------------------------------------------
