@@ -174,6 +174,7 @@ def predict(config: dict[str, Any]) -> dict[str, Any]:
             "predicted_activation_bytes": e.activation_bytes,
             "predicted_temp_bytes": e.temp_bytes, "predicted_peak_program": e.peak_program,
             "predicted_all_values_bytes": e.all_values_bytes,
+            "predicted_host_values_bytes": e.host_values_bytes,
             "predicted_host_bytes": e.host_bytes, "n_programs": e.n_programs,
             "n_dispatches": e.n_dispatches, "estimate_s": e.seconds,
             "rss_before_estimate_bytes": rss_before,

@@ -31,8 +31,8 @@ The parts (``--part``):
 
 Every worker records the machine's load average before and after it (``os.getloadavg``):
 the machine may be shared, which distorts times (the caps part), not bytes. On an idle
-2-core CPU: accuracy about 25 minutes, caps about 40, deep about 15 (30 once `Trainer`
-takes ``remat``); ``--quick`` a few minutes each (``docs/benchmarks.md``).
+2-core CPU: accuracy about 25 minutes, caps about 45, deep about 30; ``--quick`` a few
+minutes each (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

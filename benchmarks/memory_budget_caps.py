@@ -139,7 +139,8 @@ def _plan_row(config: dict[str, Any]) -> dict[str, Any]:
                                   "predicted_peak_bytes": c.estimate.peak_bytes,
                                   "predicted_peak_program": c.estimate.peak_program,
                                   "predicted_step_s": c.step_seconds,
-                                  "predicted_tokens_per_s": c.tokens_per_second}
+                                  "predicted_tokens_per_s": c.tokens_per_second,
+                                  "expected_rss_bytes": p.expected_rss_bytes(c)}
                                  for c in p.choices]})
     return {"rates": dataclasses.asdict(rates), "smallest_peak_bytes": smallest,
             "trainer_largest_peak_bytes": largest, "skipped_kinds": skipped, "caps": caps,
@@ -172,7 +173,8 @@ def measure_configs(row: dict[str, Any], planned: dict[str, Any]) -> list[dict[s
 
 def compare(planned: dict[str, Any], measured: Sequence[dict[str, Any]]
             ) -> list[dict[str, Any]]:
-    """At each cap: every choice with its measurement, the planner's pick, the measured
+    """At each cap: every choice with its measurement (tokens/s, peak, the process's peak
+    RSS beside the planner's ``expected_rss_bytes``), the planner's pick, the measured
     best (the fastest whose measured peak is within the cap) and ``pick_vs_best``."""
     found = {(r["trainer"], r["batch_size"]): r for r in measured if "tokens_per_s" in r}
     out = []
@@ -182,6 +184,7 @@ def compare(planned: dict[str, Any], measured: Sequence[dict[str, Any]]
             m = found.get((c["kind"], c["batch_size"])) if c["fits"] else None
             entries.append(c | ({} if m is None else {
                 "measured_tokens_per_s": m["tokens_per_s"], "measured_peak_bytes": m["peak_bytes"],
+                "measured_peak_rss_bytes": m["peak_rss_bytes"],
                 "within_cap": m["peak_bytes"] <= cap["cap_bytes"]}))
         ok = [e for e in entries if e.get("within_cap")]
         best = max(ok, key=lambda e: e["measured_tokens_per_s"]) if ok else None

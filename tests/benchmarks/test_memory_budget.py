@@ -1,6 +1,5 @@
 """benchmarks/memory_budget.py: the accuracy part end to end at tiny sizes; the caps and
 deep parts' configurations, comparisons and tables on given results."""
-import inspect
 import json
 
 import jax
@@ -40,16 +39,26 @@ def test_quick_accuracy_predicts_each_peak_within_ten_percent(tmp_path):
     assert f"| {TWO[1]} | 1 |" in text and "Worst case: " in text
 
 
-def test_a_trainer_without_remat_is_skipped_not_failed():
+class _TrainerWithoutRemat(Trainer):
+    """`Trainer` as it was before its ``remat`` option."""
+
+    def __init__(self, model_with_loss, optimizer_fn, **options):
+        if "remat" in options:
+            raise TypeError("Trainer.__init__() got an unexpected keyword argument 'remat'")
+        super().__init__(model_with_loss, optimizer_fn, **options)
+
+
+def test_remat_is_estimated_and_a_trainer_refusing_it_is_skipped(monkeypatch):
     config = budget_worker.spec_config(
         budget_worker.base_config(memory_budget.QUICK_MODEL, 0, None), "trainer_remat", 2,
         16, 2, "default")
+    assert budget_worker.predict(config)["predicted_peak_bytes"] > 0
+    with_options = budget_worker.trainer_and_options
+    monkeypatch.setattr(budget_worker, "trainer_and_options", lambda kind, n_devices=None: (
+        _TrainerWithoutRemat, with_options(kind, n_devices)[1]))
     result = budget_worker.predict(config)
-    if "remat" in inspect.signature(Trainer).parameters:
-        assert result["predicted_peak_bytes"] > 0
-    else:
-        assert result["skipped"] == budget_worker.NO_REMAT == "Trainer has no remat option"
-        assert "remat" in result["refusal"]
+    assert result["skipped"] == budget_worker.NO_REMAT == "Trainer has no remat option"
+    assert "remat" in result["refusal"]
     assert not budget_worker.refused_remat({}, TypeError("unexpected keyword 'remat'"))
 
 
@@ -101,6 +110,7 @@ def _choice(kind, batch, fits=True, tokens=1000.0):
 
 def _measured(kind, batch, tokens, peak):
     return {"trainer": kind, "batch_size": batch, "tokens_per_s": tokens, "peak_bytes": peak,
+            "peak_rss_bytes": 10 * peak,
             "id": f"{kind}-b{batch}", "load_before": [1.0] * 3, "load_after": [1.0] * 3}
 
 
