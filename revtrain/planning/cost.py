@@ -9,7 +9,8 @@ layers, so the work is counted here on each program's jaxpr instead (`program_wo
   same for convolutions), a ``scan`` body counted ``length`` times, a ``cond`` by its
   largest branch, a ``while`` once (its trip count is not static);
 * ``elements``: the output elements of every other equation (element-wise work, which on
-  a CPU and in small widths is a large share of a step).
+  a CPU and in small widths is a large share of a step); an update written in place
+  (``dynamic_update_slice``, scatters) counts its update, not the buffer.
 
 Both are per device: a program's ``shard_map`` body has per-device shapes. `DeviceRates`
 measures the device's matmul FLOP/s, element rate, host transfer rate and the fixed cost
@@ -34,8 +35,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 _DOTS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+# Updates written in place, by the position of the update operand: counted by its size,
+# not the whole buffer's (a scan filling a stacked buffer would otherwise count depth^2).
+_IN_PLACE = {"dynamic_update_slice": 1, "scatter": 2, "scatter-add": 2, "scatter_add": 2,
+             "scatter-mul": 2, "scatter_mul": 2, "scatter-min": 2, "scatter-max": 2}
 
 
 class Work(NamedTuple):
@@ -98,6 +104,8 @@ def jaxpr_work(jaxpr: Any) -> Work:
         elif subs:
             for sub in subs:
                 total += jaxpr_work(sub)
+        elif name in _IN_PLACE:  # XLA writes the update into the buffer in place.
+            total += Work(0.0, _size(eqn.invars[_IN_PLACE[name]].aval))
         else:
             total += Work(0.0, sum(_size(v.aval) for v in eqn.outvars))
     return total
@@ -117,6 +125,10 @@ class DeviceRates:
       flops_per_s: float32 matmul FLOP/s at the given width.
       elements_per_s: output elements per second of a fused element-wise program.
       dispatch_s: seconds of one dispatch of a tiny program, waited for.
+      block_dispatch_s: seconds per dispatch of a tiny `ReversibleSerialTrainer` step:
+        the block executor's host work per program (arguments, donation, the store).
+      host_dispatch_s: the same for a tiny `MemoryEfficientTrainer` step (with each
+        op's values going to the device and back).
       host_bytes_per_s: host-to-device bytes per second (``jax.device_put``); on a CPU
         backend, a copy in host memory.
       device: the device, as text.
@@ -127,11 +139,18 @@ class DeviceRates:
     dispatch_s: float
     host_bytes_per_s: float
     device: str
+    block_dispatch_s: float = 0.0
+    host_dispatch_s: float = 0.0
 
-    def step_seconds(self, work: Work, dispatches: int, host_bytes: int = 0) -> float:
-        """The modelled seconds of a step (module docstring)."""
+    def step_seconds(self, work: Work, dispatches: int, host_bytes: int = 0,
+                     trainer: str = "Trainer") -> float:
+        """The modelled seconds of a step of ``trainer`` (a class name; module
+        docstring): the dispatch cost is the trainer's own, measured."""
+        per_dispatch = {"ReversibleSerialTrainer": self.block_dispatch_s,
+                        "MemoryEfficientTrainer": self.host_dispatch_s}.get(trainer, 0.0)
         return (work.dot_flops / self.flops_per_s + work.elements / self.elements_per_s
-                + dispatches * self.dispatch_s + host_bytes / self.host_bytes_per_s)
+                + dispatches * max(per_dispatch, self.dispatch_s)
+                + host_bytes / self.host_bytes_per_s)
 
 
 def _best_of(fn: Callable[[], Any], repeats: int) -> float:
@@ -170,7 +189,50 @@ def measure_rates(width: int = 256, device: jax.Device | None = None) -> DeviceR
     host = np.ones((4 << 20,), np.float32)
     host_bytes_per_s = host.nbytes / _best_of(lambda: jax.device_put(host, device), 5)
     return DeviceRates(flops_per_s, elements_per_s, dispatch_s, host_bytes_per_s,
-                       str(device))
+                       str(device), *(_block_dispatch_s(kind, device)
+                                      for kind in ("reversible", "memory_efficient")))
+
+
+def _block_dispatch_s(kind: str, device: jax.Device) -> float:
+    """Seconds per dispatch of a tiny block-trainer step on ``device`` (best of 5 steps
+    after one that compiles): the executor's and the store's host work per program."""
+    import optax
+
+    from revtrain import layers as tl
+    from revtrain.models import ReversibleTransformerLM
+    from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer
+
+    model = ReversibleTransformerLM(vocab_size=16, d_model=8, d_ff=16, n_layers=2,
+                                    n_heads=1, max_len=8, dropout=0.0, mode="train")
+    blocks, loss = tl.extract_reversible_blocks([model, tl.CrossEntropyLoss()])
+    tokens = np.arange(4 * 9, dtype=np.int32).reshape(4, 9) % 16
+    batch = (tokens[:, :-1], tokens[:, 1:], np.ones((4, 8), np.float32))
+    tl.init_reversible_blocks(blocks, loss, batch, jax.random.key(0))
+    trainer_class = ReversibleSerialTrainer if kind == "reversible" else MemoryEfficientTrainer
+    trainer = trainer_class(blocks, loss, lambda: optax.adam(1e-3),
+                            mesh=Mesh(np.array([device]), ("batch",)))
+    counter = _Counter()
+    trainer.observers.append(counter)
+
+    def step():
+        trainer.one_step(batch, jax.random.key(1))
+        trainer.block_until_ready()
+    step()
+    counter.n = 0
+    seconds = _best_of(lambda: step(), 5)
+    return seconds / max(counter.n / 6, 1)
+
+
+class _Counter:
+    """A trainer observer counting dispatches."""
+
+    n = 0
+
+    def on_dispatch(self, label: str, fn: Any, args: tuple) -> None:
+        self.n += 1
+
+    def on_phase(self, label: str) -> None:
+        pass
 
 
 __all__ = ["DeviceRates", "Work", "jaxpr_work", "measure_rates", "program_work"]

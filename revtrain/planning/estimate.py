@@ -83,7 +83,7 @@ class Estimate:
 
     def step_seconds(self, rates: DeviceRates) -> float:
         """The modelled seconds of one step on a device with ``rates``."""
-        return rates.step_seconds(self.work, self.n_dispatches, self.host_bytes)
+        return rates.step_seconds(self.work, self.n_dispatches, self.host_bytes, self.trainer)
 
     def summary(self) -> str:
         """One line: trainer, batch, peak and its split."""
