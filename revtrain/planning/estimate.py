@@ -42,8 +42,10 @@ class Estimate:
       options: the trainer's keyword options the estimate was made with.
       batch_size: the global batch (rows of one step).
       peak_bytes: predicted peak bytes in use on the mesh's first device.
-      weights_bytes, slots_bytes, state_bytes: the trainer's own values on the device at
-        the peak (all layers', or a window's for `MemoryEfficientTrainer`).
+      weights_bytes: the trainer's weights on the device at the peak (all layers', or a
+        window's for `MemoryEfficientTrainer`).
+      slots_bytes: its optimizer slots there, likewise.
+      state_bytes: its layers' state there, likewise.
       activation_bytes: the step's other live values at the peak (batch, stack,
         cotangents, stashed block inputs, new states).
       temp_bytes: the peak program's temporaries plus its non-aliased outputs.

@@ -195,8 +195,11 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
     """Ranks the ways to train ``model`` under ``memory_budget`` bytes per device.
 
     Args:
-      model, loss_layer, batch_signature, optimizer_fn, learning_rate: as `estimate`'s;
-        the signature's batch is the global batch of one optimizer update.
+      model: the initialised model (values or shapes), as `estimate`'s.
+      loss_layer: its initialised loss layer.
+      batch_signature: the global batch of one optimizer update, ``(inputs, targets,
+        weights)`` as arrays or `jax.ShapeDtypeStruct` s.
+      optimizer_fn: ``() -> optax.GradientTransformation``.
       memory_budget: bytes of one device's memory the step may use (positive).
       candidates: default `default_candidates`; a candidate whose trainer refuses its
         options (e.g. remat of a model that is not a ``Serial``) is left out. They are
@@ -208,6 +211,7 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
       max_batch: the largest batch tried with ``fixed_batch=False`` (default 64 times the
         configured batch).
       rates: the device's `revtrain.planning.cost.DeviceRates` (default measured now).
+      learning_rate: as `estimate`'s (only whether one is passed matters).
       placement: where every trainer runs (`revtrain.parallel.placement.Placement`;
         default all local devices); batches are multiples of its row slices.
 

@@ -34,7 +34,9 @@ def plan_run(run: RunConfig, memory_budget: int, margin: float = DEFAULT_MARGIN,
     Args:
       run: the run (its model, inputs, optimizer, schedule and placement are used).
       memory_budget: bytes per device.
-      margin, fixed_batch, **plan_options: as `revtrain.planning.plan`'s.
+      margin: the fraction of the budget kept free, as `revtrain.planning.plan`'s.
+      fixed_batch: keep the run's global batch, as `revtrain.planning.plan`'s.
+      **plan_options: other keyword arguments of `revtrain.planning.plan`.
 
     Raises:
       ValueError: as `revtrain.training.build_model` and `revtrain.planning.plan`.

@@ -225,7 +225,9 @@ class AbstractHostStore(CountedStore):
     ``fresh`` (the planner's, which accounts for it while the step holds it).
 
     Args:
-      placement, signature, runs: as `AbstractStore`'s.
+      placement: the trainer's placement.
+      signature: the trainer's `TrainState` of shapes and dtypes (one entry per layer).
+      runs: the runs the trainer's plan scans.
       schedule: the trainer's ops (`revtrain.trainers.block.plan.Op`).
       n_async_layers: the ops prefetched ahead of the current one.
       free_accelerators_on_step: whether the final activations leave the devices.
