@@ -13,11 +13,13 @@ layers, so the work is counted here on each program's jaxpr instead (`program_wo
   (``dynamic_update_slice``, scatters) counts its update, not the buffer.
 
 Both are per device: a program's ``shard_map`` body has per-device shapes. `DeviceRates`
-measures the device's matmul FLOP/s, element rate, host transfer rate and the fixed cost
-of one dispatch with small programs (about a second), and `step_seconds` combines them::
+measures the device's matmul FLOP/s, element rate and host transfer rate with small
+programs, and the cost of one dispatch: a bare program's, and per program of a tiny
+`ReversibleSerialTrainer` and `MemoryEfficientTrainer` step (their executor's and store's
+host work; a few seconds in all), and `step_seconds` combines them::
 
     seconds = dot_flops / flops_per_s + elements / elements_per_s
-              + dispatches * dispatch_s + host_bytes / host_bytes_per_s
+              + dispatches * (the trainer's dispatch cost) + host_bytes / host_bytes_per_s
 
 A model, not a measurement: ``benchmarks/memory_budget.py`` reports how far it is from
 measured step times, and the planner uses it only to rank candidates that fit.

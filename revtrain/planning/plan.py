@@ -147,17 +147,13 @@ class Plan:
                  "| temporaries | at | fits | tokens/s |", "|" + "---|" * 10]
         for c in self.choices:
             e = c.estimate
+            speed = f"{c.tokens_per_second:,.0f}" if c.fits else "-"
             lines.append(
                 f"| {c.candidate.name} | {e.batch_size} x {c.accumulate_steps} | "
                 f"{format_bytes(e.peak_bytes)} | {format_bytes(e.weights_bytes)} | "
                 f"{format_bytes(e.slots_bytes)} | {format_bytes(e.activation_bytes)} | "
                 f"{format_bytes(e.temp_bytes)} | {e.peak_program} | "
-                f"{'yes' if c.fits else 'no'} | "
-                f"{c.tokens_per_second:,.0f} |" if c.fits else
-                f"| {c.candidate.name} | {e.batch_size} x {c.accumulate_steps} | "
-                f"{format_bytes(e.peak_bytes)} | {format_bytes(e.weights_bytes)} | "
-                f"{format_bytes(e.slots_bytes)} | {format_bytes(e.activation_bytes)} | "
-                f"{format_bytes(e.temp_bytes)} | {e.peak_program} | no | - |")
+                f"{'yes' if c.fits else 'no'} | {speed} |")
         return "\n".join(lines)
 
     def nothing_fits(self) -> str:
