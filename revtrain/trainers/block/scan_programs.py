@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import jaxpr_as_fun
 
 from revtrain.layers.base import Layer, inputs_from_stack, outputs_onto_stack
 from revtrain.layers.reversible import ReversibleSelect
@@ -111,12 +112,28 @@ def _same_types(a: Any, b: Any) -> bool:
             and [kind(x) for x in jax.tree.leaves(a)] == [kind(x) for x in jax.tree.leaves(b)])
 
 
+def traced_once(fn: Callable, *args: Any) -> tuple[Callable, Any]:
+    """``fn`` traced once on ``args``: ``(replay, output shapes)``, where ``replay(*args)``
+    (arguments of the same types) re-emits the recorded operations without running
+    ``fn``'s Python again -- the same program, at the price of walking a jaxpr.
+
+    A scan body would otherwise be traced once to check its carry's types and once by
+    ``lax.scan``, and a layer's reverse once to count its random draws and once to run
+    (each trace of a reversible LSH layer's reverse-and-grad: about a second on CPU).
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    run, out_tree = jaxpr_as_fun(closed), jax.tree.structure(out_shape)
+    return lambda *a: jax.tree.unflatten(out_tree, run(*jax.tree.leaves(a))), out_shape
+
+
 def _loop(body: Callable, carry: Any, length: int, reverse: bool) -> tuple[Any, Any]:
     """``lax.scan(body, carry, arange(length))`` when the body keeps the carry's types;
-    otherwise the same iterations unrolled (ys stacked the same way)."""
+    otherwise the same iterations unrolled (ys stacked the same way). The body is traced
+    once to check (`traced_once`), and the scan replays that trace."""
     steps = jnp.arange(length, dtype=jnp.int32)
-    if _same_types(jax.eval_shape(lambda c: body(c, steps[0])[0], carry), carry):
-        return jax.lax.scan(body, carry, steps, reverse=reverse)
+    replay, out_shape = traced_once(body, carry, steps[0])
+    if _same_types(out_shape[0], carry):
+        return jax.lax.scan(replay, carry, steps, reverse=reverse)
     ys = [None] * length
     for t in (reversed(range(length)) if reverse else range(length)):
         carry, ys[t] = body(carry, steps[t])
@@ -261,8 +278,10 @@ class _ReverseScan:
         """Group position ``j`` at repetition ``t``: ``(new carry, its result)``."""
         f, extra = self.finisher, (shared, self.optimizer, self.placement)
         layer_values = f.layer_values(values, carry.params, j, t)
-        reverse = functools.partial(self.grads, args, j, t,
-                                    shared.index + t * self.run.period + j)
+        # Traced once here; counting its draws and running it replay that trace.
+        reverse, _ = traced_once(functools.partial(
+            self.grads, args, j, t, shared.index + t * self.run.period + j),
+            carry.y, carry.ct, f.weights(layer_values))
 
         def whole(y, ct, layer_values):
             y, ct, grads = reverse(y, ct, f.weights(layer_values))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer
+from revtrain.trainers.block.precompile import compile_all, n_equations
 from tests.trainers.conftest import adam, initialised_blocks, run_steps, signature
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -73,3 +74,40 @@ def test_the_abstract_store_implements_what_the_executor_reads_and_nothing_else(
         return {name for name in vars(cls) if not name.startswith("_")}
     assert methods(AbstractStore) == methods(StepValues)
     assert not methods(AbstractStore) & methods(HeldValues)
+
+
+def test_n_equations_counts_the_equations_nested_in_loops():
+    def body(c, t):
+        return c * t + 1.0, c
+
+    x = np.float32(1.0)
+    flat = jax.make_jaxpr(lambda x: x * 2.0 + 1.0)(x).jaxpr
+    scanned = jax.make_jaxpr(lambda x: jax.lax.scan(body, x, np.arange(3.0, dtype=np.float32))
+                             )(x).jaxpr
+    inner = jax.make_jaxpr(body)(x, x).jaxpr
+    assert n_equations(flat) == len(flat.eqns) == 2
+    assert len(scanned.eqns) == 1  # The scan, and its body's equations.
+    assert n_equations(scanned) == 1 + len(inner.eqns) == 3
+
+
+def test_compile_all_compiles_the_largest_program_first():
+    def small(x):
+        return x + 1.0
+
+    def large(x):
+        for _ in range(20):
+            x = jax.numpy.sin(x) * 2.0
+        return x
+
+    names = []
+
+    def record(event, duration, **kwargs):
+        if event == BACKEND_COMPILE:
+            names.append(kwargs.get("fun_name"))
+    arg = jax.ShapeDtypeStruct((3,), np.float32)
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        compile_all([(jax.jit(small), (arg,)), (jax.jit(large), (arg,))], max_workers=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    assert names == ["jit(large)", "jit(small)"]

@@ -3,11 +3,13 @@ and one reverse-and-fbo scan, with the per-layer programs' results and public va
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from revtrain import layers as tl
 from revtrain.trainers import ReversibleSerialTrainer, TrainState
+from revtrain.trainers.block import scan_programs
 from revtrain.trainers.block.plan import Run
 from revtrain.trainers.block.scan_programs import find_runs
 from tests.trainers.conftest import (
@@ -177,3 +179,21 @@ def test_the_updating_reverse_scan_runs_in_its_carry_and_donates_nothing_held_el
     donated = sum(x.size * x.dtype.itemsize
                   for x in jax.tree.leaves((scan_args.y, scan_args.ct_y, params)))
     assert stats.alias_size_in_bytes >= donated > 0
+
+
+def test_traced_once_replays_its_trace_without_running_the_function_again():
+    calls = []
+
+    def body(c, t):
+        calls.append(t)
+        return jnp.sin(c) * t + 1.0, c.sum()
+
+    carry, steps = jnp.arange(3.0), jnp.arange(4, dtype=jnp.int32)
+    replay, out_shape = scan_programs.traced_once(body, carry, steps[0])
+    assert len(calls) == 1
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), out_shape) == (
+        ((3,), jnp.float32), ((), jnp.float32))
+    replayed = jax.jit(lambda c: jax.lax.scan(replay, c, steps))(carry)
+    assert len(calls) == 1
+    direct = jax.jit(lambda c: jax.lax.scan(body, c, steps))(carry)
+    jax.tree.map(np.testing.assert_array_equal, replayed, direct)
