@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.extend.core import jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from revtrain.parallel.placement import Placement
 from revtrain.parallel.transfers import abstract_device_bytes
@@ -359,8 +359,21 @@ def compile_all(calls: Sequence[tuple[Callable, tuple]],
 def n_equations(jaxpr: Any) -> int:
     """Equations of ``jaxpr`` and of every jaxpr nested in them (loop bodies, branches,
     calls): a cheap measure of what XLA has to compile."""
-    return sum(1 + sum(n_equations(sub) for sub in jaxprs_in_params(eqn.params))
+    return sum(1 + sum(n_equations(sub) for sub in _nested_jaxprs(eqn.params))
                for eqn in jaxpr.eqns)
+
+
+def _nested_jaxprs(params: dict[str, Any]) -> list[Any]:
+    """The jaxprs among an equation's parameters (a scan's body, a cond's branches, a
+    custom_vjp's functions), open ones: the walk works on every JAX `setup.cfg` allows."""
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                found.append(item)
+    return found
 
 
 def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
