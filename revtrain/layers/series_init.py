@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from revtrain.layers.layer import Layer
 from revtrain.layers.scan import MIN_REPEATS, plan_runs, serial_arity
@@ -89,15 +90,19 @@ def _leaks(layers: Sequence[Layer]) -> bool:
                for layer in layers for name, value in vars(layer).items())
 
 
-def _split_traced(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
-    """``(traced, rebuild)``: the tracer leaves of ``tree`` and ``rebuild(values)``, which
-    gives ``tree`` with ``values`` in their places and every other leaf (None, Python
-    scalars, NumPy or concrete arrays) as it was."""
+def _split_arrays(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
+    """``(arrays, rebuild)``: the JAX array leaves of ``tree`` (traced or not) and
+    ``rebuild(values)``, which gives ``tree`` with ``values`` in their places, a copy of
+    each NumPy leaf and every other leaf (None, Python scalars) as it was.
+
+    A vmapped init returns every JAX array, so an array that does not depend on the key
+    (``jnp.ones``) is broadcast and each layer gets a buffer of its own, as it does when
+    initialised alone (two layers sharing one buffer could not both donate it)."""
     leaves, treedef = jax.tree.flatten(tree)
-    at = [i for i, leaf in enumerate(leaves) if _is_traced(leaf)]
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.core.Tracer))]
 
     def rebuild(values: Sequence) -> Any:
-        out = list(leaves)
+        out = [np.array(leaf) if isinstance(leaf, np.ndarray) else leaf for leaf in leaves]
         for i, value in zip(at, values, strict=True):
             out[i] = value
         return jax.tree.unflatten(treedef, out)
@@ -140,7 +145,7 @@ def init_in_series(layers: Sequence[Layer], input_signature: Any,
                     states += run[1]
                     break
             w, s, stack = _one_by_one(layers[start:end], stack,
-                                      [keys[i] for i in range(start, end)])
+                                      [_row(keys, i) for i in range(start, end)])
             weights += w
             states += s
             start, repeats = end, repeats - (end - start) // period
@@ -196,9 +201,9 @@ def _init_run(layers: Sequence[Layer], period: int, stack: Any, keys: jax.Array,
             raise _CarryChanges
         if _leaks(walks[0]):
             raise _NotVmappable
-        traced, rebuild = _split_traced((weights, states, [_own_values(s) for s in walks[0]]))
+        arrays, rebuild = _split_arrays((weights, states, [_own_values(s) for s in walks[0]]))
         rebuilds.append(rebuild)
-        return traced
+        return arrays
 
     try:
         stacked = jax.vmap(init_group)(_group_keys(keys, start, repeats, period))
@@ -210,8 +215,8 @@ def _init_run(layers: Sequence[Layer], period: int, stack: Any, keys: jax.Array,
             raise
         return None
     weights, states = [], []
-    for t, walk in enumerate(walks):  # One slicing program per leaf shape, for every t.
-        w, s, records = rebuilds[-1]([leaf[t] for leaf in stacked])
+    for t, walk in enumerate(walks):
+        w, s, records = rebuilds[-1]([_row(leaf, t) for leaf in stacked])
         for sub, record in zip(walk, records, strict=True):
             for name, value in zip(OWN_VALUES, record, strict=True):
                 setattr(sub, name, value)
@@ -225,6 +230,13 @@ def _group_keys(keys: jax.Array, start: int, repeats: int, period: int) -> jax.A
     """``keys[start:start + repeats * period]`` as ``[repeats, period]``, one program."""
     run = keys[start:start + repeats * period]
     return run.reshape((repeats, period) + run.shape[1:])
+
+
+@jax.jit
+def _row(array: jax.Array, index: int | jax.Array) -> jax.Array:
+    """``array[index]``; the index is traced, so one program per array shape serves every
+    row (eager indexing compiles two: a dynamic slice and a squeeze)."""
+    return array[index]
 
 
 __all__ = ["init_in_series"]

@@ -62,6 +62,13 @@ def _one_by_one(monkeypatch, make, signature, rng):
     return _values(model)
 
 
+def _own_buffers(layer):
+    """Whether no two weight or state arrays of the model share a buffer (a trainer may
+    donate each)."""
+    leaves = jax.tree.leaves((layer.weights, layer.state))
+    return len({leaf.unsafe_buffer_pointer() for leaf in leaves}) == len(leaves)
+
+
 def _no_tracers(layer):
     return not any(isinstance(leaf, jax.core.Tracer) for sub in _all_layers(layer)
                    for value in vars(sub).values() for leaf in jax.tree.leaves(value))
@@ -88,6 +95,7 @@ def test_a_run_inits_bitwise_as_its_layers_one_by_one(name, runs, monkeypatch):
     assert run_size in runs  # The repeated blocks were one vmapped init.
     _assert_bitwise_equal(_values(model), _one_by_one(monkeypatch, make, signature, rng))
     assert _no_tracers(model)
+    assert _own_buffers(model)  # LayerNorm's ones are not one buffer shared by the run.
 
 
 def test_layers_of_different_widths_init_one_by_one(runs, monkeypatch):
