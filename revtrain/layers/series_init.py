@@ -128,7 +128,8 @@ def init_in_series(layers: Sequence[Layer], input_signature: Any,
     """
     n = len(layers)
     if rng is None or not n:
-        return _one_by_one(layers, input_signature, [None] * n)[:2]
+        weights, states, _ = _one_by_one(layers, input_signature, [None] * n)
+        return tuple(weights), tuple(states)
     keys = jax.random.split(rng, n)
     weights, states, stack = [], [], input_signature
     for start, period, repeats in plan_runs([layer.structure_key for layer in layers]):

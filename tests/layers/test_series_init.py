@@ -172,3 +172,10 @@ def test_an_abstract_init_gives_the_concrete_shapes(runs):
     assert jax.tree.map(lambda a: (a.shape, a.dtype), shapes) == jax.tree.map(
         lambda a: (a.shape, a.dtype), (concrete.weights, concrete.state))
     assert 12 in runs
+
+
+def test_without_an_rng_each_layer_inits_with_its_own_and_gives_tuples():
+    model = Serial(*[Dense(3) for _ in range(3)])
+    weights, state = model.init_weights_and_state(SDS((2, 3), jnp.float32), None)
+    assert isinstance(weights, tuple) and isinstance(state, tuple) and len(weights) == 3
+    assert Serial().init(()) == ((), ())
