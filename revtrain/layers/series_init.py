@@ -32,13 +32,15 @@ bits do not depend on vmap; the tests check it on CPU).
 
 The init is not jitted as a whole: XLA compiles every random draw of a program anew (the
 threefry hash is most of its compile time), while eager ops compile one program per shape
-and reuse it, so on CPU one program for a whole model compiled slower than the eager ops
-it replaced (8 s against 5 s for the benchmarks' depth-2 LM), and folding an
-initialiser's constants (``normal * stddev``) changed values by one ulp.
+and reuse it, so one program for a whole model compiled slower than the eager ops it
+replaced (8 s against 5 s for the benchmarks' depth-2 LM, on a shared 2-core CPU), and
+XLA's folding of an initialiser's constants (``normal * stddev``) changed values by one
+ulp.
 
 Reference: flax's ``nn.scan`` / ``nn.vmap`` lifted transforms, which initialise stacked
 layers from split keys the same way (``variable_axes={'params': 0}``, ``split_rngs``).
 """
+
 from __future__ import annotations
 
 import functools
