@@ -4,8 +4,9 @@
   (`inputs_from_stack` / `outputs_onto_stack`), `signatures` (shapes, `LayerError`),
   `structure_keys` (when two layers compute the same function);
 - combinators: `combinators` (`Serial`, `Branch`, `Parallel`, `Residual`, ...), `scan`
-  (runs of equal layers as one ``lax.scan``), `run_layout` (those runs' weights stacked,
-  and back), `remat` (`Remat`, `RematSchedule`), `fn` (`Fn`, `PureLayer`);
+  (runs of equal layers as one ``lax.scan``), `series_init` (those runs initialised by
+  one vmapped init), `run_layout` (those runs' weights stacked, and back), `remat`
+  (`Remat`, `RematSchedule`), `fn` (`Fn`, `PureLayer`);
 - core layers: `core` (`Dense`, `Embedding`, `Dropout`, ...), `activations`,
   `normalization`, `conv`, `dropout_masks`, `position_tables`;
 - reversibility: `reversible` (`ReversibleSwap`, `ReversibleHalfResidual`,

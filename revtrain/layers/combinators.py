@@ -21,11 +21,11 @@ from revtrain.layers.layer import Layer
 from revtrain.layers.remat import RematSchedule
 from revtrain.layers.scan import run_in_series, serial_arity
 from revtrain.layers.sequence_parallel import check_not_split
+from revtrain.layers.series_init import init_in_series
 from revtrain.layers.stack import (
     check_n_items,
     check_per_sublayer,
     inputs_from_stack,
-    outputs_onto_stack,
     stack_items,
     stack_of,
 )
@@ -65,7 +65,9 @@ class Serial(Layer):
     deep Transformer) run as one ``jax.lax.scan`` over their stacked weights, so the
     compiled program holds one copy of the group and compile time does not grow with the
     depth; results, keys and the weights/state layout are those of running them one by one
-    (the rules are in `revtrain.layers.scan`).
+    (the rules are in `revtrain.layers.scan`). Likewise `init` initialises such a run by
+    one init of the group, vmapped over the run's keys, with the values of initialising
+    them one by one (`revtrain.layers.series_init`).
 
     A `Serial` runs every sublayer as it is; `revtrain.layers.fuse_loss_heads` turns one
     whose sublayers end in ``Dense, LogSoftmax`` and a cross-entropy loss (also across
@@ -104,24 +106,6 @@ class Serial(Layer):
     def init_weights_and_state(self, input_signature, rng):
         check_n_items(self, input_signature)
         return init_in_series(self.sublayers, input_signature, rng)
-
-
-def init_in_series(layers: Sequence[Layer], input_signature: Any,
-                   rng: jax.Array | None) -> tuple[tuple, tuple]:
-    """Initialises ``layers`` run one after another on a stack, as `Serial` does.
-
-    Each layer gets key ``i`` of ``split_rng(rng, len(layers))`` and the signature of the
-    stack its predecessors leave. Returns the tuples of their weights and states.
-    """
-    stack = input_signature
-    weights, states = [], []
-    for layer, r in zip(layers, split_rng(rng, len(layers)), strict=True):
-        inputs = inputs_from_stack(stack, layer.n_in)
-        w, s = layer.init(inputs, rng=r)
-        weights.append(w)
-        states.append(s)
-        stack = outputs_onto_stack(layer.output_signature(inputs), stack, layer.n_in)
-    return tuple(weights), tuple(states)
 
 
 class _SideBySide(Layer):

@@ -40,13 +40,13 @@ from revtrain.layers.combinators import (
     Select,
     Serial,
     flatten_layers,
-    init_in_series,
     split_rng,
 )
 from revtrain.layers.layer import Layer, State, Weights
 from revtrain.layers.position_chunks import chunked_half_residual_reverse, reverse_chunk_size
 from revtrain.layers.scan import run_in_series
 from revtrain.layers.sequence_parallel import check_not_split
+from revtrain.layers.series_init import init_in_series
 from revtrain.layers.signatures import LayerError, error_signature
 from revtrain.layers.stack import (
     check_n_items,
