@@ -230,6 +230,16 @@ def settings(payload: dict[str, Any]) -> str:
             f"otherwise, dropout 0, {lsh}, SentencePiece {c['sp_vocab_size']} pieces")
 
 
+def pilot_settings(pilot: dict[str, Any]) -> str:
+    """The pilot's line under the quality table: its run and the budget it set."""
+    c = pilot["config"]
+    found = (f"flattened at {pilot['steps']:,} steps, the budget of a converged run"
+             if pilot["steps"] else "did not flatten")
+    return (f"the pilot ({qr.label(c['variant'])}, seed {c['seed']}, {c['steps']:,} steps, "
+            f"held-out {pilot['result']['bits_per_byte']:.3f} bits/byte at the end) "
+            f"{found} ({pilot['rule']})")
+
+
 def verdict(payload: dict[str, Any]) -> str:
     state = qr.convergence(payload)
     word = "Converged" if state["converged"] else "Not converged (budget)"
@@ -290,7 +300,8 @@ def run_pilot(args: SimpleNamespace) -> dict[str, Any]:
     steps = qr.pilot_steps(result["curve"])
     pilot = {"steps": steps, "rule": f"last {qr.FLAT_FRACTION:.0%} of the steps improve "
              f"{qr.label('plain')} by < {qr.FLAT_BITS} bits/byte",
-             "machine": harness.machine_info(args.command), "result": result}
+             "machine": harness.machine_info(args.command), "config": config,
+             "result": result}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report.write_json(args.out_dir / PILOT, pilot)
     print(f"pilot: {'flattened at ' + str(steps) + ' steps' if steps else 'not flattened'} "

@@ -403,10 +403,12 @@ def first_step() -> str:
 
 
 def quality() -> str:
-    """Held-out bits per byte per configuration, mean ± std over seeds, and the targets."""
-    payload = load("quality")
+    """Held-out bits per byte per configuration, mean ± std over seeds, and the targets;
+    the pilot that sets a converged run's steps (`benchmarks.quality --pilot`)."""
+    payload, pilot = load("quality"), load("quality_pilot")
     table = quality_runs.tables(payload) + "\n"
-    return _with_sources(table, _source("quality", payload, quality_runs.settings(payload)))
+    return _with_sources(table, _source("quality", payload, quality_runs.settings(payload)),
+                         _source("quality_pilot", pilot, quality_runs.pilot_settings(pilot)))
 
 
 def quality_summary() -> str:

@@ -192,6 +192,9 @@ def test_the_pilot_writes_the_step_count_at_which_the_plain_curve_flattened(tmp_
     saved = json.loads((tmp_path / quality.PILOT).read_text())
     assert saved["steps"] == pilot["steps"] == 10  # eval_every 2: flat from the 5th point.
     assert quality.parse_flags(["--quick", "--out_dir", str(tmp_path)]).steps == 10
+    assert saved["config"]["variant"] == "plain" and saved["config"]["seed"] == 0
+    line = quality.pilot_settings(saved)  # The line under the quality table.
+    assert "flattened at 10 steps, the budget of a converged run" in line, line
 
 
 def test_update_runs_merge_into_one_file_and_a_converged_run_judges_its_targets(
