@@ -5,10 +5,10 @@
 n)`` and the signature of the stack its predecessors leave. A deep model repeats one group
 of layers; initialised one layer at a time, the group's init is traced and dispatched once
 per repetition (and every layer's output signature derived by one ``jax.eval_shape``), so
-init time grows with the depth. Here a run of a group repeated ``k >= 2`` times is
-initialised by one trace of the group's init, ``jax.vmap``-ped over the run's keys
-(``[k, period]``); each layer is then given its slice. The group's random draws run as one
-batched op each, whose program is compiled once whatever ``k`` is.
+init time grows with the depth. Here a run of a group repeated ``k >= 8`` times
+(`MIN_VMAPPED_REPEATS`) is initialised by one trace of the group's init, ``jax.vmap``-ped
+over the run's keys (``[k, period]``); each layer is then given its slice. The group's
+random draws run as one batched op each, whose program is compiled once whatever ``k`` is.
 
 Runs are found as `revtrain.layers.scan` finds them for the forward pass
 (`revtrain.layers.scan.plan_runs`), from the layers' structure keys alone (nothing is
@@ -54,6 +54,14 @@ from revtrain.layers.layer import Layer
 from revtrain.layers.scan import MIN_REPEATS, plan_runs, serial_arity
 from revtrain.layers.signatures import signature_of
 from revtrain.layers.stack import inputs_from_stack, outputs_onto_stack
+
+MIN_VMAPPED_REPEATS = 8
+"""Fewest repetitions a run needs to be initialised by the vmapped init: a vmapped draw
+compiles a program for its ``[repeats, ...]`` shape, where a shallow run's layer-by-layer
+init reuses the programs of one layer's shapes. On a 2-core CPU the vmapped init of the
+benchmarks' LM cost about 0.5 s more than the layer-by-layer one at depths 2 to 8 and
+saved 1.5 to 4 s at depth 32 (a test suite of shallow models ran 10% longer with every run
+vmapped)."""
 
 OWN_VALUES = ("_weights", "_state", "_rng", "_initialized")
 """What `Layer.init` sets on a layer object (its own values): a run's other layers get
@@ -139,7 +147,7 @@ def init_in_series(layers: Sequence[Layer], input_signature: Any,
             end = start + period * repeats
             try:
                 run = (_init_run(layers[start:end], period, stack, keys, start)
-                       if repeats >= MIN_REPEATS else None)
+                       if repeats >= max(MIN_REPEATS, MIN_VMAPPED_REPEATS) else None)
             except _CarryChanges:  # The first repetition alone; the rest may be a run.
                 end = start + period
             else:

@@ -50,6 +50,7 @@ def runs(monkeypatch):
         return result
 
     monkeypatch.setattr(series_init, "_init_run", recording)
+    monkeypatch.setattr(series_init, "MIN_VMAPPED_REPEATS", 2)  # The tests' runs are short.
     return sizes
 
 
@@ -179,3 +180,13 @@ def test_without_an_rng_each_layer_inits_with_its_own_and_gives_tuples():
     weights, state = model.init_weights_and_state(SDS((2, 3), jnp.float32), None)
     assert isinstance(weights, tuple) and isinstance(state, tuple) and len(weights) == 3
     assert Serial().init(()) == ((), ())
+
+
+def test_a_run_shorter_than_the_threshold_inits_one_by_one(runs, monkeypatch):
+    monkeypatch.setattr(series_init, "MIN_VMAPPED_REPEATS", 8)
+    model = Serial(*[Dense(3) for _ in range(7)])
+    model.init(SDS((2, 3), jnp.float32), rng=jax.random.key(1))
+    assert runs == []  # Seven repetitions: no vmapped init was tried.
+    model = Serial(*[Dense(3) for _ in range(8)])
+    model.init(SDS((2, 3), jnp.float32), rng=jax.random.key(1))
+    assert runs == [8]
