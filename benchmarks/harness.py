@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -217,13 +218,23 @@ def worker_env(n_devices: int = 1) -> dict[str, str]:
     return env
 
 
-def run_worker(script: str, config: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Runs ``script --_worker <config>`` in a fresh process; returns its result dict.
+def pinned(command: list[str], cpus: Sequence[int] | None) -> list[str]:
+    """``command`` restricted to the CPU numbers ``cpus`` (util-linux's ``taskset``, so
+    that the process's runtime sizes its thread pools to them from the start); unchanged
+    for None or where ``taskset`` is missing."""
+    taskset = shutil.which("taskset") if cpus else None
+    return [taskset, "-c", ",".join(map(str, cpus)), *command] if taskset else command
+
+
+def run_worker(script: str, config: dict[str, Any], timeout: float,
+               cpus: Sequence[int] | None = None) -> dict[str, Any]:
+    """Runs ``script --_worker <config>`` in a fresh process (on the CPUs ``cpus`` only,
+    when given: `pinned`); returns its result dict.
 
     A worker that fails, times out or prints no result gives ``{"error": ...}`` with the
     tail of its stderr, so one bad configuration does not stop the benchmark.
     """
-    command = [sys.executable, script, WORKER_FLAG, json.dumps(config)]
+    command = pinned([sys.executable, script, WORKER_FLAG, json.dumps(config)], cpus)
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,

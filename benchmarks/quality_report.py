@@ -118,8 +118,9 @@ def convergence(payload: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per variant: mean and standard deviation over the seeds of the final bits per
-    byte, the training seconds, the load average, the peaks and the parameter count;
-    failed seeds are left out and counted."""
+    byte, the training seconds, the load average, the most workers that ran at once
+    (``jobs``), the peaks and the parameter count; failed seeds are left out and
+    counted."""
     out = {}
     for variant in dict.fromkeys(r["variant"] for r in results):
         rows = _ok(results, variant)
@@ -129,7 +130,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         bpb = [r["bits_per_byte"] for r in rows]
         loads = [max(r["load_avg"]) for r in rows if r.get("load_avg")]
-        out[variant] = {
+        out[variant] = {"jobs": max(r.get("jobs", 1) for r in rows),
             "n": len(rows), "failed": failed, "mean": statistics.fmean(bpb),
             "std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
             "train_s": statistics.fmean(r["train_s"] for r in rows),
@@ -167,10 +168,12 @@ def at_wall_time(curve: Sequence[dict[str, Any]], seconds: float) -> float:
 def equal_wall_time(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """SentencePiece against bytes (``rev_reversible``) at the byte runs' training time,
     per seed, then averaged: ``{'seconds', 'bytes', 'sentencepiece', 'difference',
-    'spread'}``."""
+    'spread'}``. Only seeds whose two rows each ran alone (``jobs`` 1) count: a worker
+    beside another one trains slower, so its seconds are not the other row's."""
     pairs = []
     for seed in sorted({r["seed"] for r in results}):
-        found = {r["variant"]: r for r in results if r["seed"] == seed and "error" not in r}
+        found = {r["variant"]: r for r in results if r["seed"] == seed and "error" not in r
+                 and r.get("jobs", 1) == 1}
         if "rev_reversible" in found and "sentencepiece" in found:
             byte_run, sp = found["rev_reversible"], found["sentencepiece"]
             pairs.append((byte_run["train_s"], byte_run["bits_per_byte"],
@@ -311,6 +314,8 @@ def readme_table(payload: dict[str, Any]) -> str:
             continue
         peak = report.mib(v["peak_bytes"]) if v["peak_bytes"] else "—"
         load = "—" if v["load_avg"] is None else f"{v['load_avg']:.1f}"
+        if v["jobs"] > 1:  # Its wall time is not an idle one.
+            load += f" ({v['jobs']} workers at once)"
         rows.append([label(variant), f"{v['mean']:.4f} ± {v['std']:.4f}", f"{v['n']}",
                      f"{v['n_params']:,}", f"{v['train_s']:.0f}", load,
                      f"{peak} / {report.mib(v['peak_rss_bytes'])}"])

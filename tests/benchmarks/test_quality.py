@@ -40,6 +40,32 @@ def test_a_tiny_run_writes_curves_bits_per_byte_and_outputs(tmp_path):
         assert len(r["load_avg"]) == 2 and r["measured"] and r["host"]
 
 
+@pytest.mark.slow
+def test_two_workers_at_once_give_the_same_bits_per_byte_and_say_so(tmp_path):
+    # Two workers on disjoint CPUs train the same batches from the same key: the rows
+    # equal one run alone, and the table marks their wall times as not idle ones.
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    argv = ["--quick", "--seeds", "1", "--steps", "2", "--eval_every", "1",
+            "--configurations", "plain,rev_trainer"]
+    alone = quality.main([*argv, "--out_dir", str(tmp_path / "alone")])
+    both = quality.main([*argv, "--jobs", "2", "--out_dir", str(tmp_path / "both")])
+    for a, b in zip(alone["results"], both["results"], strict=True):
+        assert (a["variant"], a["jobs"], b["jobs"]) == (b["variant"], 1, 2)
+        assert b["bits_per_byte"] == pytest.approx(a["bits_per_byte"], abs=1e-6)
+    assert "(2 workers at once)" in (tmp_path / "both" / "quality.md").read_text()
+    assert "workers at once" not in (tmp_path / "alone" / "quality.md").read_text()
+
+
+def test_cpu_slots_deal_the_cpus_into_disjoint_sets():
+    cpus = sorted(os.sched_getaffinity(0))
+    assert quality.cpu_slots(1) is None
+    slots = quality.cpu_slots(len(cpus))
+    assert sorted(c for slot in slots for c in slot) == cpus and all(slots)
+    with pytest.raises(ValueError, match=f"--jobs={len(cpus) + 1}: this process may use"):
+        quality.cpu_slots(len(cpus) + 1)
+
+
 def _row(variant, seed, bpb, train_s=10.0, curve=None):
     return {"variant": variant, "seed": seed, "bits_per_byte": bpb, "train_s": train_s,
             "peak_rss_bytes": 1, "peak_bytes": 1, "n_params": 10,
@@ -75,6 +101,8 @@ def test_equal_wall_time_reads_the_subword_curve_at_the_byte_runs_time():
     assert wall["seconds"] == 10.0 and wall["difference"] == pytest.approx(-0.5)
     [check] = [c for c in qr.targets(results) if "wall time" in c["target"]]
     assert check["value"].startswith("SentencePiece by 0.5000 bpb at 10 s")
+    # A row that shared the machine with another worker has no comparable seconds.
+    assert qr.equal_wall_time([results[0] | {"jobs": 2}, results[1]]) is None
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -82,6 +110,8 @@ def test_equal_wall_time_reads_the_subword_curve_at_the_byte_runs_time():
     (["--configurations", "trax_full"], "trax_full needs Trax: pass --trax_python"),
     (["--group", "main", "--configurations", "plain"], "--group and --configurations"),
     (["--lsh_chunk_len", "64", "--long_seq_len", "64"], "--lsh_chunk_len=64 covers"),
+    (["--group", "tokenizer", "--jobs", "2"], "--jobs=2: sentencepiece is compared"),
+    (["--jobs", "4096"], "--jobs=4096: this process may use"),
 ])
 def test_bad_settings_are_refused_before_anything_runs(argv, message, tmp_path):
     with pytest.raises(ValueError, match=message):
@@ -174,7 +204,7 @@ def test_trax_from_the_same_initial_weights_tracks_revtrain(tmp_path):
 
 
 def _fake_run(curve_values):
-    def run_one(args, config, tmp):
+    def run_one(args, config, tmp, cpus=None):
         curve = [{"step": (i + 1) * args.eval_every, "bits_per_byte": v, "train_s": 1.0 + i,
                   "loss": v} for i, v in enumerate(curve_values)]
         return config | {"curve": curve, "bits_per_byte": curve[-1]["bits_per_byte"],
