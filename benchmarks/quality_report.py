@@ -153,6 +153,36 @@ def paired_gap(results: Sequence[dict[str, Any]], a: str, b: str
             len(diffs))
 
 
+def divergence(results: Sequence[dict[str, Any]], a: str, b: str
+               ) -> dict[str, Any] | None:
+    """Where the training losses of ``a`` and ``b`` part, over the seeds both ran (each
+    pair saw the seed's batches from the seed's key): ``{'seeds', 'steps', 'first_step',
+    'apart'}``, ``first_step`` the earliest step (1-based) whose losses differ in any
+    seed (None: equal bit for bit throughout) and ``apart`` the largest absolute loss
+    difference (nats) at the steps 10, 100, 1,000... and the last. None without a pair."""
+    by_seed = {r["seed"]: r for r in _ok(results, b) if r.get("train_losses")}
+    pairs = [(r["train_losses"], by_seed[r["seed"]]["train_losses"])
+             for r in _ok(results, a) if r.get("train_losses") and r["seed"] in by_seed]
+    if not pairs:
+        return None
+    steps = min(min(len(x), len(y)) for x, y in pairs)
+    firsts = [next((i + 1 for i in range(steps) if x[i] != y[i]), None) for x, y in pairs]
+    marks = [10 ** k for k in range(1, 8) if 10 ** k < steps] + [steps]
+    return {"seeds": len(pairs), "steps": steps,
+            "first_step": min((f for f in firsts if f), default=None),
+            "apart": {m: max(abs(x[m - 1] - y[m - 1]) for x, y in pairs) for m in marks}}
+
+
+def divergence_text(d: dict[str, Any]) -> str:
+    """`divergence` in words, for the targets table."""
+    if d["first_step"] is None:
+        return f"equal bit for bit for all {d['steps']:,} steps of {d['seeds']} seed(s)"
+    apart = ", ".join(f"{v:.1e} at step {m:,}" for m, v in d["apart"].items()
+                      if m >= d["first_step"])
+    return (f"equal to step {d['first_step'] - 1:,}, then apart by float32 rounding that "
+            f"training amplifies: {apart} (nats, largest over {d['seeds']} seed(s))")
+
+
 def at_wall_time(curve: Sequence[dict[str, Any]], seconds: float) -> float:
     """Bits per byte of an eval curve at ``seconds`` of training (linear between points;
     the last point when the curve ends earlier, the first when it starts later)."""
@@ -224,6 +254,11 @@ def targets(results: Sequence[dict[str, Any]], converged: bool = True
         spread = max(means) - min(means)
         add("the trainers agree to 0.002 bpb", spread, f"{spread:.4f} (largest difference "
             f"of the means of {len(trainers)} trainers)", 0.002)
+    for a, b in itertools.pairwise(trainers):
+        parted = divergence(results, a, b)
+        if parted:
+            add(f"training losses, {label(a)} vs {label(b)} (reported)", 0.0,
+                divergence_text(parted), None)
     exact = "exact_long" if s.get("exact_long", {}).get("n") else "rev_reversible"
     gap("LSH-8 within 0.02 bpb of exact attention", "lsh8", exact, 0.02, False)
     gap("LSH-2 within 0.05 bpb of exact attention", "lsh2", exact, 0.05, False)

@@ -29,6 +29,12 @@ def _decode(fv: flags.FlagValues) -> int:
 
     if fv.prompts_file and fv["prompt"].present:
         raise UsageError("give --prompt or --prompts_file, not both")
+    if fv.temperature == 0 and (fv.top_k is not None or fv.top_p is not None):
+        # Before anything is loaded (the Python API's check_sampling says the same).
+        name = "top_k" if fv.top_k is not None else "top_p"
+        raise UsageError(f"--{name}={fv[name].value} has no effect at --temperature=0 "
+                         f"(greedy decoding); pass --temperature above 0 to sample, or leave "
+                         f"--{name} out")
     prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [_prompt(fv.prompt)]
     output_dir, configs, _ = read_run(fv)  # Turns the compilation cache on.
     tokenizer = read_run_tokenizer(output_dir) or ByteTokenizer()

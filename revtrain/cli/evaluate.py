@@ -33,12 +33,14 @@ def _eval(fv: flags.FlagValues) -> int:
             raise UsageError(f"no checkpoint to load in {evaluator.checkpointer.directory}; "
                              f"train first, or pass --wait to evaluate the checkpoints as "
                              f"they appear")
-        if fv.step is not None and fv.step not in evaluator.checkpointer.all_steps():
+        if (not fv.wait and fv.step is not None
+                and fv.step not in evaluator.checkpointer.all_steps()):
             raise UsageError(f"--step={fv.step}: no checkpoint of that step in "
                              f"{evaluator.checkpointer.directory}; it has "
-                             f"{evaluator.checkpointer.all_steps()}")
-        results = (evaluator.follow(final_step, fv.poll_seconds) if fv.wait else
-                   evaluator.run(fv.step))
+                             f"{evaluator.checkpointer.all_steps()}; pass --wait to wait "
+                             f"for it")
+        results = (evaluator.follow(final_step, fv.poll_seconds, step=fv.step) if fv.wait
+                   else evaluator.run(fv.step))
         count = 0
         for step, metrics in results:
             for split, values in metrics.items():
@@ -61,7 +63,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                          "(train.steps) is evaluated.", flag_values=fv)
     define_real("poll_seconds", 10.0, "Seconds between looks for new checkpoints with "
                 "--wait.", fv, lower=0.0, upper=600.0, lower_open=True)
-    flags.DEFINE_integer("step", None, "Evaluate only the checkpoint of this step.",
+    flags.DEFINE_integer("step", None, "Evaluate only the checkpoint of this step (with "
+                         "--wait: wait for it, then exit).",
                          flag_values=fv, lower_bound=0)
     flags.DEFINE_string("split", None, "Evaluate only this eval split (default: all).",
                         flag_values=fv)

@@ -130,7 +130,8 @@ def nest_flat_values(layer: Layer, flat_layers: Sequence[Layer],
     ``model.weights`` would have if each flat layer held its value -- without reading or
     writing any layer object, so evaluation and decoding can use a trainer's values
     directly. A layer with sublayers has the tuple of its sublayers' trees, as
-    `Layer.weights` does.
+    `Layer.weights` does; an empty `Serial` or `ReversibleSerial` (e.g. a model's
+    ``n_layers=0`` stack), which flattens to no layer, has the empty tree ``()``.
 
     Args:
       layer: the model (or any layer whose leaf layers all occur in ``flat_layers``).
@@ -159,6 +160,8 @@ def nest_flat_values(layer: Layer, flat_layers: Sequence[Layer],
         if id(sub) in by_id:
             return by_id[id(sub)]
         if not sub.sublayers:
+            if isinstance(sub, (Serial, ReversibleSerial)):  # Empty: flattens to nothing.
+                return ()
             raise ValueError(f"layer {sub.name} (created at {sub.caller}) is in none of the "
                              f"flat layers; pass the flat layers of this model")
         return tuple(nest(s) for s in sub.sublayers)

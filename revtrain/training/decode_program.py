@@ -23,6 +23,7 @@ from revtrain.training.decoding import (
     DEFAULT_NEW_BYTES,
     CachedDecoder,
     Decoder,
+    check_sampling,
     decode_text,
     new_bytes_for,
 )
@@ -163,8 +164,8 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
       The records written, ``{"prompt", "continuation", "tokens"}`` each.
 
     Raises:
-      ValueError: ``prompts`` is empty, or a prompt plus its new bytes exceeds the cache
-        (``path`` is left as it was).
+      ValueError: ``prompts`` is empty, the sampling arguments are bad (`check_sampling`),
+        or a prompt plus its new bytes exceeds the cache (``path`` is left as it was).
       RunWriteError: ``path`` could not be written (e.g. a full disk); it is left as it
         was. The message names the newest checkpoint of the run ``path`` is in
         (``<run>/decoder_out/step_<N>.jsonl``).
@@ -172,6 +173,7 @@ def decode_to_file(decoder: CachedDecoder | Decoder, prompts: Iterable[str], pat
     prompts = list(prompts)
     if not prompts:
         raise ValueError(f"no prompt to decode; {path} is left as it was")
+    check_sampling(temperature, top_k, top_p)
     lengths = new_bytes_per_prompt(decoder, prompts, max_new_bytes, tokenizer)
     records = []
     for i, (prompt, n_new) in enumerate(zip(prompts, lengths, strict=True)):

@@ -148,26 +148,39 @@ class CheckpointEvaluator:
                 f"{self.checkpointer.directory} can be read (steps {pending})")
 
     def follow(self, final_step: int, poll_seconds: float = 10.0,
-               sleep: Callable[[float], None] = time.sleep) -> Iterator[tuple[int, dict]]:
-        """Evaluates new checkpoints as they appear until ``final_step`` is evaluated.
+               sleep: Callable[[float], None] = time.sleep, step: int | None = None
+               ) -> Iterator[tuple[int, dict]]:
+        """Evaluates new checkpoints as they appear until ``final_step`` is evaluated, or
+        (with ``step``) waits for that step's checkpoint alone and evaluates it.
 
         Args:
           final_step: the run's last step (``train.steps``); returns once a checkpoint of
             that step or a later one has been evaluated.
           poll_seconds: seconds between looks at the directory, in (0, 600].
           sleep: the waiting function (tests pass a fake one).
+          step: evaluate only this step's checkpoint, returning once it is evaluated (or
+            was, by an earlier evaluation).
 
         Raises:
-          ValueError: for ``poll_seconds`` outside (0, 600].
+          ValueError: for ``poll_seconds`` outside (0, 600], a ``step`` after
+            ``final_step``, or a ``step`` the run went past without saving it (checkpoints
+            are saved in step order, so it will not appear).
         """
         if not 0 < poll_seconds <= MAX_POLL_SECONDS:
             raise ValueError(f"--poll_seconds={poll_seconds} must be in (0, "
                              f"{MAX_POLL_SECONDS:g}]; pass a shorter interval")
+        if step is not None and step > final_step:
+            raise ValueError(f"--step={step} is after the run's final step {final_step} "
+                             f"(train.steps); pass a step up to {final_step}")
         while True:
-            yield from self.run()
+            yield from self.run(step)
             done = self.evaluated_steps() | self.unreadable_steps
-            if done and max(done) >= final_step:
+            if step is None and done and max(done) >= final_step or step in done:
                 return
+            saved = self.checkpointer.all_steps()
+            if step is not None and step not in saved and any(s > step for s in saved):
+                raise ValueError(f"--step={step}: the run went past that step without "
+                                 f"saving it; its checkpoints are {saved}")
             sleep(poll_seconds)
 
     def close(self) -> None:

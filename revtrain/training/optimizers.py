@@ -40,17 +40,41 @@ def _with_clipping(factory: Any, max_norm: float) -> Any:
     return clipped
 
 
+# The ranges of optax's common hyperparameters, by name, whichever optimizer takes them:
+# (low, high, high included, what the number is). Adam's bias correction divides by
+# 1 - b**t, so b1 = 1 or b2 = 1 is nan from the first step; a rate above 1 or below 0,
+# or a negative epsilon or decay, makes the moving averages or updates diverge.
+_RANGES = {
+    "b1": (0.0, 1.0, False, "the decay rate of a moving average"),
+    "b2": (0.0, 1.0, False, "the decay rate of a moving average"),
+    "decay": (0.0, 1.0, True, "the decay rate of a moving average"),
+    "momentum": (0.0, 1.0, True, "the momentum coefficient"),
+    "eps": (0.0, math.inf, False, "a term added to a denominator"),
+    "eps_root": (0.0, math.inf, False, "a term added under a square root"),
+    "weight_decay": (0.0, math.inf, False, "a decay per step"),
+}
+
+
 def _check_numbers(learning_rate: Any, clip_gradient_norm: float | None,
                    hyperparams: dict[str, Any]) -> None:
-    """The numbers a step would turn into nan: each named as its gin binding."""
+    """The numbers a step would turn into nan or divergence: each named as its gin
+    binding, with its range where `_RANGES` knows it."""
     if isinstance(learning_rate, numbers.Real):
         check_rate("optimizer_fn.learning_rate", learning_rate)
     if clip_gradient_norm is not None:
         check_rate("optimizer_fn.clip_gradient_norm", clip_gradient_norm)
     for key, value in hyperparams.items():
-        if isinstance(value, numbers.Real) and not math.isfinite(value):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            continue
+        if not math.isfinite(value):
             raise ValueError(f"optimizer_fn.{key}={value!r} must be a finite number; "
                              f"change the gin binding optimizer_fn.{key}")
+        if key in _RANGES:
+            low, high, closed, meaning = _RANGES[key]
+            if not (low <= value < high or (closed and value == high)):
+                interval = f"[{low:g}, {high:g}{']' if closed else ')'}"
+                raise ValueError(f"optimizer_fn.{key}={value!r} must be in {interval} "
+                                 f"({meaning}); change the gin binding optimizer_fn.{key}")
 
 
 def optimizer_fn(name: str = "adam", learning_rate: float = 1e-3,
@@ -78,8 +102,10 @@ def optimizer_fn(name: str = "adam", learning_rate: float = 1e-3,
 
     Raises:
       ValueError: for an unknown optimizer name, a ``learning_rate`` or
-        ``clip_gradient_norm`` that is not finite and > 0, or a hyperparameter that is
-        nan or inf; naming the binding (``optimizer_fn.b2``).
+        ``clip_gradient_norm`` that is not finite and > 0, a hyperparameter that is nan
+        or inf, or one of optax's common ones out of its range (``b1`` and ``b2`` in
+        [0, 1), ``decay`` and ``momentum`` in [0, 1], ``eps``, ``eps_root`` and
+        ``weight_decay`` >= 0); naming the binding (``optimizer_fn.b2``).
       TypeError: for a hyperparameter the optax function does not take.
     """
     factory = _factory(name)

@@ -84,6 +84,29 @@ def test_trainer_agreement_and_lsh_against_exact_attention_at_the_long_length():
     assert not checks["LSH-2 within 0.05 bpb of exact attention"]["met"]
 
 
+def test_divergence_finds_the_first_step_whose_training_losses_differ():
+    same = [3.0, 2.5, 2.0, 1.5] * 30  # 120 steps.
+    parted = same[:2] + [x + 1e-6 * (i + 1) for i, x in enumerate(same[2:])]
+    results = [_row("rev_trainer", 0, 2.5, train_losses=parted),
+               _row("rev_reversible", 0, 2.5, train_losses=same),
+               _row("rev_memory_efficient", 0, 2.5, train_losses=list(same)),
+               _row("rev_reversible", 1, 2.5, train_losses=same)]  # No pair: not counted.
+    d = qr.divergence(results, "rev_trainer", "rev_reversible")
+    assert (d["seeds"], d["steps"], d["first_step"]) == (1, 120, 3)
+    assert list(d["apart"]) == [10, 100, 120]
+    assert d["apart"][10] == pytest.approx(8e-6) and d["apart"][120] == pytest.approx(118e-6)
+    assert qr.divergence_text(d).startswith("equal to step 2, then apart by float32 "
+                                            "rounding that training amplifies: 8.0e-06 at "
+                                            "step 10")
+    equal = qr.divergence(results, "rev_reversible", "rev_memory_efficient")
+    assert equal["first_step"] is None
+    assert qr.divergence_text(equal) == "equal bit for bit for all 120 steps of 1 seed(s)"
+    checks = [c["target"] for c in qr.targets(results)]
+    assert ("training losses, Reversible + ReversibleSerialTrainer vs Reversible + "
+            "MemoryEfficientTrainer (reported)") in checks
+    assert qr.divergence(results, "rev_trainer", "lsh8") is None
+
+
 def test_ablation_rows_give_per_seed_deltas_and_name_what_trax_cannot_set():
     results = [_row("rev_reversible", s, 2.50 + s / 100) for s in (0, 1)]
     results += [_row("abl_pos_trained", s, 2.53 + s / 100) for s in (0, 1)]

@@ -56,6 +56,18 @@ def test_an_empty_or_non_utf8_prompt_is_one_line_before_loading(tmp_path, capsys
         f"revtrain-decode: error: {message}"]
 
 
+@pytest.mark.parametrize("flag", ["--top_k=20", "--top_p=0.9"])
+def test_sampling_flags_at_temperature_0_are_one_line_before_loading(tmp_path, capsys, flag):
+    # Greedy decoding takes the argmax: a --top_k or --top_p there would be ignored.
+    name = flag.split("=")[0]
+    argv = ["revtrain-decode", flag, f"--output_dir={tmp_path / 'none'}"]
+    assert cli.decode_main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"revtrain-decode: error: {flag} has no effect at --temperature=0 (greedy decoding); "
+        f"pass --temperature above 0 to sample, or leave {name} out"]
+    assert not (tmp_path / "none").exists()
+
+
 def test_define_real_keeps_its_interval_and_default():
     fv = flags.FlagValues()
     define_real("rate", 0.5, "A rate.", fv, lower=0.0, upper=1.0, lower_open=True)

@@ -250,6 +250,20 @@ def test_nest_flat_values_rebuilds_the_model_tree_without_touching_layers():
         tl.nest_flat_values(model, flat[:1], doubled[:1])
 
 
+def test_nest_flat_values_gives_an_empty_series_the_empty_tree():
+    # ReversibleTransformerLM(n_layers=0) trained, then failed at its first eval: its
+    # empty ReversibleSerial flattens to no layer, so no flat value stands for it.
+    from revtrain.models import ReversibleTransformerLM
+    model = ReversibleTransformerLM(vocab_size=16, d_model=8, d_ff=16, n_layers=0,
+                                    n_heads=2, max_len=8, mode="eval")
+    model.init(_signature(np.zeros((2, 8), np.int32)))
+    blocks, loss = extract_reversible_blocks([model, tl.CrossEntropyLoss()])
+    flat = blocks_to_layers(blocks, loss)
+    nested = tl.nest_flat_values(model, flat, [layer.weights for layer in flat])
+    assert jax.tree.structure(nested) == jax.tree.structure(model.weights)
+    assert_trees_close(nested, model.weights)
+
+
 def _lm_tokens(depth: int, compute_dtype: str):
     """The issue's model: ReversibleTransformerLM d_model 64, d_ff 128, 4 heads, seq 64,
     batch 4, dropout 0, initialised; and its tokens."""

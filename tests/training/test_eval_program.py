@@ -76,6 +76,36 @@ def test_follow_skips_a_checkpoint_deleted_after_listing(tmp_path):
         evaluator.close()
 
 
+class _Slept(Exception):
+    pass
+
+
+def _no_sleep(seconds):
+    raise _Slept(seconds)
+
+
+def test_follow_with_a_step_waits_for_that_step_alone(tmp_path):
+    # revtrain-eval --step=N --wait: N's checkpoint is evaluated once it appears; a step
+    # not saved yet is waited for, not refused; one the run went past is one line.
+    out = str(tmp_path)
+    _train(out, 3)
+    evaluator = CheckpointEvaluator(_run(), EvalConfig(steps=1), out)
+    try:
+        assert [s for s, _ in evaluator.follow(3, 1, _no_sleep, step=2)] == [2]
+        assert list(evaluator.follow(3, 1, _no_sleep, step=2)) == []  # Done before.
+        with pytest.raises(_Slept):  # Step 5 is not saved yet: it waits.
+            list(evaluator.follow(6, 1, _no_sleep, step=5))
+        with pytest.raises(ValueError, match="--step=7 is after the run's final step 6"):
+            list(evaluator.follow(6, 1, _no_sleep, step=7))
+        shutil.rmtree(os.path.join(out, "checkpoints", "1"))
+        with pytest.raises(ValueError, match=r"--step=1: the run went past that step "
+                                             r"without saving it; its checkpoints are \[2, 3\]"):
+            list(evaluator.follow(3, 1, _no_sleep, step=1))
+        assert [r["step"] for r in read_metrics(out, "eval")] == [2]
+    finally:
+        evaluator.close()
+
+
 def _commit_time(checkpoint_dir):
     """When orbax committed a checkpoint (seconds since the epoch)."""
     with open(os.path.join(checkpoint_dir, "_CHECKPOINT_METADATA")) as f:

@@ -55,8 +55,23 @@ def test_bad_clip_norm():
     (dict(b2=float("inf")), "optimizer_fn.b2=inf must be a finite number; change the gin "
                             "binding optimizer_fn.b2"),
     (dict(eps=float("nan")), "optimizer_fn.eps=nan must be a finite number"),
+    (dict(b2=1.5), r"optimizer_fn.b2=1.5 must be in \[0, 1\) \(the decay rate of a moving "
+                   r"average\); change the gin binding optimizer_fn.b2"),
+    (dict(b1=1.0), r"optimizer_fn.b1=1.0 must be in \[0, 1\)"),
+    (dict(b1=-0.1), r"optimizer_fn.b1=-0.1 must be in \[0, 1\)"),
+    (dict(eps=-1e-8), r"optimizer_fn.eps=-1e-08 must be in \[0, inf\)"),
+    (dict(weight_decay=-1e-4), r"optimizer_fn.weight_decay=-0.0001 must be in \[0, inf\)"),
 ])
 def test_numbers_that_a_step_would_turn_into_nan_are_refused_naming_the_binding(kwargs,
                                                                                 match):
     with pytest.raises(ValueError, match=match):
         optimizer_fn("adam", **kwargs)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("adam", dict(b1=0.0, b2=0.0, eps=0.0)), ("adamw", dict(weight_decay=0.0)),
+    ("sgd", dict(momentum=1.0)), ("rmsprop", dict(decay=1.0)),
+])
+def test_the_ends_of_each_range_that_are_valid_are_accepted(name, kwargs):
+    optimizer_fn(name, **kwargs)  # No error.
+
