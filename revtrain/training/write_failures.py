@@ -33,9 +33,11 @@ class RunWriteError(OSError):
 def checkpoint_steps(directory: str) -> list[int]:
     """Steps of the step directories in a checkpoint ``directory``, ascending ([] when it
     does not exist); orbax's temporary directories of saves in progress are not steps."""
-    if not os.path.isdir(directory):
+    try:  # Not isdir, then listdir: the directory may go in between (a `close`).
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+    return sorted(int(name) for name in names if name.isdigit())
 
 
 def short_reason(error: BaseException) -> str:

@@ -81,7 +81,8 @@ class Checkpointer:
         returns once the arrays are copied. Call `wait_until_finished` or `close` before
         exiting.
       cleanup_tmp: delete temporary directories left by a crashed save when opening
-        (orbax's ``cleanup_tmp_directories``); only for the one process that saves.
+        (orbax's ``cleanup_tmp_directories``) an existing ``directory``; only for the one
+        process that saves.
       read_only: only restore (``revtrain-eval``, ``revtrain-decode``, a warm start's
         source): nothing is created, written or deleted, not even ``directory``, and the
         retention record is not read.
@@ -123,8 +124,12 @@ class Checkpointer:
             existing = checkpoint_steps(self.directory)
             self._promises = retention.read_promises(self.directory, existing)
             kept = retention.promised_steps(self._promises, existing)
+            # A directory this object creates holds no crashed save; and orbax's cleanup
+            # lists it in a thread that `close` does not wait for, so it could race
+            # `close`'s removal of the still-empty directory (a FileNotFoundError).
             options = ocp.CheckpointManagerOptions(
-                enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=cleanup_tmp and not self._created,
                 preservation_policy=retention.preservation_policy(
                     max_to_keep, keep_period, keep_time_interval, kept))
         self.unreadable_steps: list[int] = []
