@@ -141,25 +141,24 @@ def test_restore_values_reads_only_the_template_entries(tmp_path, monkeypatch):
 
 def test_a_created_directory_gets_no_cleanup_thread_to_race_its_removal(tmp_path,
                                                                          monkeypatch):
-    # orbax lists the directory for a crashed save's temporaries in a thread that its
-    # close() does not wait for; a directory this Checkpointer creates holds none, and
-    # close() removes it while empty: the listing raced that (a FileNotFoundError).
-    temporary_paths = pytest.importorskip("orbax.checkpoint._src.path.temporary_paths")
-    listed = []
-    real = temporary_paths.cleanup_temporary_paths
+    # orbax (0.12) lists the directory for a crashed save's temporaries in a thread that
+    # its close() does not wait for; a directory this Checkpointer creates holds none,
+    # and close() removes it while empty: the listing raced that (a FileNotFoundError).
+    asked = []
+    real = ocp.CheckpointManagerOptions
 
-    def spy(directory, **kwargs):
-        listed.append(str(directory))
-        return real(directory, **kwargs)
+    def options(**kwargs):
+        asked.append(kwargs.get("cleanup_tmp_directories", False))
+        return real(**kwargs)
 
-    monkeypatch.setattr(temporary_paths, "cleanup_temporary_paths", spy)
+    monkeypatch.setattr(ocp, "CheckpointManagerOptions", options)
     fresh = tmp_path / "fresh"
     for _ in range(20):
         Checkpointer(str(fresh), cleanup_tmp=True).close()
         assert not fresh.exists()
-    assert listed == []
+    assert asked == [False] * 20
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "4.orbax-checkpoint-tmp-1700000000").mkdir()  # A crashed save's.
     Checkpointer(str(existing), cleanup_tmp=True).close()
-    assert listed == [str(existing)]  # An existing directory is still cleaned.
+    assert asked[-1] is True  # An existing directory is still cleaned.
