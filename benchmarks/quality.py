@@ -12,15 +12,16 @@ is recorded beside every row's wall time. From the repository root, after ``pip 
     python benchmarks/quality.py --pilot
     # 2. The runs, one invocation per group (3 seeds, the pilot's steps; a group is a
     #    list of configurations, `benchmarks.quality_variants.GROUPS`), merged by
-    #    --update into one quality.json; an estimated 1 h per group on 2 idle cores at
-    #    3,000 steps, 2-3 h for the LSH groups (docs/benchmarks.md, "Quality").
+    #    --update into one quality.json; the main group took about 2 h 20 min on 2
+    #    cores with --jobs=2 at 7,900 steps (docs/benchmarks.md, "Quality").
     #    TRAX_PY is a Python with Trax 1.4.1, e.g. /tmp/traxenv/bin/python.
-    python benchmarks/quality.py --group=main           # the first one creates the file
-    python benchmarks/quality.py --update --group=lsh
-    python benchmarks/quality.py --update --group=tokenizer
-    python benchmarks/quality.py --update --group=ablation
-    python benchmarks/quality.py --update --group=trax_ablation --trax_python=$TRAX_PY
-    python benchmarks/quality.py --update --group=trax_lsh --trax_python=$TRAX_PY
+    python benchmarks/quality.py --group=main --jobs=2   # the first one creates the file
+    python benchmarks/quality.py --update --group=lsh --jobs=2
+    # SentencePiece against bytes at equal wall time: alone, beside its byte reference.
+    python benchmarks/quality.py --update --configurations=rev_reversible,sentencepiece
+    python benchmarks/quality.py --update --group=ablation --jobs=2
+    python benchmarks/quality.py --update --group=trax_ablation --jobs=2 --trax_python=$TRAX_PY
+    python benchmarks/quality.py --update --group=trax_lsh --jobs=2 --trax_python=$TRAX_PY
     python benchmarks/render_tables.py        # the README's and docs' tables
     python benchmarks/quality.py --quick      # tiny sizes, seconds (tests)
 
