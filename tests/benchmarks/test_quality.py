@@ -176,10 +176,21 @@ def test_trax_initial_weights_of_another_shape_are_refused_naming_the_leaf(tmp_p
         worker.load_initial_weights(Built, str(tmp_path / "w.npz"))
 
 
-def test_the_first_results_file_renders_as_not_converged():
+def test_the_committed_results_render_their_own_verdict():
+    # The table says what the results file holds: the convergence rule's verdict, and
+    # targets judged only on a converged run, each with its seed spread.
+    payload = json.loads((render_tables.RESULTS_DIR / "quality.json").read_text())
+    converged = qr.convergence(payload)["converged"]
     table = render_tables.quality()
-    assert "Not converged (budget)" in table and "**no**" not in table
-    assert "not converged (budget)" in table and "ShiftRight" in table
+    assert ("Converged: " if converged else "Not converged (budget): ") in table
+    target_rows = [line for line in table.splitlines() if line.startswith("| ")
+                   and line.rstrip().endswith(("| yes |", "| **no** |",
+                                               "| not converged (budget) |"))]
+    assert target_rows
+    assert converged == ("not converged (budget)" not in table)
+    for row in target_rows:
+        if "within" in row:
+            assert "per seed" in row, row
 
 
 @pytest.mark.slow
