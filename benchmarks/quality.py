@@ -12,7 +12,7 @@ is recorded beside every row's wall time. From the repository root, after ``pip 
     python benchmarks/quality.py --pilot
     # 2. The runs, one invocation per group (3 seeds, the pilot's steps; a group is a
     #    list of configurations, `benchmarks.quality_variants.GROUPS`), merged by
-    #    --update into one quality.json; the main group took about 2 h 20 min on 2
+    #    --update into one quality.json; the main group took about 2 h 10 min on 2
     #    cores with --jobs=2 at 7,900 steps (docs/benchmarks.md, "Quality").
     #    TRAX_PY is a Python with Trax 1.4.1, e.g. /tmp/traxenv/bin/python.
     python benchmarks/quality.py --group=main --jobs=2   # the first one creates the file
