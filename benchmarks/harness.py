@@ -109,7 +109,9 @@ flags.DEFINE_integer("scan_window", None, "MemoryEfficientTrainer runs each run 
 flags.DEFINE_float("timeout", 3600.0, "seconds before a worker process is killed",
                    lower_bound=0.0)
 flags.DEFINE_integer("jobs", 1, "workers run at once; >1 only for quick checks (they share "
-                     "the CPU, which distorts step times)", lower_bound=1)
+                     "the CPU, which distorts step times), or for quality.py, whose bits per "
+                     "byte do not depend on it (its workers are pinned to their own CPUs)",
+                     lower_bound=1)
 flags.DEFINE_string("compilation_cache_dir", None, "for tests: let workers share JAX's "
                     "persistent compilation cache (first-step times then exclude most "
                     "compilation)")

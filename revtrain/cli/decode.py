@@ -25,16 +25,15 @@ def _decode(fv: flags.FlagValues) -> int:
         load_decoder,
         new_bytes_per_prompt,
     )
+    from revtrain.training.decoding import check_sampling
     from revtrain.training.run_tokenizer import read_run_tokenizer
 
     if fv.prompts_file and fv["prompt"].present:
         raise UsageError("give --prompt or --prompts_file, not both")
-    if fv.temperature == 0 and (fv.top_k is not None or fv.top_p is not None):
-        # Before anything is loaded (the Python API's check_sampling says the same).
-        name = "top_k" if fv.top_k is not None else "top_p"
-        raise UsageError(f"--{name}={fv[name].value} has no effect at --temperature=0 "
-                         f"(greedy decoding); pass --temperature above 0 to sample, or leave "
-                         f"--{name} out")
+    try:  # Before anything is loaded: e.g. --top_k at --temperature=0 would be ignored.
+        check_sampling(fv.temperature, fv.top_k, fv.top_p, prefix="--")
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     prompts = _read_prompts(fv.prompts_file) if fv.prompts_file else [_prompt(fv.prompt)]
     output_dir, configs, _ = read_run(fv)  # Turns the compilation cache on.
     tokenizer = read_run_tokenizer(output_dir) or ByteTokenizer()

@@ -65,17 +65,20 @@ def sample_token(log_probs: jax.Array, rng: jax.Array, temperature: float = 0.0,
     return jax.random.categorical(rng, logits).astype(jnp.int32)
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None,
+                   prefix: str = "") -> None:
     """Raises a one-line ValueError for a temperature that is negative, nan or inf, top_k < 1
     or top_p outside (0, 1], and for top_k or top_p at temperature 0: greedy decoding takes
-    the argmax and would silently ignore them (asked for, they mean "sample")."""
+    the argmax and would silently ignore them (asked for, they mean "sample"). ``prefix``
+    goes before each name in the message (``'--'``: the command-line flags)."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 is "
                          f"greedy)")
     if temperature == 0 and (top_k is not None or top_p is not None):
         name, value = ("top_k", top_k) if top_k is not None else ("top_p", top_p)
-        raise ValueError(f"{name}={value} has no effect at temperature=0 (greedy decoding); "
-                         f"give a temperature above 0 to sample, or leave {name} out")
+        raise ValueError(f"{prefix}{name}={value} has no effect at {prefix}temperature=0 "
+                         f"(greedy decoding); pass {prefix}temperature above 0 to sample, or "
+                         f"leave {prefix}{name} out")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1 or None")
     if top_p is not None and not 0 < top_p <= 1:
