@@ -50,11 +50,9 @@ ReformerLM (`benchmarks/trax_quality_worker.py`) on the same batches.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
@@ -156,7 +154,7 @@ def parse_flags(argv: Sequence[str] | None) -> SimpleNamespace:
     if trax and not args.trax_python:
         raise ValueError(f"--configurations={trax[0]} needs Trax: pass --trax_python=PATH "
                          f"(a Python with Trax 1.4.1, ../shared/peers/trax/install.sh)")
-    cpu_slots(args.jobs)
+    harness.cpu_slots(args.jobs)
     if args.jobs > 1 and "sentencepiece" in names:
         raise ValueError(f"--jobs={args.jobs}: sentencepiece is compared with bytes at equal "
                          f"wall time, which workers sharing the machine distort; run it "
@@ -237,45 +235,16 @@ def run_one(args: SimpleNamespace, config: dict[str, Any], tmp: Path,
                      "jobs": args.jobs}
 
 
-def cpu_slots(jobs: int) -> list[list[int]] | None:
-    """The CPUs this process may use, dealt into ``jobs`` disjoint sets, one per
-    concurrent worker; None for one job (the worker gets every CPU).
-
-    Raises:
-      ValueError: when there are fewer CPUs than ``jobs``.
-    """
-    if jobs == 1:
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < jobs:
-        raise ValueError(f"--jobs={jobs}: this process may use {len(cpus)} CPUs; pass "
-                         f"--jobs={len(cpus)} or fewer")
-    return [cpus[k::jobs] for k in range(jobs)]
-
-
 def run_all(args: SimpleNamespace, configs: list[dict[str, Any]], tmp: Path
             ) -> list[dict[str, Any]]:
     """Every (configuration, seed), ``args.jobs`` at a time, each on its own CPUs
-    (`cpu_slots`); the results in the order of ``configs``."""
-    slots = cpu_slots(args.jobs)
-    free: queue.SimpleQueue = queue.SimpleQueue()
-    for slot in slots or [None]:
-        free.put(slot)
-
-    def one(k_config: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-        k, config = k_config
-        slot = free.get()
-        try:
-            result = run_one(args, config, tmp, slot)
-        finally:
-            free.put(slot)
+    (`harness.cpu_slots`); the results in the order of ``configs``."""
+    def line(config: dict[str, Any], result: dict[str, Any]) -> str:
         outcome = f"ERROR {result['error']}" if "error" in result else _describe(result)
-        print(f"[{k}/{len(configs)}] seed {config['seed']}, {qr.label(config['variant'])}: "
-              f"{outcome}", flush=True)
-        return result
+        return f"seed {config['seed']}, {qr.label(config['variant'])}: {outcome}"
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        return list(pool.map(one, enumerate(configs, 1)))
+    return harness.run_each(lambda config, cpus: run_one(args, config, tmp, cpus), configs,
+                            line, args.jobs, harness.cpu_slots(args.jobs))
 
 
 # ------------------------------------------------------------------------------------------

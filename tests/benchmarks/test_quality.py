@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from benchmarks import quality, render_tables
+from benchmarks import harness, quality, render_tables
 from benchmarks import quality_report as qr
 from benchmarks import quality_variants as qv
 from benchmarks import quality_worker as worker
@@ -59,11 +59,11 @@ def test_two_workers_at_once_give_the_same_bits_per_byte_and_say_so(tmp_path):
 
 def test_cpu_slots_deal_the_cpus_into_disjoint_sets():
     cpus = sorted(os.sched_getaffinity(0))
-    assert quality.cpu_slots(1) is None
-    slots = quality.cpu_slots(len(cpus))
+    assert harness.cpu_slots(1) is None
+    slots = harness.cpu_slots(len(cpus))
     assert sorted(c for slot in slots for c in slot) == cpus and all(slots)
     with pytest.raises(ValueError, match=f"--jobs={len(cpus) + 1}: this process may use"):
-        quality.cpu_slots(len(cpus) + 1)
+        harness.cpu_slots(len(cpus) + 1)
 
 
 def _row(variant, seed, bpb, train_s=10.0, curve=None):
