@@ -23,6 +23,7 @@ from revtrain.layers import (
     LSHCausalAttention,
     MaxPool,
     Mean,
+    PositionalEncoding,
     ReversibleHalfResidual,
     ReversibleReshape,
     ShapeDtype,
@@ -101,6 +102,17 @@ def test_sinusoidal_rows_at_positions_equal_the_table():
     positions = np.random.default_rng(0).integers(0, length, 300)
     np.testing.assert_allclose(sinusoidal_rows(jnp.asarray(positions), d, length),
                                sinusoidal_encoding(length, d)[positions], rtol=0, atol=1e-6)
+
+
+def test_positional_encoding_under_the_split_adds_bitwise_the_unsplit_rows():
+    length, d = 32, 12
+    layer = PositionalEncoding(max_len=64)
+    x = jax.random.normal(jax.random.key(0), (2, length, d))
+    want = layer.pure_fn(x, (), (), None)[0]
+    perm = sequence_layout(N, length)
+    got = _sharded(lambda x: layer.pure_fn(x, (), (), None)[0], length, (SPLIT,), SPLIT)(
+        x[:, perm])
+    np.testing.assert_array_equal(got, want[:, perm])
 
 
 @pytest.mark.parametrize("widths", [{}, {"d_attention_key": 6, "d_attention_value": 10}])
