@@ -214,7 +214,8 @@ def _batches(config: dict[str, Any], tmp: Path) -> Path:
 def run_one(args: SimpleNamespace, config: dict[str, Any], tmp: Path,
             cpus: Sequence[int] | None = None) -> dict[str, Any]:
     """One (configuration, seed) in a fresh process (on ``cpus`` only, when given), with
-    the load average before and after, the date, the machine and the number of workers
+    the load average before and after, the date, the machine, the revtrain commit it ran
+    (rows of one results file come from several invocations) and the number of workers
     that ran at once (``jobs``) beside its wall time."""
     before, spec = os.getloadavg()[0], VARIANTS[config["variant"]]
     if spec.framework == "trax":
@@ -232,7 +233,7 @@ def run_one(args: SimpleNamespace, config: dict[str, Any], tmp: Path,
     info = harness.machine_info()
     return result | {"load_avg": [before, os.getloadavg()[0]], "measured": info["date"],
                      "host": f"{info['processor']} ({info['cpu_count']} CPUs)",
-                     "jobs": args.jobs}
+                     "commit": info["commit"], "jobs": args.jobs}
 
 
 def run_all(args: SimpleNamespace, configs: list[dict[str, Any]], tmp: Path

@@ -38,6 +38,7 @@ def test_a_tiny_run_writes_curves_bits_per_byte_and_outputs(tmp_path):
     assert "Not converged (budget)" in text and "**no**" not in text
     for r in rows.values():
         assert len(r["load_avg"]) == 2 and r["measured"] and r["host"]
+        assert r["commit"] == harness.machine_info()["commit"]
 
 
 @pytest.mark.slow
