@@ -262,13 +262,15 @@ class PositionalEncoding(Layer):
     program (`revtrain.layers.position_tables.sinusoidal_rows` at ``max_len``): equal to
     `sinusoidal_encoding`'s float64-computed table to about 2e-7, without a ``[length,
     d_feature]`` constant in the program (32 MiB at 64K tokens and d_model 128, rebuilt on
-    the host at every trace), and fused into the addition. A position's row depends on the
-    position and ``max_len`` only, so it is bitwise the same at every sequence length,
-    under a sequence split (`revtrain.layers.sequence_parallel.sequence_sharded`: a shard
-    adds the rows of its global positions) and when decoding (``'predict'`` mode of the
-    LMs). As in Trax, dropout (``'train'`` mode only) applies to the encoding, not to
-    ``x``, with one ``[length, d_feature]`` mask shared across the batch; under a sequence
-    split a shard's mask comes from the key folded with the shard index.
+    the host at every trace), and fused into the addition. A position's row is computed
+    from the position and ``max_len`` alone, the same way at every sequence length, under
+    a sequence split (`revtrain.layers.sequence_parallel.sequence_sharded`: a shard adds
+    the rows of its global positions) and when decoding (``'predict'`` mode of the LMs):
+    equal up to the float32 rounding of each program's fusion (about 1e-7).
+
+    As in Trax, dropout (``'train'`` mode only) applies to the encoding, not to ``x``, with
+    one ``[length, d_feature]`` mask shared across the batch; under a sequence split a
+    shard's mask comes from the key folded with the shard index.
 
     Args:
       max_len: longest sequence accepted.

@@ -54,9 +54,10 @@ def sinusoidal_rows(positions: jax.Array, d_feature: int, length: int) -> jax.Ar
 
     Returns:
       float32 ``[n, d_feature]``, equal to the table's rows to about 2e-7. A row depends
-      only on its position, ``d_feature`` and ``length``, so the same position gives
-      bitwise the same row whichever other positions are asked for. Traced positions
-      cannot be checked: callers check that they lie in ``[0, length)``.
+      only on its position, ``d_feature`` and ``length``, whichever other positions are
+      asked for (up to the float32 rounding of the program's fusion: FMA or not).
+      Traced positions cannot be checked: callers check that they lie in ``[0,
+      length)``.
     """
     base = max(1, math.isqrt(length - 1) + 1)
     n_high = -(-length // base)

@@ -130,9 +130,9 @@ class _PositionalEncodingAt(Layer):
 
     Its state is the next position (int32[]), so ``[batch, length, d]`` inputs get rows
     ``position .. position + length - 1`` (Trax's ``PositionalEncoding`` in ``'predict'``
-    mode), computed as `PositionalEncoding` computes them, so bitwise the rows a
-    ``'train'``-mode forward adds at those positions. No weights, as `PositionalEncoding`, so
-    train-mode weights load unchanged.
+    mode), computed as `PositionalEncoding` computes them, so the rows a ``'train'``-mode
+    forward adds at those positions (up to float32 rounding). No weights, as
+    `PositionalEncoding`, so train-mode weights load unchanged.
     """
 
     def __init__(self, max_len: int):
