@@ -29,6 +29,12 @@ Without a pilot file, ``--steps`` (default 400) sets the budget and the run is m
 converged unless the rule holds on its own plain curve. Targets are judged only on a
 converged run; otherwise they read "not converged (budget)".
 
+A group too long for one sitting splits into invocations by configuration
+(``--configurations``) or by seed (``--seed=K --seeds=1`` runs seed K alone): a row
+depends only on its configuration and seed, and ``--update`` replaces rows of the same
+(configuration, seed), so the merged file is the same as one long run's. Each row
+records the date, machine and revtrain commit it ran at.
+
 ``--jobs=2`` runs two (configuration, seed) workers at a time, each on its own CPUs
 (`taskset`): about 1.7x the throughput on 2 cores, and the same bits per byte, but each
 row's wall time is then not an idle one; the table says so beside its load, and the

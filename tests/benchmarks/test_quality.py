@@ -253,3 +253,26 @@ def test_update_runs_merge_into_one_file_and_a_converged_run_judges_its_targets(
     assert "Converged: the last 20% of the steps" in text
     assert "| Reversible + ReversibleSerialTrainer within 0.01 bpb of the plain Transformer " \
            "at equal parameters | +0.0000" in text and qr.NOT_CONVERGED not in text
+
+
+def test_a_group_split_by_seed_merges_into_the_file_of_one_run(tmp_path, monkeypatch):
+    """``--seed=K --seeds=1`` runs seed K alone; merged by --update, the rows are those of
+    one run over all the seeds (a row depends only on its configuration and seed)."""
+    def run_one(args, config, tmp, cpus=None):
+        bits = 2.0 + config["seed"] / 10 + len(config["variant"]) / 100
+        return _fake_run([bits])(args, config, tmp, cpus)
+
+    monkeypatch.setattr(quality, "run_one", run_one)
+    common = ["--quick", "--steps", "2", "--configurations", "plain,rev_reversible"]
+    whole = quality.main([*common, "--seeds", "3", "--out_dir", str(tmp_path / "whole")])
+    split = tmp_path / "split"
+    quality.main([*common, "--seeds", "1", "--out_dir", str(split)])
+    for seed in ("2", "1"):
+        merged = quality.main([*common, "--update", "--seed", seed, "--seeds", "1",
+                               "--out_dir", str(split)])
+
+    def rows(payload):
+        return sorted((r["variant"], r["seed"], r["bits_per_byte"])
+                      for r in payload["results"])
+
+    assert rows(merged) == rows(whole) and len(rows(whole)) == 6
