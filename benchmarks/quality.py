@@ -286,17 +286,18 @@ def verdict(payload: dict[str, Any]) -> str:
     return f"{word}: {state['reason']}."
 
 
-def summary_tables(payload: dict[str, Any]) -> str:
-    """The main table, the comparison it makes, the convergence verdict and the notes
-    (added by hand, e.g. a known defect): what the README shows."""
-    return "\n\n".join([qr.readme_table(payload), qr.REFORMER_NOTE, verdict(payload),
-                         *payload.get("notes", [])])
+def summary_tables(payload: dict[str, Any], ablation_rows: bool = False) -> str:
+    """The main table (the ablation's own rows only with ``ablation_rows``), the
+    comparison it makes, the convergence verdict and the notes (added by hand, e.g. a
+    known defect): what the README shows."""
+    return "\n\n".join([qr.readme_table(payload, ablation_rows), qr.REFORMER_NOTE,
+                         verdict(payload), *payload.get("notes", [])])
 
 
 def tables(payload: dict[str, Any]) -> str:
-    """`summary_tables`, then the ablation and the targets."""
+    """`summary_tables` with every row, then the ablation and the targets."""
     converged = qr.convergence(payload)["converged"]
-    parts = [summary_tables(payload)]
+    parts = [summary_tables(payload, ablation_rows=True)]
     ablation = qr.ablation_table(payload["results"])
     if ablation:
         parts.append(ablation)

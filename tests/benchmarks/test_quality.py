@@ -276,3 +276,15 @@ def test_a_group_split_by_seed_merges_into_the_file_of_one_run(tmp_path, monkeyp
                       for r in payload["results"])
 
     assert rows(merged) == rows(whole) and len(rows(whole)) == 6
+
+
+def test_the_readme_table_leaves_out_the_rows_that_only_measure_an_ablation_factor(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(quality, "run_one", _fake_run([3.0, 2.5]))
+    payload = quality.main(["--quick", "--steps", "2", "--seeds", "1", "--out_dir",
+                            str(tmp_path), "--configurations", "rev_reversible,abl_eps"])
+    ablation_row = f"| {qv.VARIANTS['abl_eps'].label} |"
+    assert ablation_row not in quality.summary_tables(payload)
+    assert f"| {qv.VARIANTS['rev_reversible'].label} |" in quality.summary_tables(payload)
+    assert ablation_row in quality.tables(payload)  # docs/benchmarks.md: every row.
+    assert "abl_eps" in qv.ABLATION_ONLY and "trax_full" not in qv.ABLATION_ONLY
