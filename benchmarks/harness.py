@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -252,23 +253,68 @@ def run_worker(script: str, config: dict[str, Any], timeout: float,
                      "worker_wall_s": wall}
 
 
-def run_all(script: str, configs: list[dict[str, Any]], timeout: float,
-            describe: Callable[[dict[str, Any]], str], jobs: int = 1) -> list[dict[str, Any]]:
-    """Runs every configuration in its own process (``jobs`` at a time), printing progress.
+def cpu_slots(jobs: int) -> list[list[int]] | None:
+    """The CPUs this process may use, dealt into ``jobs`` disjoint sets, one per
+    concurrent worker (`run_each`'s ``slots``); None for one job (the worker gets every
+    CPU).
 
-    Returns the results in the order of ``configs``.
+    Raises:
+      ValueError: when there are fewer CPUs than ``jobs``.
     """
-    def run(k_config):
+    if jobs == 1:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < jobs:
+        raise ValueError(f"--jobs={jobs}: this process may use {len(cpus)} CPUs; pass "
+                         f"--jobs={len(cpus)} or fewer")
+    return [cpus[k::jobs] for k in range(jobs)]
+
+
+def run_each(run: Callable[[dict[str, Any], Sequence[int] | None], dict[str, Any]],
+             configs: list[dict[str, Any]],
+             line: Callable[[dict[str, Any], dict[str, Any]], str], jobs: int = 1,
+             slots: list[list[int]] | None = None) -> list[dict[str, Any]]:
+    """Calls ``run(config, cpus)`` for every configuration, ``jobs`` at a time, printing
+    ``[k/n] line(config, result)`` as each one ends.
+
+    With ``slots`` (`cpu_slots`), each call holds one of the CPU sets while it runs, so
+    concurrent workers never share a CPU; without, ``cpus`` is None.
+
+    Returns:
+      The results in the order of ``configs``.
+    """
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    for slot in slots or [None] * jobs:
+        free.put(slot)
+
+    def one(k_config: tuple[int, dict[str, Any]]) -> dict[str, Any]:
         k, config = k_config
-        result = run_worker(script, config, timeout)
-        outcome = f"ERROR {result['error']}" if "error" in result else describe(result)
-        round_text = f", round {config['round'] + 1}" if config.get("round") else ""
-        print(f"[{k}/{len(configs)}] {TRAINERS[config['trainer']]}, depth {config['depth']}"
-              f"{round_text}: {outcome}", flush=True)
+        slot = free.get()
+        try:
+            result = run(config, slot)
+        finally:
+            free.put(slot)
+        print(f"[{k}/{len(configs)}] {line(config, result)}", flush=True)
         return result
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(run, enumerate(configs, 1)))
+        return list(pool.map(one, enumerate(configs, 1)))
+
+
+def run_all(script: str, configs: list[dict[str, Any]], timeout: float,
+            describe: Callable[[dict[str, Any]], str], jobs: int = 1) -> list[dict[str, Any]]:
+    """Runs every (trainer, depth) configuration in its own process (``jobs`` at a time,
+    `run_each`), printing its trainer, depth and ``describe(result)``.
+
+    Returns the results in the order of ``configs``.
+    """
+    def line(config: dict[str, Any], result: dict[str, Any]) -> str:
+        outcome = f"ERROR {result['error']}" if "error" in result else describe(result)
+        round_text = f", round {config['round'] + 1}" if config.get("round") else ""
+        return f"{TRAINERS[config['trainer']]}, depth {config['depth']}{round_text}: {outcome}"
+
+    return run_each(lambda config, cpus: run_worker(script, config, timeout, cpus), configs,
+                    line, jobs)
 
 
 def script_main(main: Callable[[], Any],

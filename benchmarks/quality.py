@@ -29,6 +29,12 @@ Without a pilot file, ``--steps`` (default 400) sets the budget and the run is m
 converged unless the rule holds on its own plain curve. Targets are judged only on a
 converged run; otherwise they read "not converged (budget)".
 
+A group too long for one sitting splits into invocations by configuration
+(``--configurations``) or by seed (``--seed=K --seeds=1`` runs seed K alone): a row
+depends only on its configuration and seed, and ``--update`` replaces rows of the same
+(configuration, seed), so the merged file is the same as one long run's. Each row
+records the date, machine and revtrain commit it ran at.
+
 ``--jobs=2`` runs two (configuration, seed) workers at a time, each on its own CPUs
 (`taskset`): about 1.7x the throughput on 2 cores, and the same bits per byte, but each
 row's wall time is then not an idle one; the table says so beside its load, and the
@@ -50,11 +56,9 @@ ReformerLM (`benchmarks/trax_quality_worker.py`) on the same batches.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
@@ -156,7 +160,7 @@ def parse_flags(argv: Sequence[str] | None) -> SimpleNamespace:
     if trax and not args.trax_python:
         raise ValueError(f"--configurations={trax[0]} needs Trax: pass --trax_python=PATH "
                          f"(a Python with Trax 1.4.1, ../shared/peers/trax/install.sh)")
-    cpu_slots(args.jobs)
+    harness.cpu_slots(args.jobs)
     if args.jobs > 1 and "sentencepiece" in names:
         raise ValueError(f"--jobs={args.jobs}: sentencepiece is compared with bytes at equal "
                          f"wall time, which workers sharing the machine distort; run it "
@@ -216,7 +220,8 @@ def _batches(config: dict[str, Any], tmp: Path) -> Path:
 def run_one(args: SimpleNamespace, config: dict[str, Any], tmp: Path,
             cpus: Sequence[int] | None = None) -> dict[str, Any]:
     """One (configuration, seed) in a fresh process (on ``cpus`` only, when given), with
-    the load average before and after, the date, the machine and the number of workers
+    the load average before and after, the date, the machine, the revtrain commit it ran
+    (rows of one results file come from several invocations) and the number of workers
     that ran at once (``jobs``) beside its wall time."""
     before, spec = os.getloadavg()[0], VARIANTS[config["variant"]]
     if spec.framework == "trax":
@@ -234,48 +239,19 @@ def run_one(args: SimpleNamespace, config: dict[str, Any], tmp: Path,
     info = harness.machine_info()
     return result | {"load_avg": [before, os.getloadavg()[0]], "measured": info["date"],
                      "host": f"{info['processor']} ({info['cpu_count']} CPUs)",
-                     "jobs": args.jobs}
-
-
-def cpu_slots(jobs: int) -> list[list[int]] | None:
-    """The CPUs this process may use, dealt into ``jobs`` disjoint sets, one per
-    concurrent worker; None for one job (the worker gets every CPU).
-
-    Raises:
-      ValueError: when there are fewer CPUs than ``jobs``.
-    """
-    if jobs == 1:
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < jobs:
-        raise ValueError(f"--jobs={jobs}: this process may use {len(cpus)} CPUs; pass "
-                         f"--jobs={len(cpus)} or fewer")
-    return [cpus[k::jobs] for k in range(jobs)]
+                     "commit": info["commit"], "jobs": args.jobs}
 
 
 def run_all(args: SimpleNamespace, configs: list[dict[str, Any]], tmp: Path
             ) -> list[dict[str, Any]]:
     """Every (configuration, seed), ``args.jobs`` at a time, each on its own CPUs
-    (`cpu_slots`); the results in the order of ``configs``."""
-    slots = cpu_slots(args.jobs)
-    free: queue.SimpleQueue = queue.SimpleQueue()
-    for slot in slots or [None]:
-        free.put(slot)
-
-    def one(k_config: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-        k, config = k_config
-        slot = free.get()
-        try:
-            result = run_one(args, config, tmp, slot)
-        finally:
-            free.put(slot)
+    (`harness.cpu_slots`); the results in the order of ``configs``."""
+    def line(config: dict[str, Any], result: dict[str, Any]) -> str:
         outcome = f"ERROR {result['error']}" if "error" in result else _describe(result)
-        print(f"[{k}/{len(configs)}] seed {config['seed']}, {qr.label(config['variant'])}: "
-              f"{outcome}", flush=True)
-        return result
+        return f"seed {config['seed']}, {qr.label(config['variant'])}: {outcome}"
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        return list(pool.map(one, enumerate(configs, 1)))
+    return harness.run_each(lambda config, cpus: run_one(args, config, tmp, cpus), configs,
+                            line, args.jobs, harness.cpu_slots(args.jobs))
 
 
 # ------------------------------------------------------------------------------------------
@@ -310,17 +286,18 @@ def verdict(payload: dict[str, Any]) -> str:
     return f"{word}: {state['reason']}."
 
 
-def summary_tables(payload: dict[str, Any]) -> str:
-    """The main table, the comparison it makes, the convergence verdict and the notes
-    (added by hand, e.g. a known defect): what the README shows."""
-    return "\n\n".join([qr.readme_table(payload), qr.REFORMER_NOTE, verdict(payload),
-                         *payload.get("notes", [])])
+def summary_tables(payload: dict[str, Any], ablation_rows: bool = False) -> str:
+    """The main table (the ablation's own rows only with ``ablation_rows``), the
+    comparison it makes, the convergence verdict and the notes (added by hand, e.g. a
+    known defect): what the README shows."""
+    return "\n\n".join([qr.readme_table(payload, ablation_rows), qr.REFORMER_NOTE,
+                         verdict(payload), *payload.get("notes", [])])
 
 
 def tables(payload: dict[str, Any]) -> str:
-    """`summary_tables`, then the ablation and the targets."""
+    """`summary_tables` with every row, then the ablation and the targets."""
     converged = qr.convergence(payload)["converged"]
-    parts = [summary_tables(payload)]
+    parts = [summary_tables(payload, ablation_rows=True)]
     ablation = qr.ablation_table(payload["results"])
     if ablation:
         parts.append(ablation)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.quality_variants import FACTORS, TRAX_MATCH, VARIANTS
+from benchmarks.quality_variants import ABLATION_ONLY, FACTORS, TRAX_MATCH, VARIANTS
 
 FLAT_BITS = 0.02  # The last FLAT_FRACTION of the steps improve the plain model by less.
 FLAT_FRACTION = 0.2
@@ -340,10 +340,14 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 # Tables and the plot.
 
-def readme_table(payload: dict[str, Any]) -> str:
-    """The documents' table (`benchmarks.render_tables`): one row per configuration."""
+def readme_table(payload: dict[str, Any], ablation_rows: bool = True) -> str:
+    """The documents' table (`benchmarks.render_tables`): one row per configuration;
+    without the rows that only measure a factor of the ablation (`ABLATION_ONLY`) unless
+    ``ablation_rows``."""
     rows = []
     for variant, v in summarize(payload["results"]).items():
+        if not ablation_rows and variant in ABLATION_ONLY:
+            continue
         if not v["n"]:
             rows.append([label(variant), "failed", "", "", "", "", ""])
             continue

@@ -160,6 +160,11 @@ FACTORS = [
     ("Trax's defaults together (trained positions, eps, decay)", "abl_trax_defaults",
      "rev_reversible", "trax_defaults", "trax_full", ""),
 ]
+# Rows that exist only to measure one factor of the ablation: the ablation table gives
+# their differences; the README's table leaves them out (`summary_variants`).
+ABLATION_ONLY = frozenset([*ABLATION, *(v for v, spec in TRAX.items()
+                                         if v != "trax_full" and not spec.n_hashes)])
+
 # (Trax row, revtrain's row matched with it, what still differs).
 TRAX_MATCH = [("trax_full", "abl_init_trax", "same initial weights"),
               ("trax_full", "abl_pos_trained", "matched but the random draws"),

@@ -32,7 +32,7 @@ from revtrain.layers.dropout_masks import (
     keep_mask,
 )
 from revtrain.layers.layer import Layer
-from revtrain.layers.position_tables import sinusoidal_encoding, sinusoidal_rows
+from revtrain.layers.position_tables import sinusoidal_rows
 from revtrain.layers.sequence_parallel import check_local_length, check_not_split, shard_key
 from revtrain.layers.signatures import float_dtype
 
@@ -258,14 +258,19 @@ class Dropout(Layer):
 class PositionalEncoding(Layer):
     """Adds the fixed sinusoidal encoding: ``[batch, length, d_feature]`` -> same shape.
 
-    The table (`sinusoidal_encoding`) is a constant, not a weight, so it is never trained.
-    As in Trax, dropout (``'train'`` mode only) applies to the encoding, not to ``x``, with
-    one ``[length, d_feature]`` mask shared across the batch.
+    The encoding is not a weight, so it is never trained. Its rows are computed inside the
+    program (`revtrain.layers.position_tables.sinusoidal_rows` at ``max_len``): equal to
+    `sinusoidal_encoding`'s float64-computed table to about 2e-7, without a ``[length,
+    d_feature]`` constant in the program (32 MiB at 64K tokens and d_model 128, rebuilt on
+    the host at every trace), and fused into the addition. A position's row is computed
+    from the position and ``max_len`` alone, the same way at every sequence length, under
+    a sequence split (`revtrain.layers.sequence_parallel.sequence_sharded`: a shard adds
+    the rows of its global positions) and when decoding (``'predict'`` mode of the LMs):
+    equal up to the float32 rounding of each program's fusion (about 1e-7).
 
-    Under a sequence split (`revtrain.layers.sequence_parallel.sequence_sharded`) a shard
-    adds the rows of its global positions (`revtrain.layers.position_tables.
-    sinusoidal_rows`: equal to the table's rows to about 2e-7, without the whole table on
-    the device), and its dropout mask comes from the key folded with the shard index.
+    As in Trax, dropout (``'train'`` mode only) applies to the encoding, not to ``x``, with
+    one ``[length, d_feature]`` mask shared across the batch; under a sequence split a
+    shard's mask comes from the key folded with the shard index.
 
     Args:
       max_len: longest sequence accepted.
@@ -299,10 +304,8 @@ class PositionalEncoding(Layer):
         if total > self._max_len:
             raise ValueError(f"input length {total} exceeds PositionalEncoding "
                              f"max_len={self._max_len}; build it with max_len >= {total}")
-        if sharded is None:
-            pe = jnp.asarray(sinusoidal_encoding(length, d_feature), dtype=x.dtype)
-        else:
-            pe = sinusoidal_rows(sharded.local_positions(), d_feature, total).astype(x.dtype)
+        positions = jnp.arange(length) if sharded is None else sharded.local_positions()
+        pe = sinusoidal_rows(positions, d_feature, self._max_len).astype(x.dtype)
         if self._mode == "train" and self._dropout:
             pe = dropout(pe, self._dropout, shard_key(rng), mask_bits=self._mask_bits)
         return x + pe[None], state

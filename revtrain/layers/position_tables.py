@@ -1,9 +1,10 @@
 """The sinusoidal position table, whole or at given positions.
 
 `sinusoidal_encoding` is the fixed table of Vaswani et al. (2017), section 3.5, computed in
-float64 on the host and stored as float32. `sinusoidal_rows` gives its rows at traced
-positions (a sequence shard's global positions, `revtrain.layers.sequence_parallel`)
-without holding the ``[length, d]`` table on the device: with ``p = hi * base + lo``
+float64 on the host and stored as float32 (the trained table's initial value).
+`sinusoidal_rows` gives its rows at traced positions, which is how `PositionalEncoding`
+adds them (at every length, under a sequence split, `revtrain.layers.sequence_parallel`,
+and when decoding), without a ``[length, d]`` table in the program: with ``p = hi * base + lo``
 (``base = ceil(sqrt(length))``) it takes the sines and cosines of ``hi * base * w`` and of
 ``lo * w`` from two small float64-computed tables and combines them by the angle-addition
 formulas, ``sin(a + b) = sin a cos b + cos a sin b`` and ``cos(a + b) = cos a cos b - sin a
@@ -52,7 +53,11 @@ def sinusoidal_rows(positions: jax.Array, d_feature: int, length: int) -> jax.Ar
       length: an upper bound on the positions (sets the factor tables' sizes).
 
     Returns:
-      float32 ``[n, d_feature]``, equal to the table's rows to about 2e-7.
+      float32 ``[n, d_feature]``, equal to the table's rows to about 2e-7. A row depends
+      only on its position, ``d_feature`` and ``length``, whichever other positions are
+      asked for (up to the float32 rounding of the program's fusion: FMA or not).
+      Traced positions cannot be checked: callers check that they lie in ``[0,
+      length)``.
     """
     base = max(1, math.isqrt(length - 1) + 1)
     n_high = -(-length // base)

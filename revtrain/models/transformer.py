@@ -39,10 +39,11 @@ from revtrain.layers import (
 )
 from revtrain.layers.attention.causal import CausalAttention
 from revtrain.layers.chunk import Chunk, check_chunk_size
-from revtrain.layers.core import check_rate, sinusoidal_encoding
+from revtrain.layers.core import check_rate
 from revtrain.layers.core import dropout as drop_rows
 from revtrain.layers.dropout_masks import DEFAULT_MASK_BITS, MASK_BITS, is_mask_bits
 from revtrain.layers.normalization import LayerNorm
+from revtrain.layers.position_tables import sinusoidal_encoding, sinusoidal_rows
 from revtrain.layers.sequence_parallel import check_not_split
 
 
@@ -128,9 +129,10 @@ class _PositionalEncodingAt(Layer):
     """`PositionalEncoding` for incremental decoding: adds the rows of the positions decoded.
 
     Its state is the next position (int32[]), so ``[batch, length, d]`` inputs get rows
-    ``position .. position + length - 1`` of the same sinusoidal table (Trax's
-    ``PositionalEncoding`` in ``'predict'`` mode). No weights, as `PositionalEncoding`, so
-    train-mode weights load unchanged.
+    ``position .. position + length - 1`` (Trax's ``PositionalEncoding`` in ``'predict'``
+    mode), computed as `PositionalEncoding` computes them, so the rows a ``'train'``-mode
+    forward adds at those positions (up to float32 rounding). No weights, as
+    `PositionalEncoding`, so train-mode weights load unchanged.
     """
 
     def __init__(self, max_len: int):
@@ -140,8 +142,8 @@ class _PositionalEncodingAt(Layer):
     def forward_with_state(self, x, weights, state, rng):
         check_not_split("PositionalEncoding (mode='predict')", "decode without a sequence "
                         "split (seq=1)", why="counts decoded positions")
-        table = jnp.asarray(sinusoidal_encoding(self._max_len, x.shape[-1]), x.dtype)
-        rows = jax.lax.dynamic_slice_in_dim(table, state, x.shape[1])
+        positions = state + jnp.arange(x.shape[1], dtype=jnp.int32)
+        rows = sinusoidal_rows(positions, x.shape[-1], self._max_len).astype(x.dtype)
         return x + rows[None], state + x.shape[1]
 
     def init_weights_and_state(self, input_signature, rng):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from benchmarks import quality, render_tables
+from benchmarks import harness, quality, render_tables
 from benchmarks import quality_report as qr
 from benchmarks import quality_variants as qv
 from benchmarks import quality_worker as worker
@@ -38,6 +38,7 @@ def test_a_tiny_run_writes_curves_bits_per_byte_and_outputs(tmp_path):
     assert "Not converged (budget)" in text and "**no**" not in text
     for r in rows.values():
         assert len(r["load_avg"]) == 2 and r["measured"] and r["host"]
+        assert r["commit"] == harness.machine_info()["commit"]
 
 
 @pytest.mark.slow
@@ -59,11 +60,11 @@ def test_two_workers_at_once_give_the_same_bits_per_byte_and_say_so(tmp_path):
 
 def test_cpu_slots_deal_the_cpus_into_disjoint_sets():
     cpus = sorted(os.sched_getaffinity(0))
-    assert quality.cpu_slots(1) is None
-    slots = quality.cpu_slots(len(cpus))
+    assert harness.cpu_slots(1) is None
+    slots = harness.cpu_slots(len(cpus))
     assert sorted(c for slot in slots for c in slot) == cpus and all(slots)
     with pytest.raises(ValueError, match=f"--jobs={len(cpus) + 1}: this process may use"):
-        quality.cpu_slots(len(cpus) + 1)
+        harness.cpu_slots(len(cpus) + 1)
 
 
 def _row(variant, seed, bpb, train_s=10.0, curve=None):
@@ -252,3 +253,38 @@ def test_update_runs_merge_into_one_file_and_a_converged_run_judges_its_targets(
     assert "Converged: the last 20% of the steps" in text
     assert "| Reversible + ReversibleSerialTrainer within 0.01 bpb of the plain Transformer " \
            "at equal parameters | +0.0000" in text and qr.NOT_CONVERGED not in text
+
+
+def test_a_group_split_by_seed_merges_into_the_file_of_one_run(tmp_path, monkeypatch):
+    """``--seed=K --seeds=1`` runs seed K alone; merged by --update, the rows are those of
+    one run over all the seeds (a row depends only on its configuration and seed)."""
+    def run_one(args, config, tmp, cpus=None):
+        bits = 2.0 + config["seed"] / 10 + len(config["variant"]) / 100
+        return _fake_run([bits])(args, config, tmp, cpus)
+
+    monkeypatch.setattr(quality, "run_one", run_one)
+    common = ["--quick", "--steps", "2", "--configurations", "plain,rev_reversible"]
+    whole = quality.main([*common, "--seeds", "3", "--out_dir", str(tmp_path / "whole")])
+    split = tmp_path / "split"
+    quality.main([*common, "--seeds", "1", "--out_dir", str(split)])
+    for seed in ("2", "1"):
+        merged = quality.main([*common, "--update", "--seed", seed, "--seeds", "1",
+                               "--out_dir", str(split)])
+
+    def rows(payload):
+        return sorted((r["variant"], r["seed"], r["bits_per_byte"])
+                      for r in payload["results"])
+
+    assert rows(merged) == rows(whole) and len(rows(whole)) == 6
+
+
+def test_the_readme_table_leaves_out_the_rows_that_only_measure_an_ablation_factor(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(quality, "run_one", _fake_run([3.0, 2.5]))
+    payload = quality.main(["--quick", "--steps", "2", "--seeds", "1", "--out_dir",
+                            str(tmp_path), "--configurations", "rev_reversible,abl_eps"])
+    ablation_row = f"| {qv.VARIANTS['abl_eps'].label} |"
+    assert ablation_row not in quality.summary_tables(payload)
+    assert f"| {qv.VARIANTS['rev_reversible'].label} |" in quality.summary_tables(payload)
+    assert ablation_row in quality.tables(payload)  # docs/benchmarks.md: every row.
+    assert "abl_eps" in qv.ABLATION_ONLY and "trax_full" not in qv.ABLATION_ONLY

@@ -20,6 +20,8 @@ from revtrain.layers import (
     Serial,
     ShiftRight,
 )
+from revtrain.layers.position_tables import sinusoidal_encoding
+from revtrain.models.transformer import _PositionalEncodingAt
 
 SDS = jax.ShapeDtypeStruct
 
@@ -201,6 +203,36 @@ def test_positional_encoding_dropout_hits_the_encoding_shared_over_batch():
     np.testing.assert_allclose(y[0][kept], 2 * pe[kept], rtol=1e-5, atol=1e-6)
     y_eval = PositionalEncoding(max_len=6, dropout=0.5, mode="eval").pure_fn(x, (), (), None)[0]
     np.testing.assert_allclose(y_eval[0], pe, rtol=1e-5, atol=1e-6)
+
+
+def _added_rows(layer, length, d, state=()):
+    return np.asarray(layer.pure_fn(np.zeros((1, length, d), np.float32), (), state,
+                                    None)[0][0])
+
+
+def test_positional_encoding_rows_depend_on_the_position_only():
+    """A position's row is computed alike at every length and when decoding (the LM's
+    ``'predict'``-mode layer, from position 5 on): equal up to the float rounding of
+    different programs' fusions (2 ulp of 1); all are the float64 table's to 1e-6."""
+    d, max_len = 12, 64
+    full = _added_rows(PositionalEncoding(max_len=max_len), max_len, d)
+    np.testing.assert_allclose(_added_rows(PositionalEncoding(max_len=max_len), 7, d),
+                               full[:7], rtol=0, atol=2.5e-7)
+    decoding = _PositionalEncodingAt(max_len)
+    np.testing.assert_allclose(_added_rows(decoding, 3, d, jnp.int32(5)), full[5:8],
+                               rtol=0, atol=2.5e-7)
+    np.testing.assert_allclose(full, sinusoidal_encoding(max_len, d), rtol=0, atol=1e-6)
+
+
+def test_positional_encoding_puts_no_length_sized_table_in_the_program():
+    """The rows are computed in the program: its text does not grow with the length (a
+    [length, d] constant would add length * d numbers to it)."""
+    def program_chars(length):
+        x = jax.ShapeDtypeStruct((1, length, 64), jnp.float32)
+        layer = PositionalEncoding(max_len=4096)
+        return len(jax.jit(lambda x: layer.pure_fn(x, (), (), None)[0]).lower(x).as_text())
+
+    assert program_chars(4096) < program_chars(16) + 1000
 
 
 def test_positional_encoding_too_long_input_names_max_len():

@@ -23,6 +23,7 @@ from revtrain.layers import (
     LSHCausalAttention,
     MaxPool,
     Mean,
+    PositionalEncoding,
     ReversibleHalfResidual,
     ReversibleReshape,
     ShapeDtype,
@@ -101,6 +102,19 @@ def test_sinusoidal_rows_at_positions_equal_the_table():
     positions = np.random.default_rng(0).integers(0, length, 300)
     np.testing.assert_allclose(sinusoidal_rows(jnp.asarray(positions), d, length),
                                sinusoidal_encoding(length, d)[positions], rtol=0, atol=1e-6)
+
+
+def test_positional_encoding_under_the_split_adds_the_unsplit_rows():
+    """Each shard computes its global positions' rows as the unsplit layer does: equal up
+    to the float rounding of the two programs' fusions (FMA or not: 2 ulp of 1)."""
+    length, d = 32, 12
+    layer = PositionalEncoding(max_len=64)
+    x = jnp.zeros((2, length, d))
+    want = layer.pure_fn(x, (), (), None)[0]
+    perm = sequence_layout(N, length)
+    got = _sharded(lambda x: layer.pure_fn(x, (), (), None)[0], length, (SPLIT,), SPLIT)(
+        x[:, perm])
+    np.testing.assert_allclose(got, want[:, perm], rtol=0, atol=2.5e-7)
 
 
 @pytest.mark.parametrize("widths", [{}, {"d_attention_key": 6, "d_attention_value": 10}])
