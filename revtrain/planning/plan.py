@@ -43,6 +43,7 @@ from revtrain.parallel.placement import Placement
 from revtrain.planning.cost import DeviceRates, measure_rates
 from revtrain.planning.estimate import Estimate, estimate
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer, Trainer
+from revtrain.trainers.block.compiling import compile_workers
 from revtrain.training.accumulation import accumulating_optimizer
 
 DEFAULT_MARGIN = 0.1
@@ -200,7 +201,8 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
       candidates: default `default_candidates`; a candidate whose trainer refuses its
         options (e.g. remat of a model that is not a ``Serial``) is left out. They are
         estimated side by side in threads (the model's layers are only read: an abstract
-        model is used as it is).
+        model is used as it is), one at a time while JAX's persistent compilation cache is
+        on (`revtrain.trainers.block.compiling.compile_workers`).
       margin: the fraction of the budget kept free, in [0, 1).
       fixed_batch: keep the global batch (accumulating micro-batches where it does not
         fit); False: each candidate at the largest batch that fits, up to ``max_batch``.
@@ -249,8 +251,10 @@ def plan(model: Layer, loss_layer: Layer, batch_signature: Sequence[Any],
         except (TypeError, ValueError) as error:
             return f"{candidate.name}: {error}"
 
-    # The candidates side by side: XLA compiles without holding the GIL.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    # The candidates side by side (XLA compiles without holding the GIL), unless a compile
+    # may be a persistent-cache load (`compile_workers`).
+    with concurrent.futures.ThreadPoolExecutor(
+            max_workers=compile_workers(os.cpu_count() or 1)) as pool:
         results = list(pool.map(search, candidates))
     choices = [r for r in results if isinstance(r, Choice)]
     errors = [r for r in results if isinstance(r, str)]

@@ -14,7 +14,8 @@
   (`device_store`), `HostStore` (`host_store`) and stacked runs (`stacked`);
 - `donation`: a program gives the buffers it consumes (by field) to its outputs;
 - `turns`: keeping the layers of a scan body apart, each layer's work in its own turn;
-- `precompile`: compiling every program before the first step;
+- `precompile`: the abstract walk that finds every program of a step, compiled
+  before the first step by `compiling` (largest first, side by side where safe);
 - `block_trainer`: `BlockTrainer`, which `ReversibleSerialTrainer` and
   `MemoryEfficientTrainer` configure, with `BlockOptions` (`options`): how the step runs,
   as one value.

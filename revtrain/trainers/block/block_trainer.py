@@ -31,6 +31,7 @@ from revtrain.layers.blocks import Block, blocks_to_layers, extract_reversible_b
 from revtrain.layers.reversible import ReversibleLayer
 from revtrain.parallel.placement import Placement
 from revtrain.parallel.rngs import StepKeys
+from revtrain.trainers.block.compiling import compile_all, timed
 from revtrain.trainers.block.executor import (
     BlockStep,
     StepInputs,
@@ -44,8 +45,6 @@ from revtrain.trainers.block.precompile import (
     CompileTimes,
     CountedStore,
     RecordingDispatcher,
-    compile_all,
-    timed,
 )
 from revtrain.trainers.block.programs import ProgramCache
 from revtrain.trainers.block.scan_programs import find_runs
@@ -289,8 +288,9 @@ class BlockTrainer(TrainerBase):
 
         Runs the step once on abstract values (`revtrain.trainers.block.precompile`: an
         `AbstractStore` and a `RecordingDispatcher`), then compiles the distinct programs
-        side by side in a thread pool; the steps then compile nothing (details, and how
-        to enable JAX's persistent compilation cache, in `revtrain.trainers.block.precompile`).
+        (`revtrain.trainers.block.compiling.compile_all`: side by side in a thread pool,
+        one after another while JAX's persistent compilation cache is on); the steps then
+        compile nothing (details in `revtrain.trainers.block.precompile`).
         The first `one_step` calls this when it was not called.
 
         Args:

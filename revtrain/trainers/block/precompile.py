@@ -1,4 +1,4 @@
-"""Compiling a block trainer's per-layer programs ahead of the first step, concurrently.
+"""Compiling a block trainer's per-layer programs ahead of the first step.
 
 A block trainer's first step would trace and compile each distinct per-layer program (one
 per kind and layer structure, `revtrain.trainers.block.programs.ProgramCache`) the first
@@ -6,34 +6,27 @@ time the plan reaches it, one after another. `BlockTrainer.precompile` instead r
 *abstractly* -- the same executor (`revtrain.trainers.block.executor.run_step`) on
 `jax.ShapeDtypeStruct` values carrying the shardings the real values have, with an
 `AbstractStore` and a `RecordingDispatcher` that calls ``jax.eval_shape`` -- which traces
-each program once and gives the exact abstract arguments of every call; then it lowers and
-compiles the distinct ``(program, arguments)`` pairs in a thread pool (XLA compiles
-without holding the GIL, so the programs compile side by side on the host's cores).
+each program once and gives the exact abstract arguments of every call; then
+`revtrain.trainers.block.compiling.compile_all` lowers and compiles the distinct
+``(program, arguments)`` pairs, side by side in a thread pool when JAX's persistent
+compilation cache is off, one after another when it is on
+(`revtrain.trainers.block.compiling.compile_workers` says why).
 ``jit(...).lower(...).compile()`` fills the same in-process caches a call fills, so the
 step that follows calls the already compiled executables: nothing is traced or compiled
 again (the trainers' ``trace_counts`` and a "no compile in the first step" test check it).
 
-JAX's persistent compilation cache serves these compilations too: enable it before
-building the trainer, e.g.::
-
-    jax.config.update("jax_compilation_cache_dir", "/path/to/cache")
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-and a second process with the same model, batch shape and device count loads the
-executables from disk instead of compiling them.
+JAX's persistent compilation cache (`revtrain.training.use_compilation_cache`, on by
+default in ``revtrain-train``) serves these compilations too: a second process with the
+same model, batch shape and device count loads the executables from disk.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from revtrain.parallel.placement import Placement
 from revtrain.parallel.transfers import abstract_device_bytes
@@ -48,7 +41,7 @@ class CompileTimes(NamedTuple):
 
     Attributes:
       trace_s: tracing every distinct per-layer function (the abstract walk).
-      compile_s: lowering and compiling them all, side by side in a thread pool.
+      compile_s: lowering and compiling them all (`revtrain.trainers.block.compiling`).
       run_s: running the first step itself once everything was compiled (until its
         loss was ready); NaN until a step ran.
       n_programs: how many distinct programs were compiled.
@@ -334,55 +327,6 @@ def _with_sharding(tree: Any, sharding: Any) -> Any:
     return jax.tree.map(put, tree)
 
 
-def compile_all(calls: Sequence[tuple[Callable, tuple]],
-                max_workers: int | None = None) -> None:
-    """Lowers and compiles every ``(jitted function, abstract args)`` in a thread pool,
-    largest first (by `n_equations`).
-
-    A step's compile time is that of its largest program (a scanned reverse-and-fbo) once
-    the others compile beside it: started last, it would begin only after the pool's
-    other workers finished their earlier programs (the longest-processing-time-first rule).
-    The functions were traced already (the abstract walk), so ``trace`` is a cache hit.
-
-    Raises:
-      Exception: the first error of any compilation (the others still finish).
-    """
-    traced = sorted((fn.trace(*args) for fn, args in calls),
-                    key=lambda t: n_equations(t.jaxpr.jaxpr), reverse=True)
-    workers = max_workers or min(len(traced), os.cpu_count() or 1) or 1
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(lambda t: t.lower().compile(), t) for t in traced]
-        for future in futures:
-            future.result()
-
-
-def n_equations(jaxpr: Any) -> int:
-    """Equations of ``jaxpr`` and of every jaxpr nested in them (loop bodies, branches,
-    calls): a cheap measure of what XLA has to compile."""
-    return sum(1 + sum(n_equations(sub) for sub in _nested_jaxprs(eqn.params))
-               for eqn in jaxpr.eqns)
-
-
-def _nested_jaxprs(params: dict[str, Any]) -> list[Any]:
-    """The jaxprs among an equation's parameters (a scan's body, a cond's branches, a
-    custom_vjp's functions), open ones: the walk works on every JAX `setup.cfg` allows."""
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
-    return found
-
-
-def timed(fn: Callable, *args: Any) -> tuple[Any, float]:
-    """``(fn(*args), wall seconds)``."""
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
-
-
 __all__ = ["AbstractHostStore", "AbstractStore", "CompileTimes", "CountedStore",
            "RecordingDispatcher",
-           "abstract_batch", "compile_all", "n_equations", "placed_arguments", "timed"]
+           "abstract_batch", "placed_arguments"]

@@ -1,13 +1,14 @@
 """Tests for revtrain.trainers.block.precompile: every program of a block trainer's step compiled
 ahead of the first step, concurrently, and nothing traced or compiled again afterwards."""
 import math
+import threading
 
 import jax
 import numpy as np
 import pytest
 
 from revtrain.trainers import MemoryEfficientTrainer, ReversibleSerialTrainer
-from revtrain.trainers.block.precompile import compile_all, n_equations
+from revtrain.trainers.block.compiling import compile_all, compile_workers, n_equations
 from tests.trainers.conftest import adam, initialised_blocks, run_steps, signature
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -111,3 +112,37 @@ def test_compile_all_compiles_the_largest_program_first():
     finally:
         jax.monitoring.unregister_event_duration_listener(record)
     assert names == ["jit(large)", "jit(small)"]
+
+
+def test_compile_all_compiles_in_the_calling_thread_while_the_persistent_cache_is_on():
+    """Two threads loading cached executables at once crashed XLA's CPU client (a
+    segmentation fault in ``deserialize_executable``): with the cache on (as in this
+    suite, `tests.conftest`) every compile request comes from the caller's thread, however
+    many workers are asked for."""
+    assert jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+    assert compile_workers(4) == 1
+    threads = []
+
+    def record(event, **kwargs):
+        if event == "/jax/compilation_cache/compile_requests_use_cache":
+            threads.append(threading.get_ident())
+
+    def program(k):
+        return jax.jit(lambda x: jax.numpy.cos(x) * k + 1.0)
+    arg = jax.ShapeDtypeStruct((5, 3), np.float32)
+    jax.monitoring.register_event_listener(record)
+    try:
+        compile_all([(program(k), (arg,)) for k in range(4)], max_workers=4)
+    finally:
+        jax.monitoring.unregister_event_listener(record)
+    assert threads == [threading.get_ident()] * 4
+
+
+def test_compile_workers_allows_side_by_side_only_without_the_persistent_cache():
+    assert compile_workers(3) == 1  # This suite's cache is on.
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        assert [compile_workers(n) for n in (0, 1, 3)] == [1, 1, 3]
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+    assert compile_workers(3) == 1
