@@ -43,8 +43,10 @@ class CompileLog:
 
     Attributes:
       seconds: per phase, seconds of tracing, lowering to MLIR and XLA compiling (or loading
-        from the persistent cache), summed over threads: a block trainer compiles its
-        programs side by side, so this can exceed the phase's wall time.
+        from the persistent cache), summed over threads: with the persistent cache off a
+        block trainer compiles its programs side by side, so this can exceed the phase's
+        wall time; with it on (the cold and warm rows) they compile one after another
+        (`revtrain.trainers.block.compiling.compile_workers`).
       n_compiles: per phase, XLA compile requests (a compile or a cache load).
       cache: persistent cache ``cache_hits`` and ``cache_misses`` over all phases.
     """

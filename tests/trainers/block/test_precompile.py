@@ -1,5 +1,6 @@
 """Tests for revtrain.trainers.block.precompile: every program of a block trainer's step compiled
-ahead of the first step, concurrently, and nothing traced or compiled again afterwards."""
+ahead of the first step (`revtrain.trainers.block.compiling`: side by side only while the
+persistent compilation cache is off), and nothing traced or compiled again afterwards."""
 import math
 import threading
 
