@@ -288,3 +288,5 @@ def test_the_readme_table_leaves_out_the_rows_that_only_measure_an_ablation_fact
     assert f"| {qv.VARIANTS['rev_reversible'].label} |" in quality.summary_tables(payload)
     assert ablation_row in quality.tables(payload)  # docs/benchmarks.md: every row.
     assert "abl_eps" in qv.ABLATION_ONLY and "trax_full" not in qv.ABLATION_ONLY
+    # Trax's row keeps its closest revtrain match beside it in the README.
+    assert "abl_init_trax" not in qv.ABLATION_ONLY and "abl_pos_trained" in qv.ABLATION_ONLY
