@@ -17,8 +17,9 @@ is recorded beside every row's wall time. From the repository root, after ``pip 
     #    TRAX_PY is a Python with Trax 1.4.1, e.g. /tmp/traxenv/bin/python.
     python benchmarks/quality.py --group=main --jobs=2   # the first one creates the file
     python benchmarks/quality.py --update --group=lsh --jobs=2
-    # SentencePiece against bytes at equal wall time: alone, beside its byte reference.
-    python benchmarks/quality.py --update --configurations=rev_reversible,sentencepiece
+    # SentencePiece against bytes at equal wall time: alone, beside its byte reference
+    #    (bytes_alone, rev_reversible rerun in the same invocation, so at the same code).
+    python benchmarks/quality.py --update --group=tokenizer
     python benchmarks/quality.py --update --group=ablation --jobs=2
     python benchmarks/quality.py --update --group=trax_ablation --jobs=2 --trax_python=$TRAX_PY
     python benchmarks/quality.py --update --group=trax_lsh --jobs=2 --trax_python=$TRAX_PY
@@ -161,10 +162,11 @@ def parse_flags(argv: Sequence[str] | None) -> SimpleNamespace:
         raise ValueError(f"--configurations={trax[0]} needs Trax: pass --trax_python=PATH "
                          f"(a Python with Trax 1.4.1, ../shared/peers/trax/install.sh)")
     harness.cpu_slots(args.jobs)
-    if args.jobs > 1 and "sentencepiece" in names:
-        raise ValueError(f"--jobs={args.jobs}: sentencepiece is compared with bytes at equal "
-                         f"wall time, which workers sharing the machine distort; run it "
-                         f"with --jobs=1")
+    timed = [n for n in GROUPS["tokenizer"] if n in names]
+    if args.jobs > 1 and timed:
+        raise ValueError(f"--jobs={args.jobs}: {timed[0]} is timed for SentencePiece's "
+                         f"equal-wall-time comparison with bytes, which workers sharing "
+                         f"the machine distort; run it with --jobs=1")
     if args.chunk_len >= args.long_seq_len:
         raise ValueError(f"--lsh_chunk_len={args.chunk_len} covers --long_seq_len="
                          f"{args.long_seq_len}; LSH needs chunks shorter than the sequence")

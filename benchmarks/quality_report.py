@@ -196,7 +196,7 @@ def at_wall_time(curve: Sequence[dict[str, Any]], seconds: float) -> float:
 
 
 def equal_wall_time(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """SentencePiece against bytes (``rev_reversible``) at the byte runs' training time,
+    """SentencePiece against bytes (``bytes_alone``) at the byte runs' training time,
     per seed, then averaged: ``{'seconds', 'bytes', 'sentencepiece', 'difference',
     'spread'}``. Only seeds whose two rows each ran alone (``jobs`` 1) count: a worker
     beside another one trains slower, so its seconds are not the other row's."""
@@ -204,8 +204,8 @@ def equal_wall_time(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     for seed in sorted({r["seed"] for r in results}):
         found = {r["variant"]: r for r in results if r["seed"] == seed and "error" not in r
                  and r.get("jobs", 1) == 1}
-        if "rev_reversible" in found and "sentencepiece" in found:
-            byte_run, sp = found["rev_reversible"], found["sentencepiece"]
+        if "bytes_alone" in found and "sentencepiece" in found:
+            byte_run, sp = found["bytes_alone"], found["sentencepiece"]
             pairs.append((byte_run["train_s"], byte_run["bits_per_byte"],
                           at_wall_time(sp["curve"], byte_run["train_s"])))
     if not pairs:

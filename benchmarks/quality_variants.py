@@ -96,6 +96,11 @@ MAIN = {
     "exact_long": Spec("Reversible, exact attention (long)", length="long"),
     **{f"lsh{n}": _lsh(n) for n in (1, 2, 4, 8)},
     "sentencepiece": Spec("SentencePiece + ReversibleSerialTrainer", tokens="sentencepiece"),
+    # rev_reversible again, run alone in SentencePiece's invocation: its equal-wall-time
+    # reference. A row of its own, so that invocation never replaces the main group's
+    # rows with rows of other code (a change of numerics moves a seed by ~0.005 bits/byte).
+    "bytes_alone": Spec("Bytes + ReversibleSerialTrainer, alone (SentencePiece's "
+                        "reference)"),
 }
 ABLATION = {
     "abl_pos_trained": Spec("revtrain, trained positions", pos="trained"),
@@ -132,7 +137,7 @@ GROUPS = {
     "main": ["plain", "plain_params", "rev_trainer", "rev_reversible",
              "rev_memory_efficient"],
     "lsh": ["exact_long", "lsh1", "lsh2", "lsh4", "lsh8"],
-    "tokenizer": ["sentencepiece"],
+    "tokenizer": ["bytes_alone", "sentencepiece"],
     "ablation": [v for v in ABLATION if ABLATION[v].init == "own"],
     "trax_ablation": ["abl_init_trax", *[v for v in TRAX if not TRAX[v].n_hashes]],
     "trax_lsh": [v for v in TRAX if TRAX[v].n_hashes],
@@ -165,14 +170,15 @@ TRAX_MATCH = [("trax_full", "abl_init_trax", "same initial weights"),
               ("trax_full", "abl_pos_trained", "matched but the random draws"),
               *((f"trax_lsh{n}", f"lsh{n}", "positions differ (trained in Trax)")
                 for n in (1, 2, 4, 8))]
-# Rows that exist only to measure one factor of the ablation: the ablation table gives
-# their differences; the README's table leaves them out (`summary_variants`). Trax's full
+# Rows that exist only to measure one factor of the ablation (and SentencePiece's byte
+# reference, a rerun of rev_reversible): the ablation table gives their differences; the
+# README's table leaves them out (`summary_variants`). Trax's full
 # row stays, and so does revtrain's row matched with it most closely (the same model and
 # initial weights): without it the README would set Trax's trained position table beside
 # revtrain's sinusoids.
 ABLATION_ONLY = frozenset([*(v for v in ABLATION if v != TRAX_MATCH[0][1]),
                            *(v for v, spec in TRAX.items()
-                             if v != "trax_full" and not spec.n_hashes)])
+                             if v != "trax_full" and not spec.n_hashes), "bytes_alone"])
 
 
 def needs_trax(variant: str) -> bool:

@@ -18,7 +18,7 @@ TRAX_PYTHON = os.environ.get("REVTRAIN_TRAX_PYTHON")
 @pytest.mark.slow
 def test_a_tiny_run_writes_curves_bits_per_byte_and_outputs(tmp_path):
     payload = quality.main(["--quick", "--seeds", "1", "--steps", "2", "--eval_every", "1",
-                            "--configurations", "rev_reversible,sentencepiece",
+                            "--group", "tokenizer",
                             "--out_dir", str(tmp_path)])
     saved = json.loads((tmp_path / "quality.json").read_text())
     assert saved["results"] == json.loads(json.dumps(payload["results"]))
@@ -28,8 +28,8 @@ def test_a_tiny_run_writes_curves_bits_per_byte_and_outputs(tmp_path):
         assert [p["step"] for p in r["curve"]] == [1, 2] and r["train_s"] > 0
         assert r["curve"][-1]["bits_per_byte"] == r["bits_per_byte"] > 0
         assert r["method"] == "ledger" and r["peak_bytes"] > 0
-    assert rows["rev_reversible"]["vocab_size"] == 256
-    assert rows["rev_reversible"]["bytes_per_token"] == 1
+    assert rows["bytes_alone"]["vocab_size"] == 256
+    assert rows["bytes_alone"]["bytes_per_token"] == 1
     assert rows["sentencepiece"]["vocab_size"] == 400
     assert rows["sentencepiece"]["bytes_per_token"] > 1
     text = (tmp_path / "quality.md").read_text()
@@ -96,7 +96,7 @@ def test_equal_wall_time_reads_the_subword_curve_at_the_byte_runs_time():
              {"step": 2, "train_s": 15.0, "bits_per_byte": 2.0}]
     assert qr.at_wall_time(curve, 10.0) == pytest.approx(3.0)
     assert qr.at_wall_time(curve, 1.0) == 4.0 and qr.at_wall_time(curve, 99) == 2.0
-    results = [_row("rev_reversible", 0, 3.5, train_s=10.0),
+    results = [_row("bytes_alone", 0, 3.5, train_s=10.0),
                _row("sentencepiece", 0, 2.0, train_s=15.0, curve=curve)]
     wall = qr.equal_wall_time(results)
     assert wall["seconds"] == 10.0 and wall["difference"] == pytest.approx(-0.5)
@@ -111,7 +111,7 @@ def test_equal_wall_time_reads_the_subword_curve_at_the_byte_runs_time():
     (["--configurations", "trax_full"], "trax_full needs Trax: pass --trax_python"),
     (["--group", "main", "--configurations", "plain"], "--group and --configurations"),
     (["--lsh_chunk_len", "64", "--long_seq_len", "64"], "--lsh_chunk_len=64 covers"),
-    (["--group", "tokenizer", "--jobs", "2"], "--jobs=2: sentencepiece is compared"),
+    (["--group", "tokenizer", "--jobs", "2"], "--jobs=2: bytes_alone is timed"),
     (["--jobs", "4096"], "--jobs=4096: this process may use"),
 ])
 def test_bad_settings_are_refused_before_anything_runs(argv, message, tmp_path):
