@@ -304,6 +304,38 @@ def ablation_table(results: Sequence[dict[str, Any]]) -> str | None:
                                   "not matched"], rows)
 
 
+def rerun_table(results: Sequence[dict[str, Any]], rerun: Sequence[dict[str, Any]],
+                variant: str = "rev_reversible") -> str:
+    """``variant`` rerun at other code (``rerun``) against its rows in ``results``, per
+    seed; then every ablation factor whose reference is ``variant``, per seed against
+    each of the two (a factor and its reference are paired by seed, so they should have
+    run at the same numerics; the rows' commits show which did)."""
+    old = {r["seed"]: r for r in _ok(results, variant)}
+    new = {r["seed"]: r for r in _ok(rerun, variant)}
+
+    def commit(r):
+        return r.get("commit") or "not recorded"
+
+    rows = [[str(s), f"{old[s]['bits_per_byte']:.4f} ({commit(old[s])})",
+             f"{new[s]['bits_per_byte']:.4f} ({commit(new[s])})",
+             f"{new[s]['bits_per_byte'] - old[s]['bits_per_byte']:+.4f}"]
+            for s in sorted(set(old) & set(new))]
+    seeds = report.markdown_table(["seed", f"{label(variant)}, the table's row",
+                                   "rerun", "rerun - row"], rows)
+    again = f"{variant} (rerun)"
+    both = [*results, *({**r, "variant": again} for r in _ok(rerun, variant))]
+
+    def cell(a, b):
+        found = paired_gap(both, a, b)
+        return "—" if found is None else f"{found[0]:+.4f} ± {found[1]:.4f}"
+
+    factors = [[factor, sorted({commit(r) for r in _ok(results, ours)})[0],
+                cell(ours, variant), cell(ours, again)]
+               for factor, ours, ref, *_ in FACTORS if ref == variant and _ok(results, ours)]
+    return seeds.rstrip("\n") + "\n\n" + report.markdown_table(
+        ["factor", "its rows' commit", "Δ vs the table's row", "Δ vs the rerun"], factors)
+
+
 # ------------------------------------------------------------------------------------------
 # --update: separate invocations merge into one results file.
 

@@ -33,6 +33,7 @@ from benchmarks import first_step as first_step_runs  # noqa: E402
 from benchmarks import memory_budget as budget_runs  # noqa: E402
 from benchmarks import memory_budget_caps as caps_runs  # noqa: E402
 from benchmarks import quality as quality_runs  # noqa: E402
+from benchmarks import quality_report as qr  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks import sequence_length as lengths  # noqa: E402
 from benchmarks import sequence_mesh as mesh_runs  # noqa: E402
@@ -418,6 +419,15 @@ def quality_summary() -> str:
     return _with_sources(table, _source("quality", payload, quality_runs.settings(payload)))
 
 
+def quality_reference_rerun() -> str:
+    """The ablation's reference configuration rerun at later code, per seed, and each
+    factor's difference against both (`benchmarks.quality_report.rerun_table`)."""
+    name = "quality_reference_rerun/quality"
+    payload, rerun = load("quality"), load(name)
+    table = qr.rerun_table(payload["results"], rerun["results"]) + "\n"
+    return _with_sources(table, _source(name, rerun, quality_runs.settings(rerun)))
+
+
 def _not_measured(name: str, part: str) -> str | None:
     """None when ``benchmarks/results/<name>.json`` exists, else what its table says until
     a run writes it."""
@@ -466,7 +476,8 @@ TABLES: dict[str, Callable[[], str]] = {
         step_time_depths, step_time_system_allocator, step_time_targets, step_time_fsdp,
         first_step, host_memory, host_overhead, memory_efficient_windows, reconstruction_drift,
         sequence_length, ring_attention, ring_balance, sequence_mesh, quality,
-        quality_summary, memory_budget, memory_budget_caps, memory_budget_deep)}
+        quality_summary, quality_reference_rerun, memory_budget, memory_budget_caps,
+        memory_budget_deep)}
 
 
 # ------------------------------------------------------------------------------------------
