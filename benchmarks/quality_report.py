@@ -198,8 +198,8 @@ def at_wall_time(curve: Sequence[dict[str, Any]], seconds: float) -> float:
 def equal_wall_time(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """SentencePiece against bytes (``bytes_alone``) at the byte runs' training time,
     per seed, then averaged: ``{'seconds', 'bytes', 'sentencepiece', 'difference',
-    'spread'}``. Only seeds whose two rows each ran alone (``jobs`` 1) count: a worker
-    beside another one trains slower, so its seconds are not the other row's."""
+    'seeds', 'spread'}``. Only seeds whose two rows each ran alone (``jobs`` 1) count: a
+    worker beside another one trains slower, so its seconds are not the other row's."""
     pairs = []
     for seed in sorted({r["seed"] for r in results}):
         found = {r["variant"]: r for r in results if r["seed"] == seed and "error" not in r
@@ -212,7 +212,7 @@ def equal_wall_time(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     seconds, byte_bpb, sp_bpb = (statistics.fmean(p[i] for p in pairs) for i in range(3))
     return {"seconds": seconds, "bytes": byte_bpb, "sentencepiece": sp_bpb,
-            "difference": sp_bpb - byte_bpb,
+            "difference": sp_bpb - byte_bpb, "seeds": len(pairs),
             "spread": statistics.stdev([p[2] - p[1] for p in pairs]) if len(pairs) > 1
             else 0.0}
 
@@ -272,7 +272,9 @@ def targets(results: Sequence[dict[str, Any]], converged: bool = True
         checks.append({"target": "SentencePiece vs bytes at equal wall time (reported)",
                        "value": f"{winner} by {abs(wall['difference']):.4f} bpb at "
                                 f"{wall['seconds']:.0f} s ({wall['sentencepiece']:.4f} vs "
-                                f"{wall['bytes']:.4f}; seed spread {wall['spread']:.4f})",
+                                f"{wall['bytes']:.4f}; " + (
+                                    f"seed spread {wall['spread']:.4f})" if wall["seeds"] > 1
+                                    else "1 seed)"),
                        "met": True})
     return checks
 
@@ -387,7 +389,8 @@ def readme_table(payload: dict[str, Any], ablation_rows: bool = True) -> str:
         load = "—" if v["load_avg"] is None else f"{v['load_avg']:.1f}"
         if v["jobs"] > 1:  # Its wall time is not an idle one.
             load += f" ({v['jobs']} workers at once)"
-        rows.append([label(variant), f"{v['mean']:.4f} ± {v['std']:.4f}", f"{v['n']}",
+        spread = f" ± {v['std']:.4f}" if v["n"] > 1 else " (one seed: no spread)"
+        rows.append([label(variant), f"{v['mean']:.4f}{spread}", f"{v['n']}",
                      f"{v['n_params']:,}", f"{v['train_s']:.0f}", load,
                      f"{peak} / {report.mib(v['peak_rss_bytes'])}"])
     return report.markdown_table(

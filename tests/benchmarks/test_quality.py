@@ -102,6 +102,7 @@ def test_equal_wall_time_reads_the_subword_curve_at_the_byte_runs_time():
     assert wall["seconds"] == 10.0 and wall["difference"] == pytest.approx(-0.5)
     [check] = [c for c in qr.targets(results) if "wall time" in c["target"]]
     assert check["value"].startswith("SentencePiece by 0.5000 bpb at 10 s")
+    assert check["value"].endswith("; 1 seed)") and wall["seeds"] == 1
     # A row that shared the machine with another worker has no comparable seconds.
     assert qr.equal_wall_time([results[0] | {"jobs": 2}, results[1]]) is None
 
