@@ -32,9 +32,10 @@ converged run; otherwise they read "not converged (budget)".
 
 A group too long for one sitting splits into invocations by configuration
 (``--configurations``) or by seed (``--seed=K --seeds=1`` runs seed K alone): a row
-depends only on its configuration and seed, and ``--update`` replaces rows of the same
-(configuration, seed), so the merged file is the same as one long run's. Each row
-records the date, machine and revtrain commit it ran at.
+depends only on its configuration, its seed and the code it ran (a change of numerics
+moves a seed by up to 0.005 bits/byte after 7,900 steps), and ``--update`` replaces rows
+of the same (configuration, seed), so at unchanged code the merged file is the same as
+one long run's. Each row records the date, machine and revtrain commit it ran at.
 
 ``--jobs=2`` runs two (configuration, seed) workers at a time, each on its own CPUs
 (`taskset`): about 1.7x the throughput on 2 cores, and the same bits per byte, but each
