@@ -331,7 +331,7 @@ def rerun_table(results: Sequence[dict[str, Any]], rerun: Sequence[dict[str, Any
         found = paired_gap(both, a, b)
         return "—" if found is None else f"{found[0]:+.4f} ± {found[1]:.4f}"
 
-    factors = [[factor, sorted({commit(r) for r in _ok(results, ours)})[0],
+    factors = [[factor, ", ".join(sorted({commit(r) for r in _ok(results, ours)})),
                 cell(ours, variant), cell(ours, again)]
                for factor, ours, ref, *_ in FACTORS if ref == variant and _ok(results, ours)]
     return seeds.rstrip("\n") + "\n\n" + report.markdown_table(

@@ -34,6 +34,7 @@ def test_a_tiny_run_writes_curves_bits_per_byte_and_outputs(tmp_path):
     assert rows["sentencepiece"]["bytes_per_token"] > 1
     text = (tmp_path / "quality.md").read_text()
     assert "SentencePiece vs bytes at equal wall time" in text
+    assert "(one seed: no spread)" in text and "± 0.0000" not in text
     assert (tmp_path / "quality.png").read_bytes()[:4] == b"\x89PNG"
     assert "Not converged (budget)" in text and "**no**" not in text
     for r in rows.values():

@@ -196,7 +196,7 @@ def _both_or_neither(a, b):
 
 def test_the_rerun_table_pairs_each_factor_with_the_row_and_with_the_rerun_by_seed():
     results = [_row("rev_reversible", 0, 2.50), _row("rev_reversible", 1, 2.52),
-               _row("abl_clip", 0, 2.49, commit="abc"), _row("abl_clip", 1, 2.53, commit="abc")]
+               _row("abl_clip", 0, 2.49, commit="abc"), _row("abl_clip", 1, 2.53, commit="abd")]
     rerun = [_row("rev_reversible", 0, 2.51, commit="def"),
              _row("rev_reversible", 1, 2.50, commit="def")]
     text = qr.rerun_table(results, rerun)
@@ -204,6 +204,6 @@ def test_the_rerun_table_pairs_each_factor_with_the_row_and_with_the_rerun_by_se
     assert "| 1 | 2.5200 (not recorded) | 2.5000 (def) | -0.0200 |" in text
     [clip] = [line for line in text.splitlines() if line.startswith("| gradient clipping")]
     # Against the row: -0.01 and +0.01; against the rerun: -0.02 and +0.03.
-    assert clip.split(" | ")[1:] == ["abc", "+0.0000 ± 0.0141", "+0.0050 ± 0.0354 |"]
+    assert clip.split(" | ")[1:] == ["abc, abd", "+0.0000 ± 0.0141", "+0.0050 ± 0.0354 |"]
     # Factors without rows and the rerun's own variant name are not rows of the table.
     assert "schedule" not in text and "(rerun) |" not in text
