@@ -90,7 +90,7 @@ from benchmarks.quality_worker import measure, write_batches  # noqa: E402
 
 NAME = "quality"
 PILOT = "quality_pilot.json"
-DEFAULTS = {"steps": 400, "seeds": 3, "eval_every": 50, "d_model": 64, "d_ff": 256,
+DEFAULTS = {"steps": 400, "seeds": qr.SEEDS, "eval_every": 50, "d_model": 64, "d_ff": 256,
             "n_heads": 4, "n_layers": 2, "seq_len": 128, "batch_size": 16,
             "long_seq_len": 512, "chunk_len": 64, "sp_vocab_size": 1024,
             "learning_rate": 2e-3, "schedule_warmup": 400, "pilot_max_steps": 8000}

@@ -22,14 +22,33 @@ FLAT_BITS = 0.02  # The last FLAT_FRACTION of the steps improve the plain model 
 FLAT_FRACTION = 0.2
 CONVERGENCE_VARIANT = "plain"
 NOT_CONVERGED = "not converged (budget)"
+SEEDS = 3  # Seeds a target is judged on; fewer is a budget-limited result, not a verdict.
 REFORMER_NOTE = ("Equal parameters is the Reformer paper's comparison (Kitaev et al. 2020 "
                  "compare a regular and a reversible Transformer with the same number of "
                  "parameters); equal width keeps d_model and d_ff, and the reversible "
                  "model's wider head (2 d_model) gives it more parameters.")
 
 
+def spread(std: float, n: int) -> str:
+    """`` ± std`` over ``n`` seeds, or `` (1 seed)``: one seed has no spread to give."""
+    return f" ± {std:.4f}" if n > 1 else " (1 seed)"
+
+
+def seeds_short(n: int) -> str:
+    """A target's status when it rests on fewer than `SEEDS` seeds."""
+    return f"{n} of {SEEDS} seeds (budget)"
+
+
 def label(variant: str) -> str:
     return VARIANTS[variant].label if variant in VARIANTS else variant
+
+
+def variants(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The variants of ``results`` in `VARIANTS`' order (unknown ones last), so that a
+    table's rows do not depend on the order the invocations ran them in."""
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    return sorted(dict.fromkeys(r["variant"] for r in results),
+                  key=lambda v: order.get(v, len(order)))
 
 
 def _ok(results: Sequence[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
@@ -122,7 +141,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     (``jobs``), the peaks and the parameter count; failed seeds are left out and
     counted."""
     out = {}
-    for variant in dict.fromkeys(r["variant"] for r in results):
+    for variant in variants(results):
         rows = _ok(results, variant)
         failed = sum(1 for r in results if r["variant"] == variant and "error" in r)
         if not rows:
@@ -225,12 +244,14 @@ def targets(results: Sequence[dict[str, Any]], converged: bool = True
     s, checks = summarize(results), []
 
     def add(target: str, value: float, text: str, limit: float | None,
-            absolute: bool = True) -> None:
+            absolute: bool = True, seeds: int = SEEDS) -> None:
         check = {"target": target, "value": text, "met": True}
         if limit is not None:
             check["met"] = (abs(value) if absolute else value) <= limit
             if not converged:
                 check["status"] = NOT_CONVERGED
+            elif seeds < SEEDS:
+                check["status"] = seeds_short(seeds)
         checks.append(check)
 
     def gap(target: str, a: str, b: str, limit: float | None, absolute: bool = True):
@@ -238,9 +259,11 @@ def targets(results: Sequence[dict[str, Any]], converged: bool = True
             return
         value = s[a]["mean"] - s[b]["mean"]
         paired = paired_gap(results, a, b)
-        spread = f"; per seed {paired[0]:+.4f} ± {paired[1]:.4f}" if paired else ""
-        add(target, value, f"{value:+.4f} ({s[a]['mean']:.4f} ± {s[a]['std']:.4f} vs "
-                           f"{s[b]['mean']:.4f} ± {s[b]['std']:.4f}{spread})", limit, absolute)
+        per_seed = (f"; per seed {paired[0]:+.4f}{spread(paired[1], paired[2])}"
+                    if paired else "")
+        add(target, value, f"{value:+.4f} ({s[a]['mean']:.4f}{spread(s[a]['std'], s[a]['n'])}"
+                           f" vs {s[b]['mean']:.4f}{spread(s[b]['std'], s[b]['n'])}"
+                           f"{per_seed})", limit, absolute, min(s[a]["n"], s[b]["n"]))
 
     for trainer in ("rev_trainer", "rev_reversible", "rev_memory_efficient"):
         gap(f"{label(trainer)} within 0.01 bpb of the plain Transformer at equal "
@@ -251,9 +274,10 @@ def targets(results: Sequence[dict[str, Any]], converged: bool = True
                 if s.get(t, {}).get("n")]
     if len(trainers) > 1:
         means = [s[t]["mean"] for t in trainers]
-        spread = max(means) - min(means)
-        add("the trainers agree to 0.002 bpb", spread, f"{spread:.4f} (largest difference "
-            f"of the means of {len(trainers)} trainers)", 0.002)
+        apart = max(means) - min(means)
+        add("the trainers agree to 0.002 bpb", apart, f"{apart:.4f} (largest difference "
+            f"of the means of {len(trainers)} trainers)", 0.002,
+            seeds=min(s[t]["n"] for t in trainers))
     for a, b in itertools.pairwise(trainers):
         parted = divergence(results, a, b)
         if parted:
@@ -295,7 +319,7 @@ def ablation_table(results: Sequence[dict[str, Any]]) -> str | None:
         if a is None:
             return "cannot be set in Trax"
         found = paired_gap(results, a, b)
-        return "—" if found is None else f"{found[0]:+.4f} ± {found[1]:.4f}"
+        return "—" if found is None else f"{found[0]:+.4f}{spread(found[1], found[2])}"
 
     rows = [[factor, cell(ours, ref), cell(trax, trax_ref), note or "—"]
             for factor, ours, ref, trax, trax_ref, note in FACTORS
@@ -329,7 +353,7 @@ def rerun_table(results: Sequence[dict[str, Any]], rerun: Sequence[dict[str, Any
 
     def cell(a, b):
         found = paired_gap(both, a, b)
-        return "—" if found is None else f"{found[0]:+.4f} ± {found[1]:.4f}"
+        return "—" if found is None else f"{found[0]:+.4f}{spread(found[1], found[2])}"
 
     factors = [[factor, ", ".join(sorted({commit(r) for r in _ok(results, ours)})),
                 cell(ours, variant), cell(ours, again)]
@@ -389,8 +413,9 @@ def readme_table(payload: dict[str, Any], ablation_rows: bool = True) -> str:
         load = "—" if v["load_avg"] is None else f"{v['load_avg']:.1f}"
         if v["jobs"] > 1:  # Its wall time is not an idle one.
             load += f" ({v['jobs']} workers at once)"
-        spread = f" ± {v['std']:.4f}" if v["n"] > 1 else " (one seed: no spread)"
-        rows.append([label(variant), f"{v['mean']:.4f}{spread}", f"{v['n']}",
+        mean = f"{v['mean']:.4f}" + (f" ± {v['std']:.4f}" if v["n"] > 1
+                                     else " (one seed: no spread)")
+        rows.append([label(variant), mean, f"{v['n']}",
                      f"{v['n_params']:,}", f"{v['train_s']:.0f}", load,
                      f"{peak} / {report.mib(v['peak_rss_bytes'])}"])
     return report.markdown_table(
@@ -404,7 +429,7 @@ def plot(path: Path, results: Sequence[dict[str, Any]]) -> bool:
     if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for variant in dict.fromkeys(r["variant"] for r in results):
+    for variant in variants(results):
         rows = _ok(results, variant)
         if not rows:
             continue
