@@ -240,7 +240,8 @@ def targets(results: Sequence[dict[str, Any]], converged: bool = True
             ) -> list[dict[str, Any]]:
     """The issue's quality targets, for the configurations the run has. A target with a
     limit gets ``met`` True/False on a converged run; on any other run its ``status`` is
-    `NOT_CONVERGED` (a budget-limited gap is not a finding). Reported rows are ``met``."""
+    `NOT_CONVERGED`, and on rows with fewer than `SEEDS` seeds `seeds_short` (a
+    budget-limited gap is not a finding). Reported rows are ``met``."""
     s, checks = summarize(results), []
 
     def add(target: str, value: float, text: str, limit: float | None,
