@@ -292,3 +292,5 @@ def test_the_readme_table_leaves_out_the_rows_that_only_measure_an_ablation_fact
     assert "abl_eps" in qv.ABLATION_ONLY and "trax_full" not in qv.ABLATION_ONLY
     # Trax's row keeps its closest revtrain match beside it in the README.
     assert "abl_init_trax" not in qv.ABLATION_ONLY and "abl_pos_trained" in qv.ABLATION_ONLY
+    assert "abl_lsh8_pos_trained" not in qv.ABLATION_ONLY
+    assert "abl_long_pos_trained" in qv.ABLATION_ONLY
