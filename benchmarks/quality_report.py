@@ -366,7 +366,7 @@ def rerun_table(results: Sequence[dict[str, Any]], rerun: Sequence[dict[str, Any
 # ------------------------------------------------------------------------------------------
 # --update: separate invocations merge into one results file.
 
-MERGE_IGNORED = ("configurations",)
+MERGE_IGNORED = ("configurations", "compilation_cache_dir")
 
 
 def check_mergeable(old_config: dict[str, Any], new_config: dict[str, Any]) -> None:

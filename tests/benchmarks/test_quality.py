@@ -11,6 +11,7 @@ from benchmarks import harness, quality, render_tables
 from benchmarks import quality_report as qr
 from benchmarks import quality_variants as qv
 from benchmarks import quality_worker as worker
+from tests.benchmarks.conftest import cache_args
 
 TRAX_PYTHON = os.environ.get("REVTRAIN_TRAX_PYTHON")
 
@@ -18,7 +19,7 @@ TRAX_PYTHON = os.environ.get("REVTRAIN_TRAX_PYTHON")
 @pytest.mark.slow
 def test_a_tiny_run_writes_curves_bits_per_byte_and_outputs(tmp_path):
     payload = quality.main(["--quick", "--seeds", "1", "--steps", "2", "--eval_every", "1",
-                            "--group", "tokenizer",
+                            "--group", "tokenizer", *cache_args(),
                             "--out_dir", str(tmp_path)])
     saved = json.loads((tmp_path / "quality.json").read_text())
     assert saved["results"] == json.loads(json.dumps(payload["results"]))
@@ -48,7 +49,7 @@ def test_two_workers_at_once_give_the_same_bits_per_byte_and_say_so(tmp_path):
     # equal one run alone, and the table marks their wall times as not idle ones.
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs")
-    argv = ["--quick", "--seeds", "1", "--steps", "2", "--eval_every", "1",
+    argv = ["--quick", *cache_args(), "--seeds", "1", "--steps", "2", "--eval_every", "1",
             "--configurations", "plain,rev_trainer"]
     alone = quality.main([*argv, "--out_dir", str(tmp_path / "alone")])
     both = quality.main([*argv, "--jobs", "2", "--out_dir", str(tmp_path / "both")])

@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks import harness, sequence_length
+from tests.benchmarks.conftest import cache_args
 
 pytestmark = pytest.mark.slow
 
 
 def test_runs_each_variant_in_a_worker_and_writes_outputs(tmp_path):
-    payload = sequence_length.main(["--quick", "--lengths", "256", "--steps", "1",
+    payload = sequence_length.main(["--quick", *cache_args(), "--lengths", "256", "--steps", "1",
                                     "--out_dir", str(tmp_path)])
     saved = json.loads((tmp_path / "sequence_length.json").read_text())
     assert saved["results"] == json.loads(json.dumps(payload["results"]))
