@@ -2,11 +2,11 @@
 deep parts' configurations, comparisons and tables on given results."""
 import json
 
-import jax
 import pytest
 
 from benchmarks import budget_worker, harness, memory_budget, memory_budget_caps, render_tables
 from revtrain.trainers import Trainer
+from tests.benchmarks.conftest import cache_args
 
 TWO = ["trainer-d2-L32-b2-default", "reversible-d2-L64-b1-lsh"]
 SPLIT = ("predicted_weights_bytes", "predicted_slots_bytes", "predicted_state_bytes",
@@ -15,10 +15,9 @@ SPLIT = ("predicted_weights_bytes", "predicted_slots_bytes", "predicted_state_by
 
 @pytest.mark.slow
 def test_quick_accuracy_predicts_each_peak_within_ten_percent(tmp_path):
-    cache = jax.config.jax_compilation_cache_dir
     payload = memory_budget.main(
         ["--part=accuracy", "--quick", f"--accuracy_configs={','.join(TWO)}", "--out_dir",
-         str(tmp_path)] + (["--compilation_cache_dir", cache] if cache else []))
+         str(tmp_path), *cache_args()])
     saved = json.loads((tmp_path / "memory_budget.json").read_text())
     assert saved["results"] == json.loads(json.dumps(payload["results"]))
     assert [r["id"] for r in saved["results"]] == TWO
