@@ -9,9 +9,19 @@ executables, and compiling dominates their run time on CPU. It is set in the env
 (``JAX_COMPILATION_CACHE_DIR``) before JAX is imported, so every child process a test
 starts shares it too, and the tools' default cache in the user's home
 (`revtrain.training.compile_cache`) is never written: a JAX setting wins over it.
+
+Each test module's compiled programs are released when the module ends (`jax.clear_caches`):
+an xdist worker runs hundreds of tests, JAX's caches keep every executable they compiled or
+loaded, and each CPU executable holds about six memory mappings. Kept, they reached Linux's
+``vm.max_map_count`` (65,530) in one worker, and XLA then crashed loading a program
+(docs/troubleshooting.md). The module teardown also fails, naming the module, if the process
+still holds over half that limit after the release.
 """
+import gc
 import os
 import tempfile
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -31,3 +41,33 @@ jax.config.update("jax_compilation_cache_dir", TEST_CACHE)
 jax.config.update("jax_enable_compilation_cache", True)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+MAX_MAP_COUNT_FILE = "/proc/sys/vm/max_map_count"
+
+
+def memory_mappings() -> int | None:
+    """How many memory mappings this process holds (None where /proc does not say)."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+    """Releases the module's executables after its last test; fails if the process still
+    holds over half of ``vm.max_map_count`` mappings, which would crash XLA later."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    held = memory_mappings()
+    if held is None or not os.path.exists(MAX_MAP_COUNT_FILE):
+        return
+    with open(MAX_MAP_COUNT_FILE) as f:
+        limit = int(f.read())
+    assert held <= limit // 2, (
+        f"{request.module.__name__} left {held} memory mappings after jax.clear_caches() "
+        f"(vm.max_map_count {limit}): something outside JAX's caches keeps executables "
+        f"alive; release them at the end of the test")
