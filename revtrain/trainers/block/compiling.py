@@ -24,10 +24,12 @@ def compile_workers(wanted: int) -> int:
     persistent compilation cache is on (``jax_enable_compilation_cache`` and a
     ``jax_compilation_cache_dir``).
 
-    With the cache on, a compile may be a load from disk, and XLA's CPU client crashed the
-    process (a segmentation fault, both threads in ``deserialize_executable``) when two
-    threads loaded cached executables at once: seen in the test suite's block trainers.
-    One at a time costs little: a load takes milliseconds, and XLA already spreads one
+    With the cache on, a compile may be a load from disk. A segmentation fault in the test
+    suite's block trainers, with both threads in ``deserialize_executable``, was first put
+    down to two loads at once; the same crash in one thread was later traced to the
+    process's memory-mapping limit (docs/troubleshooting.md), the likelier cause of both.
+    Loading side by side is still not shown safe, and one at a time costs little: a load
+    takes milliseconds, and XLA already spreads one
     CPU compile over several threads (side by side, `BlockTrainer.precompile` of the
     depth-8 LM on 2 cores compiled ``ReversibleSerialTrainer``'s 8 programs in 5.3 s
     against 5.65 s one at a time, and ``MemoryEfficientTrainer``'s 11 in no less time).
