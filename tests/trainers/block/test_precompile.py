@@ -116,10 +116,10 @@ def test_compile_all_compiles_the_largest_program_first():
 
 
 def test_compile_all_compiles_in_the_calling_thread_while_the_persistent_cache_is_on():
-    """Two threads loading cached executables at once crashed XLA's CPU client (a
-    segmentation fault in ``deserialize_executable``): with the cache on (as in this
-    suite, `tests.conftest`) every compile request comes from the caller's thread, however
-    many workers are asked for."""
+    """Loading cached executables side by side is not shown safe (a crash with two threads
+    in ``deserialize_executable`` was put down to it, though the memory-mapping limit is
+    the likelier cause): with the cache on (as in this suite, `tests.conftest`) every
+    compile request comes from the caller's thread, however many workers are asked for."""
     assert jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
     assert compile_workers(4) == 1
     threads = []
