@@ -137,9 +137,11 @@ def convergence(payload: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per variant: mean and standard deviation over the seeds of the final bits per
-    byte, the training seconds, the load average, the most workers that ran at once
+    byte, the training seconds, the worst load average, the most workers that ran at once
     (``jobs``), the peaks and the parameter count; failed seeds are left out and
-    counted."""
+    counted. ``load_by_jobs`` keeps the worst load average per number of workers that ran
+    at once, so a seed run alone and one run beside another are not reported as one
+    (``{jobs: load}``, only the rows that recorded a load)."""
     out = {}
     for variant in variants(results):
         rows = _ok(results, variant)
@@ -149,11 +151,17 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         bpb = [r["bits_per_byte"] for r in rows]
         loads = [max(r["load_avg"]) for r in rows if r.get("load_avg")]
+        load_by_jobs: dict[int, float] = {}
+        for r in rows:
+            if r.get("load_avg"):
+                jobs = r.get("jobs", 1)
+                load_by_jobs[jobs] = max(load_by_jobs.get(jobs, 0.0), max(r["load_avg"]))
         out[variant] = {"jobs": max(r.get("jobs", 1) for r in rows),
             "n": len(rows), "failed": failed, "mean": statistics.fmean(bpb),
             "std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
             "train_s": statistics.fmean(r["train_s"] for r in rows),
             "load_avg": max(loads) if loads else None,
+            "load_by_jobs": dict(sorted(load_by_jobs.items())),
             "peak_bytes": max((r.get("peak_bytes") or 0) for r in rows) or None,
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rows),
             "n_params": rows[0]["n_params"], "d_ff": rows[0].get("d_ff_used")}
@@ -399,6 +407,20 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 # Tables and the plot.
 
+def load_cell(summary: dict[str, Any]) -> str:
+    """The table's load column: the worst load average per number of workers that ran at
+    once, e.g. ``"0.9 alone; 2.1 (2 workers at once)"``; "—" where no row recorded one.
+    A wall time beside other workers is not an idle one, so it says so."""
+    by_jobs = summary.get("load_by_jobs") or {}
+    if not by_jobs:
+        return "—"
+    if len(by_jobs) == 1:
+        (jobs, load), = by_jobs.items()
+        return f"{load:.1f}" + (f" ({jobs} workers at once)" if jobs > 1 else "")
+    return "; ".join(f"{load:.1f} " + ("alone" if jobs == 1 else f"({jobs} workers at once)")
+                     for jobs, load in by_jobs.items())
+
+
 def readme_table(payload: dict[str, Any], ablation_rows: bool = True) -> str:
     """The documents' table (`benchmarks.render_tables`): one row per configuration;
     without the rows that only measure a factor of the ablation (`ABLATION_ONLY`) unless
@@ -411,9 +433,7 @@ def readme_table(payload: dict[str, Any], ablation_rows: bool = True) -> str:
             rows.append([label(variant), "failed", "", "", "", "", ""])
             continue
         peak = report.mib(v["peak_bytes"]) if v["peak_bytes"] else "—"
-        load = "—" if v["load_avg"] is None else f"{v['load_avg']:.1f}"
-        if v["jobs"] > 1:  # Its wall time is not an idle one.
-            load += f" ({v['jobs']} workers at once)"
+        load = load_cell(v)
         mean = f"{v['mean']:.4f}" + (f" ± {v['std']:.4f}" if v["n"] > 1
                                      else " (one seed: no spread)")
         rows.append([label(variant), mean, f"{v['n']}",

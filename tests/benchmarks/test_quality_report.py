@@ -161,6 +161,17 @@ def test_summaries_keep_the_worst_load_average_and_read_rows_without_one():
             _row("lsh2", 0, 3.2)]
     s = qr.summarize(rows)
     assert s["plain"]["load_avg"] == 1.2 and s["lsh2"]["load_avg"] is None
+    assert qr.load_cell(s["plain"]) == "1.2" and qr.load_cell(s["lsh2"]) == "—"
+
+
+def test_the_load_column_keeps_a_seed_run_alone_apart_from_one_run_beside_another():
+    rows = [_row("trax", 0, 1.67, load_avg=[7.5, 1.0]),
+            _row("trax", 1, 1.67, load_avg=[1.9, 2.1], jobs=2),
+            _row("trax", 2, 1.67, load_avg=[1.0, 2.0], jobs=2)]
+    s = qr.summarize(rows)["trax"]
+    assert s["load_by_jobs"] == {1: 7.5, 2: 2.1}
+    assert qr.load_cell(s) == "7.5 alone; 2.1 (2 workers at once)"
+    assert qr.load_cell(qr.summarize(rows[1:])["trax"]) == "2.1 (2 workers at once)"
 
 
 def _trax_adam(w, grads, rate, eps, decay, scale=1.0):
