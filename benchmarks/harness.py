@@ -160,6 +160,14 @@ def parse_flags(argv: Sequence[str] | None, steps: int, warmup: int) -> SimpleNa
     return args
 
 
+def cache_setting(args: SimpleNamespace) -> dict[str, str]:
+    """``{"compilation_cache_dir": ...}`` where ``--compilation_cache_dir`` was given (tests:
+    workers share the suite's cache), else ``{}``: a results file's config then carries no
+    key that a later ``--update`` run would differ on."""
+    cache_dir = getattr(args, "compilation_cache_dir", None)
+    return {"compilation_cache_dir": cache_dir} if cache_dir else {}
+
+
 def model_config(args: SimpleNamespace) -> dict[str, Any]:
     """The model and run settings shared by every configuration (JSON-serialisable)."""
     names = ("d_model", "d_ff", "n_heads", "seq_len", "batch_size", "vocab_size", "dropout",

@@ -182,8 +182,7 @@ def configurations(args: SimpleNamespace) -> list[dict[str, Any]]:
         "batch_size", "long_seq_len", "chunk_len", "sp_vocab_size", "learning_rate",
         "schedule_warmup")}
     base |= {"vocab_size": 256, "dropout": 0.0}
-    if args.compilation_cache_dir:  # Tests: workers share the suite's cache.
-        base["compilation_cache_dir"] = args.compilation_cache_dir
+    base |= harness.cache_setting(args)
     return [base | {"variant": v, "seed": args.seed + s}
             for s in range(args.seeds) for v in args.configurations]
 

@@ -146,8 +146,7 @@ def base_config(args: SimpleNamespace) -> dict[str, Any]:
         "d_model", "d_ff", "n_heads", "n_layers", "vocab_size", "batch_size", "dropout",
         "block_size", "ff_chunk_size", "chunk_len", "n_hashes", "steps", "warmup", "seed",
         "trainer")}
-    if args.compilation_cache_dir:  # Tests: workers share the suite's cache.
-        base["compilation_cache_dir"] = args.compilation_cache_dir
+    base |= harness.cache_setting(args)
     return base | {"n_devices": 1, "host_allocator": harness.host_heap.host_allocator_choice()}
 
 
