@@ -141,7 +141,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     (``jobs``), the peaks and the parameter count; failed seeds are left out and
     counted. ``load_by_jobs`` keeps the worst load average per number of workers that ran
     at once, so a seed run alone and one run beside another are not reported as one
-    (``{jobs: load}``, only the rows that recorded a load)."""
+    (``{jobs: load}``, sorted by jobs; load None where no such row recorded one)."""
     out = {}
     for variant in variants(results):
         rows = _ok(results, variant)
@@ -151,11 +151,11 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         bpb = [r["bits_per_byte"] for r in rows]
         loads = [max(r["load_avg"]) for r in rows if r.get("load_avg")]
-        load_by_jobs: dict[int, float] = {}
+        load_by_jobs: dict[int, float | None] = {}
         for r in rows:
-            if r.get("load_avg"):
-                jobs = r.get("jobs", 1)
-                load_by_jobs[jobs] = max(load_by_jobs.get(jobs, 0.0), max(r["load_avg"]))
+            jobs, load = r.get("jobs", 1), max(r["load_avg"]) if r.get("load_avg") else None
+            known = [x for x in (load_by_jobs.get(jobs), load) if x is not None]
+            load_by_jobs[jobs] = max(known) if known else None
         out[variant] = {"jobs": max(r.get("jobs", 1) for r in rows),
             "n": len(rows), "failed": failed, "mean": statistics.fmean(bpb),
             "std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
@@ -412,12 +412,13 @@ def load_cell(summary: dict[str, Any]) -> str:
     once, e.g. ``"0.9 alone; 2.1 (2 workers at once)"``; "—" where no row recorded one.
     A wall time beside other workers is not an idle one, so it says so."""
     by_jobs = summary.get("load_by_jobs") or {}
-    if not by_jobs:
-        return "—"
+    text = lambda load: "—" if load is None else f"{load:.1f}"
+    if not by_jobs or list(by_jobs) == [1]:
+        return text(by_jobs.get(1))
     if len(by_jobs) == 1:
         (jobs, load), = by_jobs.items()
-        return f"{load:.1f}" + (f" ({jobs} workers at once)" if jobs > 1 else "")
-    return "; ".join(f"{load:.1f} " + ("alone" if jobs == 1 else f"({jobs} workers at once)")
+        return f"{text(load)} ({jobs} workers at once)"
+    return "; ".join(f"{text(load)} " + ("alone" if jobs == 1 else f"({jobs} workers at once)")
                      for jobs, load in by_jobs.items())
 
 

@@ -165,13 +165,20 @@ def test_summaries_keep_the_worst_load_average_and_read_rows_without_one():
 
 
 def test_the_load_column_keeps_a_seed_run_alone_apart_from_one_run_beside_another():
-    rows = [_row("trax", 0, 1.67, load_avg=[7.5, 1.0]),
-            _row("trax", 1, 1.67, load_avg=[1.9, 2.1], jobs=2),
-            _row("trax", 2, 1.67, load_avg=[1.0, 2.0], jobs=2)]
+    rows = [_row("trax", 1, 1.67, load_avg=[1.9, 2.1], jobs=2),
+            _row("trax", 0, 1.67, load_avg=[7.5, 1.0]),
+            _row("trax", 2, 1.67, load_avg=[1.0, 2.0], jobs=2),
+            {"variant": "trax", "seed": 3, "error": "timed out", "jobs": 3}]
     s = qr.summarize(rows)["trax"]
-    assert s["load_by_jobs"] == {1: 7.5, 2: 2.1}
+    assert s["load_by_jobs"] == {1: 7.5, 2: 2.1} and list(s["load_by_jobs"]) == [1, 2]
     assert qr.load_cell(s) == "7.5 alone; 2.1 (2 workers at once)"
-    assert qr.load_cell(qr.summarize(rows[1:])["trax"]) == "2.1 (2 workers at once)"
+    assert qr.load_cell(qr.summarize([rows[0], rows[2]])["trax"]) == "2.1 (2 workers at once)"
+    # A row beside another worker that recorded no load still says it was not alone.
+    unloaded = [_row("a", 0, 1.0, jobs=2), _row("b", 0, 1.0, load_avg=[0.5, 0.5]),
+                _row("b", 1, 1.0, jobs=2)]
+    s = qr.summarize(unloaded)
+    assert qr.load_cell(s["a"]) == "— (2 workers at once)"
+    assert qr.load_cell(s["b"]) == "0.5 alone; — (2 workers at once)"
 
 
 def _trax_adam(w, grads, rate, eps, decay, scale=1.0):
