@@ -150,13 +150,13 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             out[variant] = {"n": 0, "failed": failed}
             continue
         bpb = [r["bits_per_byte"] for r in rows]
-        loads = [max(r["load_avg"]) for r in rows if r.get("load_avg")]
         load_by_jobs: dict[int, float | None] = {}
         for r in rows:
             jobs, load = r.get("jobs", 1), max(r["load_avg"]) if r.get("load_avg") else None
             known = [x for x in (load_by_jobs.get(jobs), load) if x is not None]
             load_by_jobs[jobs] = max(known) if known else None
-        out[variant] = {"jobs": max(r.get("jobs", 1) for r in rows),
+        loads = [load for load in load_by_jobs.values() if load is not None]
+        out[variant] = {"jobs": max(load_by_jobs),
             "n": len(rows), "failed": failed, "mean": statistics.fmean(bpb),
             "std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
             "train_s": statistics.fmean(r["train_s"] for r in rows),
@@ -415,9 +415,6 @@ def load_cell(summary: dict[str, Any]) -> str:
     text = lambda load: "—" if load is None else f"{load:.1f}"
     if not by_jobs or list(by_jobs) == [1]:
         return text(by_jobs.get(1))
-    if len(by_jobs) == 1:
-        (jobs, load), = by_jobs.items()
-        return f"{text(load)} ({jobs} workers at once)"
     return "; ".join(f"{text(load)} " + ("alone" if jobs == 1 else f"({jobs} workers at once)")
                      for jobs, load in by_jobs.items())
 
