@@ -10,6 +10,15 @@ executables, and compiling dominates their run time on CPU. It is set in the env
 starts shares it too, and the tools' default cache in the user's home
 (`revtrain.training.compile_cache`) is never written: a JAX setting wins over it.
 
+JAX's ``jax_disable_most_optimizations`` is on too (also in the environment, so child
+processes inherit it): XLA skips LLVM's expensive optimisation passes. The tests run small
+programs for a few steps, so compiling, not running, is what they wait for: the README's
+test command on 2 cores with an empty cache took 27 min 40 s with it, 37 min 05 s without
+(each alone on the machine). The code XLA emits is slower, and where it sums in another
+order a float32 result can differ in its last bits: a test that compares two programs
+computing one sum in different orders (a chunked and a whole weight gradient) needs a
+tolerance on the sum's scale, not the optimised code's luck.
+
 Each test module's compiled programs are released when the module ends (`jax.clear_caches`):
 an xdist worker runs hundreds of tests, JAX keeps the executables of module-level jitted
 functions and eager operations for every shape they ran on, and each CPU executable holds
@@ -28,7 +37,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 TEST_CACHE = os.path.join(tempfile.gettempdir(), "revtrain-tests-jax-cache")
 os.environ.update(JAX_COMPILATION_CACHE_DIR=TEST_CACHE, JAX_ENABLE_COMPILATION_CACHE="true",
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+                  JAX_DISABLE_MOST_OPTIMIZATIONS="1")
 
 import jax  # noqa: E402
 
@@ -41,6 +51,7 @@ jax.config.update("jax_compilation_cache_dir", TEST_CACHE)
 jax.config.update("jax_enable_compilation_cache", True)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+jax.config.update("jax_disable_most_optimizations", True)
 
 
 MAX_MAP_COUNT_FILE = "/proc/sys/vm/max_map_count"

@@ -38,8 +38,10 @@ def test_chunked_equals_unchunked_in_outputs_and_gradients(length, chunk_size):
     np.testing.assert_allclose(y_c, y, rtol=1e-6, atol=1e-6)
     (dw, dx), ((dw_c,), dx_c) = vjp(ct), vjp_c(ct)
     np.testing.assert_allclose(dx_c, dx, rtol=1e-6, atol=1e-6)
+    # A weight gradient sums over every row; chunked, it is a sum of per-chunk sums, which
+    # rounds differently, so an entry near zero is compared against its leaf's scale.
     for a, b in zip(jax.tree.leaves(dw_c), jax.tree.leaves(dw), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
 def test_dropout_masks_are_drawn_per_chunk_and_repeat_with_the_key():
