@@ -13,11 +13,11 @@ starts shares it too, and the tools' default cache in the user's home
 JAX's ``jax_disable_most_optimizations`` is on too (also in the environment, so child
 processes inherit it): XLA skips LLVM's expensive optimisation passes. The tests run small
 programs for a few steps, so compiling, not running, is what they wait for: the README's
-test command on 2 cores with an empty cache took 27 min 40 s with it, 37 min 05 s without
-(each alone on the machine). The code XLA emits is slower, and where it sums in another
-order a float32 result can differ in its last bits: a test that compares two programs
-computing one sum in different orders (a chunked and a whole weight gradient) needs a
-tolerance on the sum's scale, not the optimised code's luck.
+test command on 2 cores with an empty cache took 27 min 40 s and 31 min 32 s in two runs
+with it, 37 min 05 s without (each alone on the machine). The code XLA emits is slower,
+and where it sums in another order a float32 result can differ in its last bits: a test
+that compares two programs computing one sum in different orders (a chunked and a whole
+weight gradient) needs a tolerance on the sum's scale, not the optimised code's luck.
 
 Each test module's compiled programs are released when the module ends (`jax.clear_caches`):
 an xdist worker runs hundreds of tests, JAX keeps the executables of module-level jitted
